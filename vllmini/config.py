@@ -1,0 +1,106 @@
+"""EngineArgs (what a user passes) and their validation/resolution.
+
+Every field is checked here so that a bad value fails at start-up with a message
+naming the field and what is accepted, instead of deep inside a forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto`` = CUDA when available, else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto`` = float32 on CPU (bf16 matmuls are slow without AVX512-BF16), bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype}")
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a string such as 'auto' or 'float32', got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; accepted: auto, float32, bfloat16, float16"
+        ) from None
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings, with vLLM's names."""
+
+    model: str = "default"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int | None = None  # auto: 16 on CPU, 256 on CUDA
+    kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (auto: 1 GiB)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    attention_backend: str | None = None
+    cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def validate(self) -> None:
+        def positive_int(name: str, value: object, allow_none: bool = False) -> None:
+            if value is None and allow_none:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be 'default', a local path or a hub id, got {self.model!r}")
+        positive_int("max_num_seqs", self.max_num_seqs)
+        positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        positive_int("max_model_len", self.max_model_len, allow_none=True)
+        positive_int("block_size", self.block_size, allow_none=True)
+        positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        device = resolve_device(self.device)
+        resolve_dtype(self.dtype, device)

@@ -1,0 +1,76 @@
+"""The contract between models and the rest of the engine.
+
+A model sees a *flat* batch: the new tokens of many sequences laid end to end
+(``input_ids[T]``, ``positions[T]``) plus one explicit :class:`AttentionMetadata`
+that says where each sequence starts, how long its context is and where its
+keys/values live. Models know nothing about requests, schedulers or sampling.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one forward over a varlen batch.
+
+    Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]``; those rows are
+    the *last* ``q_len`` positions of a context of ``seq_lens[i]`` tokens (earlier
+    tokens are already in the KV cache). Without a cache (``slot_mapping is None``)
+    every sequence is a whole prompt, so ``q_len == seq_len``.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [B+1] int32, prefix sums of query lengths
+    seq_lens: torch.Tensor  # [B] int32, context length (cached + new) per sequence
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # Host copies: the CPU backend plans its work with them without a device sync.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+    # Paged KV cache (None = contiguous, no cache).
+    slot_mapping: torch.Tensor | None = None  # [T] int64, flat slot for each new token's K/V
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
+    # Rows of the flat hidden states to project to logits (one per sequence).
+    logits_indices: torch.Tensor | None = None  # [B] int64
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Metadata for whole prompts run without a KV cache (tests, parity checks)."""
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"prompt lengths must be >= 1, got {lengths}")
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+        return cls(
+            cu_seqlens_q=cu.to(device),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            max_seqlen_q=max(lengths),
+            max_seqlen_k=max(lengths),
+            query_lens_cpu=list(lengths),
+            seq_lens_cpu=list(lengths),
+            logits_indices=(cu[1:].long() - 1).to(device),
+        )
+
+
+class CausalLM(Protocol):
+    """What every model class provides (see models/llama.py, models/qwen3.py)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, vocab]`` for the rows in ``attn_metadata.logits_indices``."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; return the names loaded."""
+        ...
