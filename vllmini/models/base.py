@@ -8,7 +8,7 @@ keys/values live. Models know nothing about requests, schedulers or sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 
@@ -35,6 +35,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     # Rows of the flat hidden states to project to logits (one per sequence).
     logits_indices: torch.Tensor | None = None  # [B] int64
+    # Filled by the attention backend at the first layer and reused by the others
+    # (how the batch splits into decode and prefill work), so each step plans once.
+    backend_plan: Any = None
 
     @property
     def num_seqs(self) -> int:

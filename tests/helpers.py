@@ -1,0 +1,96 @@
+"""Test utilities: tiny random HF models and an HF greedy oracle with near-tie checks."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vllmini.models.base import AttentionMetadata
+
+NEAR_TIE = 1e-4
+
+
+def prompt_forward(model, prompts: list[list[int]]) -> torch.Tensor:
+    """Last-position logits of whole prompts run as ONE flat batch without a cache."""
+    lens = [len(p) for p in prompts]
+    ids = torch.tensor([t for p in prompts for t in p])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    with torch.no_grad():
+        return model(ids, pos, AttentionMetadata.for_prompts(lens))
+
+
+def greedy_paged(model, prompts: list[list[int]], max_new: int, block_size: int = 16) -> list[list[int]]:
+    """Greedy decoding over a paged KV cache, all sequences in one flat batch per step.
+
+    Each sequence owns a contiguous range of blocks (no block manager needed); the
+    first step prefills every prompt, the following ones decode one token each."""
+    p = next(model.parameters())
+    blocks_per_seq = math.ceil((max(map(len, prompts)) + max_new) / block_size)
+    nb = blocks_per_seq * len(prompts)
+    shape = (nb, block_size, model.num_kv_heads, model.head_dim)
+    caches = [(torch.zeros(shape, dtype=p.dtype), torch.zeros(shape, dtype=p.dtype)) for _ in model.model.layers]
+    tables = torch.arange(nb, dtype=torch.int32).view(len(prompts), blocks_per_seq)
+    seqs = [list(x) for x in prompts]
+    new = [list(x) for x in prompts]  # tokens to feed this step
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(max_new):
+        q_lens = [len(n) for n in new]
+        seq_lens = [len(s) for s in seqs]
+        positions = [pos for s, q in zip(seqs, q_lens) for pos in range(len(s) - q, len(s))]
+        slots = [int(tables[i, pos // block_size]) * block_size + pos % block_size
+                 for i, (s, q) in enumerate(zip(seqs, q_lens)) for pos in range(len(s) - q, len(s))]  # fmt: skip
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        meta = AttentionMetadata(
+            cu_seqlens_q=cu,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=seq_lens,
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            block_tables=tables,
+            logits_indices=cu[1:].long() - 1,
+        )
+        ids = torch.tensor([t for n in new for t in n])
+        with torch.no_grad():
+            logits = model(ids, torch.tensor(positions), meta, caches)
+        nxt = logits.argmax(-1).tolist()
+        for i, t in enumerate(nxt):
+            seqs[i].append(t)
+            out[i].append(t)
+        new = [[t] for t in nxt]
+    return out
+
+
+def hf_greedy(hf_model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation and, per step, the gap between its top-2 logits."""
+    with torch.no_grad():
+        res = hf_model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = res.sequences[0, len(prompt) :].tolist()
+    gaps = []
+    for step_logits in res.logits:
+        top2 = step_logits[0].float().topk(2).values
+        gaps.append(float(top2[0] - top2[1]))
+    return tokens, gaps
+
+
+def assert_greedy_matches(ours: list[int], theirs: list[int], gaps: list[float], what: str = "") -> None:
+    """Equal tokens, except that a divergence is tolerated at a near tie of transformers' top-2 logits
+    (after which the continuations are not comparable)."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            assert gaps[step] < NEAR_TIE, (
+                f"{what}: greedy tokens diverge at step {step} ({a} vs transformers' {b}) "
+                f"and transformers' top-2 gap there is {gaps[step]:.2e} (not a near tie)"
+            )
+            return
+    assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs transformers' {len(theirs)}"

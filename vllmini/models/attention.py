@@ -1,0 +1,121 @@
+"""Attention over a varlen batch, with or without a paged KV cache.
+
+This file holds the pure-PyTorch backend (any device; the CPU default):
+- the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
+- all single-token (decode) rows attend in ONE SDPA call over their gathered blocks
+  (one gather over the block tables, a padding mask, GQA by folding query heads into
+  the query-length axis so no K/V repeat is needed);
+- multi-token rows (prefill chunks) attend per sequence with a lower-right causal mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllmini.models.base import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass
+class _TorchPlan:
+    """Per-forward work split, computed once and shared by every layer."""
+
+    q_starts: list[int]
+    prefill_seqs: list[int]  # sequences attended one by one
+    decode_rows: torch.Tensor | None  # [Bd] flat query rows of single-token sequences
+    decode_block_tables: torch.Tensor | None  # [Bd, nb]
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] True = attend
+
+
+def _plan(meta: AttentionMetadata, block_size: int | None) -> _TorchPlan:
+    q_starts = [0, *accumulate(meta.query_lens_cpu)]
+    paged = block_size is not None and meta.block_tables is not None
+    decode = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1 and paged]
+    prefill = [i for i, q in enumerate(meta.query_lens_cpu) if not (q == 1 and paged)]
+    if not decode:
+        return _TorchPlan(q_starts, prefill, None, None, None)
+    device = meta.seq_lens.device
+    idx = torch.tensor(decode, dtype=torch.long, device=device)
+    max_len = max(meta.seq_lens_cpu[i] for i in decode)
+    num_blocks = -(-max_len // block_size)
+    tables = meta.block_tables.index_select(0, idx)[:, :num_blocks].long()
+    lens = meta.seq_lens.index_select(0, idx)
+    mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    rows = torch.tensor([q_starts[i] for i in decode], dtype=torch.long, device=device)
+    return _TorchPlan(q_starts, prefill, rows, tables, mask[:, None, None, :])
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots (one indexed copy per tensor)."""
+    k_cache, v_cache = kv_cache
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def torch_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: KVCache | None,
+    scale: float,
+) -> torch.Tensor:
+    """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``."""
+    block_size = kv_cache[0].shape[1] if kv_cache is not None else None
+    if kv_cache is not None and meta.slot_mapping is not None:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+    plan = meta.backend_plan
+    if plan is None:
+        plan = meta.backend_plan = _plan(meta, block_size)
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+
+    if plan.decode_rows is not None:
+        k_cache, v_cache = kv_cache
+        bd, nb = plan.decode_block_tables.shape
+        # [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, L, D]
+        keys = k_cache[plan.decode_block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        vals = v_cache[plan.decode_block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
+        out.index_copy_(0, plan.decode_rows, od.reshape(bd, num_heads, head_dim))
+
+    for i in plan.prefill_seqs:
+        start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        if kv_cache is None:
+            keys, vals = k[start : start + q_len], v[start : start + q_len]
+        else:
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
+            keys = kv_cache[0][blocks].flatten(0, 1)[:seq_len]
+            vals = kv_cache[1][blocks].flatten(0, 1)[:seq_len]
+        qi = q[start : start + q_len].transpose(0, 1)
+        keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
+        if q_len == seq_len:
+            oi = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
+        else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
+            pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = oi.transpose(0, 1)
+    return out
+
+
+class Attention(nn.Module):
+    """Multi-head attention core (no projections): rotary-embedded q/k/v in, context out."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        out = torch_attention(q, k, v, meta, kv_cache, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -1,0 +1,178 @@
+"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2), also the body of Qwen3.
+
+q/k/v and gate/up are fused into one matmul each at load time; ``load_weights``
+maps HF checkpoint names onto the fused parameters.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from vllmini.models.attention import Attention, KVCache
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+
+# checkpoint projection -> (fused parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderAttention(nn.Module):
+    """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the attention core."""
+
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        return self.o_proj(self.attn(q, k, v, meta, kv_cache))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            act=getattr(config, "hidden_act", "silu"),
+        )
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Flat varlen batch in, logits of each sequence's last scheduled token out."""
+
+    qk_norm = False
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.check_config(config)
+        self.config = config
+        self.model = DecoderModel(config, self.qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    @classmethod
+    def check_config(cls, config: Any) -> None:
+        """Refuse settings this implementation would silently get wrong."""
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ValueError("sliding-window attention is not supported (config.use_sliding_window is set)")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary_emb.cos_sin(positions)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos_sin, attn_metadata, kv_caches[i] if kv_caches is not None else None)
+        if attn_metadata.logits_indices is not None:
+            x = x.index_select(0, attn_metadata.logits_indices)
+        return self.lm_head(self.model.norm(x))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled.
+
+        A fused parameter counts as loaded once all its shards are."""
+        params = dict(self.named_parameters())
+        shards_seen: dict[str, set[int]] = {}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.tied):
+                continue
+            module_path, _, leaf = name.rpartition(".")
+            parent, _, proj = module_path.rpartition(".")
+            if proj in _STACKED:
+                fused, shard = _STACKED[proj]
+                target = f"{parent}.{fused}.{leaf}"
+                param = self._param(params, target, name)
+                sizes = self._shard_sizes(fused, param.shape[0])
+                offset = sum(sizes[:shard])
+                _copy(param.data[offset : offset + sizes[shard]], tensor, name)
+                shards_seen.setdefault(target, set()).add(shard)
+                if len(shards_seen[target]) == len(sizes):
+                    loaded.add(target)
+            else:
+                _copy(self._param(params, name, name).data, tensor, name)
+                loaded.add(name)
+        return loaded
+
+    def _shard_sizes(self, fused: str, total: int) -> list[int]:
+        if fused == "gate_up_proj":
+            return [total // 2, total // 2]
+        attn = self.model.layers[0].self_attn
+        return [attn.q_size, attn.kv_size, attn.kv_size]
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], target: str, source: str) -> nn.Parameter:
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {source!r} has no matching parameter in the model (architecture mismatch?)")
+        return params[target]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(src.shape)} but config.json implies {tuple(dst.shape)}"
+        )
+    dst.copy_(src)
