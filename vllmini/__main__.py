@@ -1,0 +1,3 @@
+from vllmini.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""``vllmini`` command line: ``generate`` (the default) and ``chat``.
+
+``vllmini`` with no arguments submits a few prompts at once to the default model and
+streams all of them live (one line each, redrawn in place on a terminal).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import shutil
+import sys
+import time
+from pathlib import Path
+
+DEMO_PROMPTS = [
+    "The three most important ideas in computer science are",
+    "Write a haiku about the sea.",
+    "Explain in one paragraph why the sky is blue.",
+    "def quicksort(arr):",
+]
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from vllmini.config import EngineArgs
+
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            kind = int if f.name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                                     "kv_cache_memory", "seed") else float if isinstance(default, float) else str  # fmt: skip
+            p.add_argument(flag, type=kind, default=default, help=f"EngineArgs.{f.name} (default: {default})")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _engine_args(ns: argparse.Namespace):
+    from vllmini.config import EngineArgs
+
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+
+
+def _sampling_params(ns: argparse.Namespace):
+    from vllmini import SamplingParams
+
+    return SamplingParams(
+        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+        min_p=ns.min_p, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos,
+    )  # fmt: skip
+
+
+class LiveLines:
+    """One line per request, redrawn in place on a terminal; plain output when piped."""
+
+    def __init__(self, n: int) -> None:
+        self.tty = sys.stdout.isatty()
+        self.texts = [""] * n
+        self.done = [False] * n
+        self.drawn = False
+
+    def update(self, i: int, text: str, finished: bool) -> None:
+        self.texts[i], self.done[i] = text, finished
+        if self.tty:
+            self._redraw()
+        elif finished:
+            print(f"[{i}] {text}\n", flush=True)
+
+    def _redraw(self) -> None:
+        width = shutil.get_terminal_size().columns - 8
+        if self.drawn:
+            sys.stdout.write(f"\x1b[{len(self.texts)}F")
+        for i, (text, done) in enumerate(zip(self.texts, self.done)):
+            flat = text.replace("\n", " ")
+            shown = flat if len(flat) <= width else "…" + flat[-width + 1 :]
+            sys.stdout.write(f"\x1b[2K[{i}]{'✓' if done else ' '} {shown}\n")
+        sys.stdout.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.tty:  # the full texts, once, after the live view
+            print()
+            for i, text in enumerate(self.texts):
+                print(f"[{i}] {text}\n")
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from vllmini import LLMEngine
+
+    prompts = list(ns.prompts)
+    if ns.file:
+        prompts += [line for line in Path(ns.file).read_text().splitlines() if line.strip()]
+    prompts = prompts or DEMO_PROMPTS
+    engine = LLMEngine.from_engine_args(_engine_args(ns))
+    params = _sampling_params(ns)
+    tok = engine.tokenizer
+    start = time.perf_counter()
+    for i, text in enumerate(prompts):
+        if ns.raw:
+            engine.add_request(str(i), text, params)
+        else:
+            chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)  # fmt: skip
+            engine.add_request(str(i), {"prompt_token_ids": list(chat), "prompt": text}, params)
+    live = LiveLines(len(prompts))
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            live.update(int(out.request_id), out.outputs[0].text, out.finished)
+            tokens += out.finished and len(out.outputs[0].token_ids)
+    live.close()
+    elapsed = time.perf_counter() - start
+    print(f"{len(prompts)} requests, {tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tok/s)")
+    return 0
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from vllmini import LLM
+
+    llm = LLM(**dataclasses.asdict(_engine_args(ns)))
+    params = _sampling_params(ns)
+    history: list[dict[str, str]] = []
+    print("chat with the model; /reset clears the history, /exit or Ctrl-D quits")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if line == "/exit":
+            return 0
+        if line == "/reset":
+            history.clear()
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
+        print(reply)
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command")
+    gen = sub.add_parser("generate", help="generate for prompts (arguments or --file), streamed live")
+    gen.add_argument("prompts", nargs="*", help="prompts (default: a few demo prompts)")
+    gen.add_argument("--file", help="a text file with one prompt per line")
+    gen.add_argument("--raw", action="store_true", help="do not wrap prompts in the chat template")
+    _add_engine_args(gen)
+    _add_sampling_args(gen, max_tokens=64)
+    gen.set_defaults(func=cmd_generate)
+    chat = sub.add_parser("chat", help="multi-turn chat with the chat template")
+    _add_engine_args(chat)
+    _add_sampling_args(chat, max_tokens=256)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--log-level"):
+        argv = ["generate", *argv]
+    ns = parser.parse_args(argv)
+    if ns.command is None:
+        ns = parser.parse_args(["generate", *argv])
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

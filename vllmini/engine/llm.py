@@ -1,0 +1,78 @@
+"""Offline batch API (``LLM.generate`` / ``LLM.chat``), as in vLLM."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from vllmini.config import EngineArgs
+from vllmini.engine.llm_engine import LLMEngine, PromptType
+from vllmini.engine.outputs import RequestOutput
+from vllmini.engine.sampling_params import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """``LLM(model="default", **engine_args)``; every EngineArgs field is a keyword argument."""
+
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(EngineArgs.field_names())}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)  # nothing half-submitted stays queued
+            raise
+        finals: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+                        bar.update(1)
+        return [finals[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = [
+            {"prompt_token_ids": list(tok.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
+            for conv in conversations
+        ]  # fmt: skip
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

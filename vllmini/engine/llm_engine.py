@@ -1,0 +1,292 @@
+"""The synchronous engine core: add_request / step / abort.
+
+One ``step()`` = schedule, one batched forward, sample, append tokens, check stop
+conditions, free finished sequences, and report a ``RequestOutput`` for every
+request that changed. The async engine drives this same loop from a worker thread.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllmini.config import EngineArgs, resolve_device, resolve_dtype
+from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.model_runner import ModelRunner
+from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from vllmini.engine.sampling_params import SamplingParams
+from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
+from vllmini.models.weight_loader import load_model, resolve_model_dir
+from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
+from vllmini.scheduler.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("vllmini")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class RequestState:
+    """A request and its n sequences (one per completion)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    cumulative_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        args.validate()
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        torch.manual_seed(args.seed)
+        t0 = time.perf_counter()
+        self.model_dir = resolve_model_dir(args.model, args.cache_dir)
+        self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
+        logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
+
+        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        if args.max_model_len is not None and args.max_model_len > model_max:
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        self.max_model_len = args.max_model_len or model_max
+        self.vocab_size = self.hf_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+
+        block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
+        spec = KVCacheSpec(
+            self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
+        )
+        if self.device.type == "cuda" and args.kv_cache_memory is None:
+            budget = cuda_kv_budget(self.device, args.gpu_memory_utilization)
+        else:
+            budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        num_blocks = num_blocks_for_budget(spec, budget)
+        self.cache_spec, self.num_blocks = spec, num_blocks
+        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.block_manager
+        )
+        self.runner = ModelRunner(self.model, allocate_kv_cache(spec, num_blocks, self.device), block_size, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        try:
+            from transformers import GenerationConfig
+
+            gen_eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:
+            gen_eos = None
+        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+        return ids
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_manager.block_size
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+            text = prompt.get("prompt")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return text, ids
+
+    def add_request(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:  # fmt: skip
+        """Validate and queue a request. Raises ValueError (naming the field) on bad input;
+        nothing is queued then."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        total = len(ids) + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len={self.max_model_len}"
+            )
+        if total > self.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "
+                f"({self.capacity_tokens} tokens); raise kv_cache_memory or lower max_tokens"
+            )
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
+            for i in range(params.n)
+        ]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
+        state = RequestState(request_id, text, ids, params, seqs, detoks, now)
+        state.logprobs = [[] for _ in seqs]
+        state.cumulative_logprobs = [0.0 for _ in seqs]
+        self.requests[request_id] = state
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return request_id
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Finish the request(s) with finish_reason "abort" and free their blocks now.
+        Unknown or finished ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            state = self.requests.pop(rid, None)
+            for seq in state.seqs if state else []:
+                if not seq.status.finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        logits, sample_idx = self.runner.execute(sched, self.block_manager)
+        self.scheduler.update_computed(sched)
+        touched: dict[str, RequestState] = {}
+        if sample_idx:
+            seqs = [sched.scheduled[i].seq for i in sample_idx]
+            rows = [
+                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_token_ids) for s in seqs
+            ]
+            out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
+            tokens = out.token_ids.tolist()
+            for row, (seq, token) in enumerate(zip(seqs, tokens)):
+                state = self.requests[seq.request_id]
+                seq.append_token(token)
+                self._record_logprobs(state, seq, row, token, out)
+                self._check_stop(state, seq)
+                touched[seq.request_id] = state
+        return [self._make_output(state) for state in touched.values()]
+
+    def _record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: Any) -> None:
+        if out.logprobs is None:
+            return
+        state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
+        if state.params.logprobs is None:
+            return
+        entry = {token: float(out.logprobs[row])}
+        if out.top_logprobs is not None:
+            values, ids = out.top_logprobs
+            for v, t in zip(values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()):
+                entry.setdefault(int(t), float(v))
+        state.logprobs[seq.index].append(entry)
+
+    def _check_stop(self, state: RequestState, seq: Sequence) -> None:
+        params, token = state.params, seq.token_ids[-1]
+        detok = state.detoks[seq.index]
+        detok.step(seq.token_ids)
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
+        elif past_min and token in params.stop_token_ids:
+            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
+        elif past_min and (stop := self._find_stop_string(detok, params)) is not None:
+            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
+
+    @staticmethod
+    def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams) -> str | None:
+        """Find the earliest stop string in the text and cut the text there (keeping it when
+        include_stop_str_in_output)."""
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            pos = detok.text.find(stop)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        detok.text = detok.text[: pos + len(stop)] if params.include_stop_str_in_output else detok.text[:pos]
+        return stop
+
+    def _finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
+        if status is not SequenceStatus.FINISHED_STOPPED or isinstance(reason, int) or reason is None:
+            state.detoks[seq.index].step(seq.token_ids, final=True)
+        self.scheduler.finish(seq, status, reason)
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        outputs = []
+        for seq, detok in zip(state.seqs, state.detoks):
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text,
+                    token_ids=list(seq.output_token_ids),
+                    cumulative_logprob=state.cumulative_logprobs[seq.index] if state.params.logprobs is not None else None,
+                    logprobs=state.logprobs[seq.index] if state.params.logprobs is not None else None,
+                    finish_reason=seq.status.value if seq.status.finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        first = state.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time), default=None),
+            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0 for s in state.seqs), default=None) if state.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in state.seqs),
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        finished = state.finished
+        if finished:
+            self.requests.pop(state.request_id, None)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, metrics)

@@ -1,0 +1,103 @@
+"""Turns one scheduled step into one forward: flat batch + explicit AttentionMetadata.
+
+The runner owns the model and the KV cache tensors; it knows sequences only through
+the scheduler's output (token ids, computed counts, block tables).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllmini.kv.block_manager import BlockManager
+from vllmini.models.base import AttentionMetadata
+from vllmini.scheduler.scheduler import SchedulerOutput
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn_metadata: AttentionMetadata
+    sample_indices: list[int]  # indices into scheduler_output.scheduled that get a logits row, in row order
+
+
+def build_model_input(
+    sched: SchedulerOutput, block_manager: BlockManager, block_size: int, device: torch.device
+) -> ModelInput:
+    """Flatten the scheduled chunks into one varlen batch (host lists, then one copy each)."""
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    q_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    logits_rows: list[int] = []
+    sample_indices: list[int] = []
+    for i, s in enumerate(sched.scheduled):
+        seq, start = s.seq, s.seq.num_computed_tokens
+        end = start + s.num_new_tokens
+        table = block_manager.block_table(seq.seq_id)
+        ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        q_lens.append(s.num_new_tokens)
+        seq_lens.append(end)
+        tables.append(table)
+        if s.completes:
+            logits_rows.append(len(ids) - 1)
+            sample_indices.append(i)
+    width = max(map(len, tables))
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+
+    def tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(x, dtype=dtype, device=device)
+
+    meta = AttentionMetadata(
+        cu_seqlens_q=tensor(cu, torch.int32),
+        seq_lens=tensor(seq_lens, torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+        slot_mapping=tensor(slots, torch.long),
+        block_tables=tensor(padded, torch.int32),
+        logits_indices=tensor(logits_rows, torch.long),
+    )
+    return ModelInput(tensor(ids, torch.long), tensor(positions, torch.long), meta, sample_indices)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor | None, list[int]]:
+        """Run the step's forward; returns logits for the sequences that completed their
+        scheduled chunk (row order = the returned indices into ``sched.scheduled``)."""
+        self.copy_blocks(sched.block_copies)
+        inp = build_model_input(sched, block_manager, self.block_size, self.device)
+        logits = self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)
+        return logits, inp.sample_indices

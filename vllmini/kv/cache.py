@@ -1,0 +1,63 @@
+"""KV cache tensors and their sizing.
+
+Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``: a block
+is a page of ``block_size`` consecutive token slots, so slot = block * block_size + offset.
+The number of blocks always comes from a memory budget, never a constant.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("vllmini")
+
+DEFAULT_CPU_KV_BYTES = 1 << 30  # 1 GiB when EngineArgs.kv_cache_memory is not set
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
+    num_blocks = budget_bytes // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget_bytes} bytes is smaller than one block "
+            f"({spec.bytes_per_block} bytes for block_size={spec.block_size}); raise kv_cache_memory"
+        )
+    return num_blocks
+
+
+def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache on a GPU after the weights and a warm-up forward's peak
+    (the caller runs the warm-up first)."""
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_us = torch.cuda.max_memory_allocated(device)
+    used_by_others = total - free - torch.cuda.memory_reserved(device)
+    return int(total * gpu_memory_utilization) - used_by_us - used_by_others
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    caches = [
+        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, %s)",
+        num_blocks, spec.block_size, num_blocks * spec.block_size,
+        num_blocks * spec.bytes_per_block / 2**20, spec.dtype, device,
+    )  # fmt: skip
+    return caches

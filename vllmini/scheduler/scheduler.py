@@ -1,0 +1,147 @@
+"""Iteration-level continuous batching with chunked prefill and preemption.
+
+Each step (vLLM v1 style, one token budget for everything):
+1. running sequences first, oldest first: a decode takes 1 token of the budget, a
+   sequence still prefilling (a chunked or recomputed prompt) takes what is left of it;
+2. then waiting sequences are admitted FCFS while the budget and ``max_num_seqs``
+   allow, a long prompt getting only a chunk of the budget (its rest comes next steps).
+Prefill chunks and decodes go into the same forward. When the block pool cannot give
+a running sequence its slot, the most recently admitted running sequence is preempted:
+its blocks are freed and it goes back to the front of the queue to be recomputed.
+The scheduler counts tokens and blocks; it never sees a tensor.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllmini.kv.block_manager import BlockManager
+from vllmini.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV block copies
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_chunked_prefills: int = 0  # prefill chunks that did not reach the end of their prompt
+    num_prefill_tokens: int = 0  # prompt tokens actually computed (prefix-cache hits excluded)
+    num_cached_prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue management -------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """Finish or abort a sequence wherever it is, freeing its blocks now."""
+        seq.finish(status, stop_reason)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.seq_id)
+
+    # ---- one step -----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.stats.num_steps += 1
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+
+        # Admit new work only when nothing had to be preempted this step.
+        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.stats.num_cached_prompt_tokens += num_cached
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        for s in out.scheduled:
+            self.stats.num_prefill_tokens += max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
+            if not s.completes:
+                self.stats.num_chunked_prefills += 1
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Free the sequence's blocks and requeue it at the front; it will be recomputed
+        (prompt + what it generated so far) when admitted again."""
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def update_computed(self, out: SchedulerOutput) -> None:
+        """After the forward: the scheduled tokens now have their K/V in the cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens

@@ -1,0 +1,75 @@
+"""A sequence's state machine: WAITING -> RUNNING -> FINISHED_*, with preemption back to WAITING.
+
+The scheduler only moves sequences between states and counts tokens; it never
+touches tensors. ``num_computed_tokens`` is how many of ``token_ids`` already have
+their K/V in the cache: the unit of progress for chunked prefill, decode and recompute.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Any  # SamplingParams; the scheduler reads nothing from it
+    max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
+    index: int = 0  # which of the request's n completions
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than one token awaits computation (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+
+    def finish(self, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        self.status = status
+        self.stop_reason = stop_reason
+        self.finished_time = time.monotonic()
