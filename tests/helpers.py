@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import math
 
+from pathlib import Path
+
 import torch
+from transformers import AutoTokenizer, LlamaConfig, Qwen3Config
 
 from vllmini.models.base import AttentionMetadata
 
@@ -69,7 +72,7 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> tuple[list[int], lis
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             max_new_tokens=max_new,
-            min_new_tokens=max_new,
+            eos_token_id=None,  # run to max_new like ignore_eos (min_new_tokens would mask EOS instead)
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
@@ -94,3 +97,36 @@ def assert_greedy_matches(ours: list[int], theirs: list[int], gaps: list[float],
             )
             return
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs transformers' {len(theirs)}"
+
+
+def tiny_llama_config(**overrides) -> LlamaConfig:
+    """GQA, untied embeddings, llama3 rope scaling; a large init so that logits are well separated."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_theta=500000.0, max_position_embeddings=1024, initializer_range=0.3,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_qwen3_config(**overrides) -> Qwen3Config:
+    """head_dim != hidden/heads, tied embeddings, q/k norms."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
+        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3,
+        architectures=["Qwen3ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
+    """An HF directory (safetensors + the default model's tokenizer) that the engine can load."""
+    hf_model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    return out_dir

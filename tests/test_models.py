@@ -3,34 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import Qwen3ForCausalLM as HFQwen3
 
-from helpers import assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward
+from helpers import assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, tiny_llama_config, tiny_qwen3_config
 from vllmini.models.llama import LlamaForCausalLM
 from vllmini.models.qwen3 import Qwen3ForCausalLM
 from vllmini.models.weight_loader import load_model
 
 LENGTHS = [1, 5, 17, 40, 77]
-
-
-def tiny_llama_config() -> LlamaConfig:
-    return LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_theta=500000.0, max_position_embeddings=1024, initializer_range=0.3,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-    )  # fmt: skip
-
-
-def tiny_qwen3_config() -> Qwen3Config:
-    return Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
-        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3,
-    )  # fmt: skip
 
 
 CASES = {

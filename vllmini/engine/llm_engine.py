@@ -71,6 +71,7 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.eos_ids_sorted = tuple(sorted(self.eos_token_ids))
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
         spec = KVCacheSpec(
@@ -204,7 +205,8 @@ class LLMEngine:
         if sample_idx:
             seqs = [sched.scheduled[i].seq for i in sample_idx]
             rows = [
-                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_token_ids) for s in seqs
+                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_ids_sorted, s.index)
+                for s in seqs
             ]
             out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
             tokens = out.token_ids.tolist()

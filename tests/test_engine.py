@@ -1,0 +1,165 @@
+"""Continuous batching, chunked prefill, preemption and prefix caching are exact
+(greedy tokens equal transformers' for each prompt alone), and no KV block leaks."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from transformers import Qwen3ForCausalLM as HFQwen3
+
+from helpers import assert_greedy_matches, hf_greedy, save_tiny_model, tiny_qwen3_config
+from vllmini import LLM, SamplingParams
+from vllmini.kv.cache import KVCacheSpec
+
+
+def assert_no_leaks(llm: LLM) -> None:
+    eng = llm.llm_engine
+    bm = eng.block_manager
+    bm.check_invariants()
+    assert not eng.has_unfinished_requests()
+    assert not eng.scheduler.running and not eng.scheduler.waiting
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+
+
+def kv_bytes(llm_config, blocks: int, block_size: int = 16) -> int:
+    """Budget for exactly ``blocks`` blocks of this model."""
+    head_dim = getattr(llm_config, "head_dim", None) or llm_config.hidden_size // llm_config.num_attention_heads
+    spec = KVCacheSpec(llm_config.num_hidden_layers, llm_config.num_key_value_heads, head_dim, block_size, torch.float32)
+    return blocks * spec.bytes_per_block
+
+
+def staggered_workload(vocab: int, n: int = 48, max_len: int = 600, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1 + (i * (max_len - 1)) // (n - 1) for i in range(n)]
+    order = torch.randperm(n, generator=g).tolist()  # submission order mixes long and short prompts
+    prompts = [torch.randint(0, vocab, (lengths[i],), generator=g).tolist() for i in order]
+    max_tokens = [1 + (i * 7) % 16 for i in range(n)]
+    return prompts, max_tokens
+
+
+def check_exact_under_pressure(model_dir, hf, kv_blocks: int) -> LLM:
+    prompts, max_tokens = staggered_workload(hf.config.vocab_size)
+    llm = LLM(
+        model=str(model_dir), max_num_batched_tokens=96, max_num_seqs=16,
+        kv_cache_memory=kv_bytes(hf.config, kv_blocks),
+    )  # fmt: skip
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.llm_engine.scheduler.stats
+    assert stats.num_chunked_prefills > 0, "chunked prefill never happened"
+    assert stats.num_preemptions > 0, "preemption never happened"
+    for p, m, out in zip(prompts, max_tokens, outs):
+        got = out.outputs[0].token_ids
+        assert out.prompt_token_ids == p and out.finished
+        assert out.outputs[0].finish_reason == "length" and len(got) == m
+        tokens, gaps = hf_greedy(hf, p, m)
+        assert_greedy_matches(got, tokens, gaps, f"prompt of {len(p)} tokens")
+    assert_no_leaks(llm)
+    return llm
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory, default_model_dir):
+    torch.manual_seed(0)
+    hf = HFQwen3(tiny_qwen3_config()).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny-qwen3"), default_model_dir), hf
+
+
+def test_continuous_batching_exact_tiny_qwen3(tiny_qwen3):
+    model_dir, hf = tiny_qwen3
+    check_exact_under_pressure(model_dir, hf, kv_blocks=60)
+
+
+@pytest.mark.slow
+def test_continuous_batching_exact_default_model(default_model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    check_exact_under_pressure(default_model_dir, hf, kv_blocks=60)
+
+
+def test_prefix_caching_exact_and_skips_shared_prefix(tiny_qwen3):
+    model_dir, hf = tiny_qwen3
+    g = torch.Generator().manual_seed(3)
+    prefix = torch.randint(0, 512, (256,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 512, (n,), generator=g).tolist() for n in (37, 50)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    results = {}
+    for caching in (True, False):
+        llm = LLM(model=str(model_dir), enable_prefix_caching=caching)
+        first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)[0]
+        before = llm.llm_engine.scheduler.stats.num_prefill_tokens
+        second = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
+        computed = llm.llm_engine.scheduler.stats.num_prefill_tokens - before
+        results[caching] = (first.outputs[0].token_ids, second.outputs[0].token_ids)
+        if caching:
+            assert second.metrics.num_cached_tokens == 256
+            assert computed == len(prompts[1]) - 256 == 50
+            assert llm.llm_engine.block_manager.prefix_cache_hits > 0
+        else:
+            assert second.metrics.num_cached_tokens == 0 and computed == len(prompts[1])
+        assert_no_leaks(llm)
+    assert results[True] == results[False]
+    tokens, gaps = hf_greedy(hf, prompts[1], 12)
+    assert_greedy_matches(results[True][1], tokens, gaps, "prefix-cached prompt")
+
+
+@pytest.fixture(scope="module")
+def small_llm(tiny_qwen3):
+    model_dir, hf = tiny_qwen3
+    return LLM(model=str(model_dir), max_model_len=512, kv_cache_memory=kv_bytes(hf.config, 20))
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ({"prompt_token_ids": []}, SamplingParams(max_tokens=4), "empty"),
+        ("", SamplingParams(max_tokens=4), "empty"),
+        ({"prompt_token_ids": [i % 500 for i in range(600)]}, SamplingParams(max_tokens=4), "max_model_len"),
+        ({"prompt_token_ids": [1, 2, 999]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
+        ({"prompt_token_ids": [1, -2]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
+        ({"prompt_token_ids": list(range(300))}, SamplingParams(max_tokens=100), "whole KV cache"),
+        ({"prompt_token_ids": [i % 500 for i in range(500)]}, SamplingParams(max_tokens=50), "max_model_len"),
+        ({"prompt_token_ids": [1, 2]}, "greedy", "SamplingParams"),
+    ],
+)
+def test_bad_requests_rejected_at_submit_without_side_effects(small_llm, prompt, params, match):
+    eng = small_llm.llm_engine
+    eng.add_request("ok", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5, temperature=0))
+    eng.step()  # the good request is running
+    with pytest.raises(ValueError, match=match):
+        small_llm.generate([{"prompt_token_ids": [4, 5]}, prompt], [SamplingParams(max_tokens=3), params], use_tqdm=False)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    final = [o for o in outs if o.finished]
+    assert [o.request_id for o in final] == ["ok"] and len(final[0].outputs[0].token_ids) == 5
+    assert_no_leaks(small_llm)
+
+
+def test_max_tokens_below_one_rejected():
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+def test_abort_frees_blocks_and_duplicate_ids_rejected(small_llm):
+    eng = small_llm.llm_engine
+    eng.add_request("a", {"prompt_token_ids": list(range(40))}, SamplingParams(max_tokens=50, temperature=0))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=2))
+    eng.step()
+    assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    eng.abort_request("a")
+    assert_no_leaks(small_llm)
+
+
+def test_outputs_in_input_order_with_text(default_model_dir):
+    llm = LLM(model=str(default_model_dir))
+    prompts = ["The capital of France is", "1, 2, 3, 4,", "Hello"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for p, o in zip(prompts, outs):
+        assert o.prompt == p and o.prompt_token_ids == tok(p).input_ids
+        c = o.outputs[0]
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and c.finish_reason in ("stop", "length")
+    chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert chat[0].outputs[0].text.strip()
+    assert_no_leaks(llm)
