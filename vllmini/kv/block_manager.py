@@ -1,0 +1,307 @@
+"""Paged KV block manager: block pool, ref counts, per-sequence block tables, prefix cache.
+
+Pure bookkeeping, no tensors: the model runner turns block tables into slot mappings
+(token position p of a sequence lives at slot ``table[p // block_size] * block_size +
+p % block_size``) and performs the block copies that :meth:`BlockManager.fork` returns.
+
+Every block is in exactly one of three states:
+  * free: ref 0, no hash; handed out first;
+  * evictable: ref 0 but its chained hash is registered, so its KV can be reused by a
+    later prompt with the same prefix; handed out (evicted, LRU first) when no free block is left;
+  * referenced: ref > 0, in the block table of one or more live sequences.
+
+Prefix-cache hashes are registered when :meth:`BlockManager.allocate` hands out the slots,
+i.e. *before* the forward pass that writes the KV. This is sound as long as every allocated
+step is actually run: the forward writes all new K/V of a layer before any sequence of the
+batch attends over it. A caller that allocates a step and then drops it without running the
+forward (e.g. preempting a sequence it already scheduled this step) must ``free`` it and call
+``reset_prefix_cache`` or the cache may hand out blocks whose KV was never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Union
+
+SeqId = Union[int, str]
+
+# Parent "hash" of a sequence's first block.
+ROOT_HASH = hashlib.sha256(b"vllmini/prefix-cache/v1").digest()
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: a block's KV depends on every token before it, so the
+    key covers the whole prefix (through the parent's digest), not just the block's tokens."""
+    return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised by fork when no block can be had for the child's copy of the partial block."""
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None  # set only while registered in the prefix cache
+
+
+@dataclass(slots=True)
+class _SeqState:
+    block_table: list[int]
+    num_tokens: int  # token slots covered (computed + scheduled)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
+    num_cached_tokens: int = 0  # prefix tokens taken from the prefix cache at admission
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences, shares full blocks through the prefix cache and fork."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._seqs: dict[SeqId, _SeqState] = {}
+        # Counters for metrics and tests (tokens, except num_evictions which counts blocks).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_evictions = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now: truly free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by live sequences."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._seqs
+
+    def block_table(self, seq_id: SeqId) -> list[int]:
+        """The sequence's block table (the live list: read it, do not mutate it)."""
+        return self._seqs[seq_id].block_table
+
+    def num_tokens(self, seq_id: SeqId) -> int:
+        """Token slots the sequence's block table covers (computed + scheduled)."""
+        return self._seqs[seq_id].num_tokens
+
+    def num_cached_tokens(self, seq_id: SeqId) -> int:
+        return self._seqs[seq_id].num_cached_tokens
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """Longest run of cached full blocks at the start of ``token_ids``: (block ids, tokens).
+
+        Never covers the last token: it must be computed to get logits, and a sequence
+        never writes into a shared block. Changes no state (not even the counters)."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        found: list[int] = []
+        parent = ROOT_HASH
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            bid = self._cached.get(h)
+            if bid is None:
+                break
+            found.append(bid)
+            parent = h
+        return found, len(found) * bs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashes of all unreferenced blocks (they become truly free)."""
+        while self._evictable:
+            self._free.append(self._drop_lru())
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(
+        self,
+        seq_id: SeqId,
+        token_ids: Sequence[int],
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+    ) -> bool:
+        """Extend the sequence's table to cover ``num_computed + num_new_tokens`` slots.
+
+        A new sequence starts from ``cached_blocks`` (from :meth:`find_cached_prefix`, just
+        before). ``token_ids`` is every token known now; newly full blocks get hashed and
+        registered incrementally. All-or-nothing: returns False and changes nothing when the
+        pool is short. Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        seq = self._seqs.get(seq_id)
+        cached = list(cached_blocks or ())
+        if seq is not None:
+            if cached:
+                raise ValueError(f"cached_blocks given for already allocated sequence {seq_id!r}")
+            table, num_computed, reclaimed, hashes = seq.block_table, seq.num_tokens, 0, []
+        else:
+            hashes = self._check_cached(token_ids, cached)
+            table, num_computed = cached, len(cached) * bs
+            # Cached blocks at ref 0 leave the allocatable pool when we take them.
+            reclaimed = sum(1 for bid in cached if bid in self._evictable)
+        total = num_computed + num_new_tokens
+        needed = max(0, -(-total // bs) - len(table))
+        if needed > self.num_free_blocks - reclaimed:
+            return False
+        if seq is None:
+            for bid in cached:
+                self._evictable.pop(bid, None)
+                self.blocks[bid].ref_count += 1
+            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += len(token_ids)
+                self.prefix_cache_hits += num_computed
+        for _ in range(needed):
+            bid = self._take_block()
+            self.blocks[bid].ref_count = 1
+            table.append(bid)
+        seq.num_tokens = total
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, token_ids)
+        return True
+
+    def free(self, seq_id: SeqId) -> None:
+        """Drop a finished/aborted/preempted sequence; unknown ids are a no-op.
+
+        Blocks are released tail first, so that the tail (least likely to be shared by a
+        later prompt) is evicted before the head."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        for bid in reversed(seq.block_table):
+            blk = self.blocks[bid]
+            blk.ref_count -= 1
+            if blk.ref_count == 0:
+                if blk.block_hash is not None:
+                    self._evictable[bid] = None
+                else:
+                    self._free.append(bid)
+
+    def can_fork(self, parent_id: SeqId, num_tokens: int) -> bool:
+        """Whether :meth:`fork` would find a block for the copy of the partial block."""
+        return parent_id in self._seqs and (num_tokens % self.block_size == 0 or self.num_free_blocks > 0)
+
+    def fork(self, parent_id: SeqId, child_id: SeqId, num_tokens: int) -> list[tuple[int, int]]:
+        """Give ``child_id`` the parent's first ``num_tokens`` slots (for n > 1 sampling).
+
+        Full blocks are shared (ref +1); the partial last block, which both will write
+        into, is copied to a new block. Returns the (src, dst) block copies the model
+        runner must do. Raises NoFreeBlocksError (state unchanged) if no block is left
+        for the copy; check :meth:`can_fork` first."""
+        parent = self._seqs[parent_id]
+        if child_id in self._seqs:
+            raise ValueError(f"sequence {child_id!r} already exists")
+        if not 0 <= num_tokens <= parent.num_tokens:
+            raise ValueError(f"num_tokens {num_tokens} outside [0, {parent.num_tokens}]")
+        n_full, rem = divmod(num_tokens, self.block_size)
+        if rem and not self.num_free_blocks:
+            raise NoFreeBlocksError(f"no free block to fork {parent_id!r} into {child_id!r}")
+        table = parent.block_table[:n_full]
+        for bid in table:
+            self.blocks[bid].ref_count += 1
+        copies: list[tuple[int, int]] = []
+        if rem:
+            dst = self._take_block()
+            self.blocks[dst].ref_count = 1
+            table.append(dst)
+            copies.append((parent.block_table[n_full], dst))
+        self._seqs[child_id] = _SeqState(
+            table, num_tokens, parent.block_hashes[:n_full], min(parent.num_cached_tokens, num_tokens)
+        )
+        return copies
+
+    # ---- internals -----------------------------------------------------------------------
+    def _check_cached(self, token_ids: Sequence[int], cached: list[int]) -> list[bytes]:
+        """Hashes of the cached prefix blocks; raises if they are not (or no longer) what
+        the prefix cache holds for these tokens, e.g. evicted since find_cached_prefix."""
+        if not cached:
+            return []
+        if not self.enable_prefix_caching:
+            raise ValueError("cached_blocks given but prefix caching is disabled")
+        bs = self.block_size
+        if len(cached) * bs > len(token_ids):
+            raise ValueError("cached_blocks cover more tokens than token_ids")
+        hashes: list[bytes] = []
+        parent = ROOT_HASH
+        for i, bid in enumerate(cached):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if self._cached.get(parent) != bid:
+                raise ValueError(f"stale cached block {bid} at index {i}: call find_cached_prefix again")
+            hashes.append(parent)
+        return hashes
+
+    def _register_full_blocks(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
+        """Hash the blocks that became full with known tokens since the last call."""
+        bs = self.block_size
+        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        for i in range(len(seq.block_hashes), min(seq.num_tokens, len(token_ids)) // bs):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(parent)
+            blk = self.blocks[seq.block_table[i]]
+            # First writer wins: a duplicate of an already cached block stays unhashed and
+            # goes back to the free pool when released.
+            if blk.block_hash is None and parent not in self._cached:
+                blk.block_hash = parent
+                self._cached[parent] = blk.block_id
+
+    def _take_block(self) -> int:
+        """A block with ref 0 and no hash: a free one, else the LRU evictable one."""
+        return self._free.popleft() if self._free else self._drop_lru(evict=True)
+
+    def _drop_lru(self, evict: bool = False) -> int:
+        bid, _ = self._evictable.popitem(last=False)
+        blk = self.blocks[bid]
+        del self._cached[blk.block_hash]  # type: ignore[arg-type]
+        blk.block_hash = None
+        if evict:
+            self.num_evictions += 1
+        return bid
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
+
+        def check(cond: bool, msg: str) -> None:
+            if not cond:
+                raise AssertionError(msg)
+
+        refs = Counter(bid for s in self._seqs.values() for bid in s.block_table)
+        free, evictable = set(self._free), set(self._evictable)
+        check(len(free) == len(self._free), "duplicate block in the free list")
+        check(not free & evictable, f"blocks both free and evictable: {free & evictable}")
+        check(len(free) + len(evictable) + len(refs) == self.num_blocks, "free + evictable + referenced != total")
+        for blk in self.blocks:
+            bid = blk.block_id
+            check(blk.ref_count == refs.get(bid, 0), f"block {bid}: ref {blk.ref_count} != {refs.get(bid, 0)}")
+            if bid in free:
+                check(blk.ref_count == 0 and blk.block_hash is None, f"free block {bid} owned or hashed")
+            elif bid in evictable:
+                check(blk.ref_count == 0 and blk.block_hash is not None, f"evictable block {bid} owned or unhashed")
+            if blk.block_hash is not None:
+                check(self._cached.get(blk.block_hash) == bid, f"block {bid} hash not registered to it")
+        for h, bid in self._cached.items():
+            check(self.blocks[bid].block_hash == h, f"registered hash maps to block {bid} with another hash")
+        if not self.enable_prefix_caching:
+            check(not self._cached and not evictable, "prefix caching disabled but blocks are cached")
+        bs = self.block_size
+        for sid, s in self._seqs.items():
+            check(len(s.block_table) == -(-s.num_tokens // bs), f"seq {sid!r}: table size != ceil(tokens/bs)")
+            check(len(s.block_hashes) <= s.num_tokens // bs, f"seq {sid!r}: hash of a non-full block")
+            for i, h in enumerate(s.block_hashes):
+                bh = self.blocks[s.block_table[i]].block_hash
+                check(bh is None or bh == h, f"seq {sid!r}: block {i} hashed for other tokens")
