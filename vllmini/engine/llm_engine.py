@@ -22,6 +22,7 @@ from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
+from vllmini.models.attention import BACKENDS, select_backend
 from vllmini.models.weight_loader import load_model, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -74,10 +75,14 @@ class LLMEngine:
         self.eos_ids_sorted = tuple(sorted(self.eos_token_ids))
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
+        self.attention_backend = select_backend(args.attention_backend, self.device, self.dtype, block_size)
+        self.model.set_attention_backend(BACKENDS[self.attention_backend])
+        logger.info("attention backend: %s (block size %d)", self.attention_backend, block_size)
         spec = KVCacheSpec(
             self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
         )
         if self.device.type == "cuda" and args.kv_cache_memory is None:
+            ModelRunner.warmup(self.model, args.max_num_batched_tokens, self.max_model_len, self.device)
             budget = cuda_kv_budget(self.device, args.gpu_memory_utilization)
         else:
             budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES

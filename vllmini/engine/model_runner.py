@@ -49,9 +49,10 @@ def build_model_input(
             sample_indices.append(i)
     width = max(map(len, tables))
     padded = [t + [0] * (width - len(t)) for t in tables]
-    cu = [0]
-    for q in q_lens:
+    cu, cu_k = [0], [0]
+    for q, k in zip(q_lens, seq_lens):
         cu.append(cu[-1] + q)
+        cu_k.append(cu_k[-1] + k)
 
     def tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(x, dtype=dtype, device=device)
@@ -64,6 +65,7 @@ def build_model_input(
         query_lens_cpu=q_lens,
         seq_lens_cpu=seq_lens,
         slot_mapping=tensor(slots, torch.long),
+        cu_seqlens_k=tensor(cu_k, torch.int32),
         block_tables=tensor(padded, torch.int32),
         logits_indices=tensor(logits_rows, torch.long),
     )
@@ -82,6 +84,17 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+
+    @staticmethod
+    @torch.inference_mode()
+    def warmup(model: torch.nn.Module, num_tokens: int, max_model_len: int, device: torch.device) -> None:
+        """One forward at the largest step size (no cache), so that the activation peak is
+        known before the KV cache takes what memory is left."""
+        lengths = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
+        meta = AttentionMetadata.for_prompts(lengths, device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        model(ids, positions, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences."""

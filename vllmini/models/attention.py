@@ -1,6 +1,9 @@
 """Attention over a varlen batch, with or without a paged KV cache.
 
-This file holds the pure-PyTorch backend (any device; the CPU default):
+Backends share one signature ``(q, k, v, meta, kv_cache, scale) -> out`` and one
+metadata object; ``select_backend`` picks one at start-up.
+
+The pure-PyTorch backend (any device; the CPU default):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
 - all single-token (decode) rows attend in ONE SDPA call over their gathered blocks
   (one gather over the block tables, a padding mask, GQA by folding query heads into
@@ -9,14 +12,18 @@ This file holds the pure-PyTorch backend (any device; the CPU default):
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllmini.models.base import AttentionMetadata
+
+logger = logging.getLogger("vllmini")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -105,6 +112,69 @@ def torch_attention(
     return out
 
 
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_cache: KVCache | None,
+    scale: float,
+) -> torch.Tensor:
+    """flash-attn 2.x: one varlen call for the whole mixed prefill/decode batch, reading
+    K/V straight from the paged cache through ``block_table`` (causal is lower-right
+    aligned there, which is what a chunk after cached tokens needs)."""
+    from flash_attn import flash_attn_varlen_func
+
+    if kv_cache is None:
+        return flash_attn_varlen_func(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
+            softmax_scale=scale, causal=True,
+        )  # fmt: skip
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    return flash_attn_varlen_func(
+        q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+        softmax_scale=scale, causal=True, block_table=meta.block_tables,
+    )  # fmt: skip
+
+
+AttentionBackend = Callable[..., torch.Tensor]
+BACKENDS: dict[str, AttentionBackend] = {"torch": torch_attention, "flash_attn": flash_attention}
+FLASH_BLOCK_MULTIPLE = 256
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as exc:  # ImportError, or an ABI error from a wheel built for another torch
+        logger.debug("flash-attn not usable: %s", exc)
+        return False
+    return True
+
+
+def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """The backend for this engine: ``requested`` when given (validated), else flash-attn on
+    CUDA when importable and compatible, else the torch backend."""
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"attention_backend={requested!r} is not one of {sorted(BACKENDS)}")
+    if requested == "torch" or (requested is None and device.type != "cuda"):
+        return "torch"
+    problems = []
+    if device.type != "cuda":
+        problems.append("it needs a CUDA device")
+    if block_size % FLASH_BLOCK_MULTIPLE:
+        problems.append(f"its paged kernel needs block_size to be a multiple of {FLASH_BLOCK_MULTIPLE} (got {block_size})")
+    if dtype not in (torch.float16, torch.bfloat16):
+        problems.append(f"it supports float16/bfloat16 only (got {dtype})")
+    if requested == "flash_attn" and problems:
+        raise ValueError("attention_backend='flash_attn' cannot be used: " + "; ".join(problems))
+    if problems:
+        return "torch"
+    if not _flash_attn_importable():
+        logger.warning("flash-attn is not importable with this torch; using the torch attention backend")
+        return "torch"
+    return "flash_attn"
+
+
 class Attention(nn.Module):
     """Multi-head attention core (no projections): rotary-embedded q/k/v in, context out."""
 
@@ -113,9 +183,10 @@ class Attention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.backend: AttentionBackend = torch_attention
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
     ) -> torch.Tensor:
-        out = torch_attention(q, k, v, meta, kv_cache, self.scale)
+        out = self.backend(q, k, v, meta, kv_cache, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -32,6 +32,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     # Paged KV cache (None = contiguous, no cache).
     slot_mapping: torch.Tensor | None = None  # [T] int64, flat slot for each new token's K/V
+    cu_seqlens_k: torch.Tensor | None = None  # [B+1] int32, prefix sums of seq_lens (flash-attn)
     block_tables: torch.Tensor | None = None  # [B, max_blocks] int32
     # Rows of the flat hidden states to project to logits (one per sequence).
     logits_indices: torch.Tensor | None = None  # [B] int64

@@ -5,7 +5,7 @@ maps HF checkpoint names onto the fused parameters.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -114,6 +114,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def head_dim(self) -> int:
         return self.model.layers[0].self_attn.head_dim
+
+    def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.attn.backend = backend
 
     def forward(
         self,

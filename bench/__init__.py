@@ -1,0 +1,1 @@
+"""Benchmarks for vllmini, each run side by side with its baseline."""

@@ -1,0 +1,161 @@
+"""Attention backends: the torch paged path against a dense reference, the flash-attn glue
+against a stand-in with flash-attn's documented semantics, and backend selection."""
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllmini.models.attention import FLASH_BLOCK_MULTIPLE, flash_attention, select_backend, torch_attention
+from vllmini.models.base import AttentionMetadata
+
+H, HKV, D, BS = 6, 2, 8, 4
+
+
+def dense_reference(q_seq: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, scale: float) -> torch.Tensor:
+    """Lower-right causal attention of ``q_seq [q, H, D]`` over ``k/v_seq [L, Hkv, D]``."""
+    q_len, seq_len = q_seq.shape[0], k_seq.shape[0]
+    k = k_seq.repeat_interleave(H // HKV, dim=1)
+    v = v_seq.repeat_interleave(H // HKV, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q_seq, k) * scale
+    allowed = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def build_batch(q_lens: list[int], seq_lens: list[int], seed: int = 0):
+    """A mixed batch over a shuffled paged cache: full K/V histories plus metadata."""
+    g = torch.Generator().manual_seed(seed)
+    n_blocks = [math.ceil(s / BS) for s in seq_lens]
+    perm = torch.randperm(sum(n_blocks) + 3, generator=g).tolist()
+    tables, start = [], 0
+    for n in n_blocks:
+        tables.append(perm[start : start + n])
+        start += n
+    k_cache = torch.randn(len(perm), BS, HKV, D, generator=g)
+    v_cache = torch.randn(len(perm), BS, HKV, D, generator=g)
+    hist_k = [torch.randn(s, HKV, D, generator=g) for s in seq_lens]
+    hist_v = [torch.randn(s, HKV, D, generator=g) for s in seq_lens]
+    # earlier tokens are already in the cache; the new ones come in the flat batch
+    slots = []
+    for t, s, q in zip(tables, seq_lens, q_lens):
+        for pos in range(s):
+            slot = t[pos // BS] * BS + pos % BS
+            if pos >= s - q:
+                slots.append(slot)
+    for t, s, q, hk, hv in zip(tables, seq_lens, q_lens, hist_k, hist_v):
+        for pos in range(s - q):
+            k_cache[t[pos // BS], pos % BS] = hk[pos]
+            v_cache[t[pos // BS], pos % BS] = hv[pos]
+    q = torch.randn(sum(q_lens), H, D, generator=g)
+    k = torch.cat([hk[s - ql :] for hk, s, ql in zip(hist_k, seq_lens, q_lens)])
+    v = torch.cat([hv[s - ql :] for hv, s, ql in zip(hist_v, seq_lens, q_lens)])
+    width = max(map(len, tables))
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    meta = AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        query_lens_cpu=q_lens,
+        seq_lens_cpu=seq_lens,
+        slot_mapping=torch.tensor(slots),
+        cu_seqlens_k=torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+    )
+    return q, k, v, (k_cache, v_cache), meta, hist_k, hist_v
+
+
+MIXES = {
+    "decodes": ([1, 1, 1], [5, 1, 13]),
+    "prefills": ([7, 3, 9], [7, 3, 9]),
+    "chunk-after-cache": ([4, 6], [11, 6]),
+    "mixed": ([1, 5, 1, 8, 2], [9, 5, 17, 12, 2]),
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_torch_paged_attention_matches_dense_reference(mix):
+    q_lens, seq_lens = MIXES[mix]
+    q, k, v, cache, meta, hk, hv = build_batch(q_lens, seq_lens)
+    out = torch_attention(q, k, v, meta, cache, D**-0.5)
+    start = 0
+    for ql, s, k_seq, v_seq in zip(q_lens, seq_lens, hk, hv):
+        ref = dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5)
+        torch.testing.assert_close(out[start : start + ql], ref, atol=1e-5, rtol=1e-5)
+        start += ql
+
+
+def _fake_flash_module() -> types.ModuleType:
+    """flash_attn_varlen_func with flash-attn's semantics (paged via block_table, causal aligned
+    to the bottom-right), written densely, so our glue can be checked without a GPU."""
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale=None, causal=False, block_table=None):  # fmt: skip
+        assert causal and q.dtype == k.dtype
+        out = torch.empty_like(q)
+        for i in range(len(cu_seqlens_q) - 1):
+            qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            seq_len = int(cu_seqlens_k[i + 1] - cu_seqlens_k[i])
+            assert qe - qs <= max_seqlen_q and seq_len <= max_seqlen_k
+            if block_table is None:
+                ks, vs = k[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])], v[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])]
+            else:
+                blocks = block_table[i, : math.ceil(seq_len / k.shape[1])].long()
+                ks, vs = k[blocks].flatten(0, 1)[:seq_len], v[blocks].flatten(0, 1)[:seq_len]
+            out[qs:qe] = dense_reference(q[qs:qe], ks, vs, softmax_scale)
+        return out
+
+    mod = types.ModuleType("flash_attn")
+    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    return mod
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_flash_glue_passes_paged_metadata(monkeypatch, mix):
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
+    q_lens, seq_lens = MIXES[mix]
+    q, k, v, cache, meta, _, _ = build_batch(q_lens, seq_lens, seed=1)
+    cache_copy = (cache[0].clone(), cache[1].clone())
+    out = flash_attention(q, k, v, meta, cache, D**-0.5)
+    ref = torch_attention(q, k, v, meta, cache_copy, D**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[0], cache_copy[0])  # both wrote the same new K/V
+
+
+def test_flash_glue_without_cache(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
+    lens = [3, 7, 1]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(sum(lens), n, D, generator=g) for n in (H, HKV, HKV))
+    meta = AttentionMetadata.for_prompts(lens)
+    torch.testing.assert_close(flash_attention(q, k, v, meta, None, 0.3), torch_attention(q, k, v, meta, None, 0.3))
+
+
+def test_backend_selection():
+    cpu = torch.device("cpu")
+    assert select_backend(None, cpu, torch.float32, 16) == "torch"
+    assert select_backend("torch", cpu, torch.float32, 16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend='nope'"):
+        select_backend("nope", cpu, torch.float32, 16)
+    with pytest.raises(ValueError, match=f"flash_attn.*multiple of {FLASH_BLOCK_MULTIPLE}.*float16/bfloat16"):
+        select_backend("flash_attn", cpu, torch.float32, 16)
+
+
+def test_cuda_selection_falls_back_when_flash_attn_is_missing(monkeypatch, caplog):
+    cuda = torch.device("cuda")  # selection only inspects the device; nothing runs on it
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
+    with caplog.at_level("WARNING", logger="vllmini"):
+        assert select_backend(None, cuda, torch.bfloat16, 256) == "torch"
+    assert "flash-attn is not importable" in caplog.text
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
+    assert select_backend(None, cuda, torch.bfloat16, 256) == "flash_attn"
+    assert select_backend(None, cuda, torch.bfloat16, 16) == "torch"  # auto: incompatible block size
+    with pytest.raises(ValueError, match="block_size to be a multiple of 256 \\(got 16\\)"):
+        select_backend("flash_attn", cuda, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="float16/bfloat16 only"):
+        select_backend("flash_attn", cuda, torch.float32, 256)

@@ -1,0 +1,30 @@
+"""The offline benchmark runs end to end (tiny model, few requests) and writes its record."""
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from bench.offline import main, mixed_workload
+from helpers import save_tiny_model, tiny_llama_config
+
+
+def test_mixed_workload_is_seeded_and_in_range():
+    a, b = mixed_workload(100, 20, seed=1), mixed_workload(100, 20, seed=1)
+    assert a == b
+    assert all(16 <= len(p) <= 512 for p in a.prompts) and all(16 <= n <= 256 for n in a.output_lens)
+    assert a.requested_tokens == sum(a.output_lens)
+
+
+def test_offline_bench_smoke(tmp_path, default_model_dir):
+    torch.manual_seed(0)
+    model_dir = save_tiny_model(HFLlama(tiny_llama_config()).eval(), tmp_path / "tiny", default_model_dir)
+    record = main(["--model", str(model_dir), "--num-requests", "4", "--hf-batch-size", "2", "--out", str(tmp_path / "res")])
+    rows = {r["workload"]: r for r in record["results"]}
+    assert set(rows) == {"uniform", "mixed"}
+    assert rows["uniform"]["output_tokens"] == 4 * 64
+    for r in rows.values():
+        assert r["vllmini_tok_s"] > 0 and r["hf_static_tok_s"] > 0 and r["ratio"] > 0
+    written = list((tmp_path / "res").glob("offline-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["results"] == record["results"]
