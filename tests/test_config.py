@@ -1,0 +1,47 @@
+"""EngineArgs validation: bad values fail at start-up with the field named."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllmini import LLM, EngineArgs
+from vllmini.config import resolve_dtype
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dtype": "float8"}, "dtype='float8'.*accepted: auto, float32, bfloat16, float16"),
+        ({"dtype": 3}, "dtype must be a string"),
+        ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+        ({"max_num_batched_tokens": -5}, "max_num_batched_tokens must be a positive integer"),
+        ({"max_model_len": 1.5}, "max_model_len must be a positive integer"),
+        ({"block_size": True}, "block_size must be a positive integer"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory must be a positive integer"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in"),
+        ({"seed": "x"}, "seed must be an integer"),
+        ({"model": ""}, "model must be"),
+    ],
+)
+def test_engine_args_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(**kwargs).validate()
+
+
+def test_dtype_resolution():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("float16", cpu) == torch.float16
+    assert resolve_dtype(torch.float32, cpu) == torch.float32
+
+
+def test_llm_rejects_unknown_keyword_and_bad_model(tmp_path):
+    with pytest.raises(TypeError, match="unknown engine argument.*max_batch"):
+        LLM(max_batch=3)
+    with pytest.raises((ValueError, FileNotFoundError), match="no-such-model"):
+        LLM(model="no-such-model", cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        LLM(dtype="int8")
