@@ -25,6 +25,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from vllmini.config import EngineArgs
 
     defaults = EngineArgs()
+    p.add_argument("--log-level", default="INFO", help="logging level (INFO shows load and KV cache sizes)")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -42,7 +43,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -153,7 +154,6 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command")
     gen = sub.add_parser("generate", help="generate for prompts (arguments or --file), streamed live")
     gen.add_argument("prompts", nargs="*", help="prompts (default: a few demo prompts)")
@@ -172,11 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--log-level"):
-        argv = ["generate", *argv]
+    if not argv or argv[0] not in ("generate", "chat", "-h", "--help"):
+        argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
-    if ns.command is None:
-        ns = parser.parse_args(["generate", *argv])
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
