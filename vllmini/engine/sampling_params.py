@@ -1,0 +1,145 @@
+"""SamplingParams: vLLM's per-request sampling options, validated at construction.
+
+A bad value fails here, with a message naming the field and the accepted range,
+instead of surfacing as NaN logits or an index error in the middle of a batch.
+The struct is a ``msgspec.Struct`` so that it round-trips through JSON (and the
+same validation runs on decode).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Literal
+
+import msgspec
+
+# vLLM's threshold: a temperature below this is treated as greedy (argmax).
+SAMPLING_EPS = 1e-5
+
+OutputKind = Literal["cumulative", "delta", "final"]
+_OUTPUT_KINDS = ("cumulative", "delta", "final")
+
+
+class SamplingType(enum.IntEnum):
+    """How a row draws its token; seeded greedy is still greedy."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass; True as a count or id is almost always a mistake.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bad(field: str, accepted: str, value: object) -> ValueError:
+    return ValueError(f"{field} must be {accepted}, got {value!r}")
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Sampling options for one request (field names and defaults follow vLLM).
+
+    ``temperature`` below ``SAMPLING_EPS`` (e.g. 0) means greedy decoding.
+    ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 and ``min_p`` 0.0 disable
+    theirs. ``max_tokens=None`` generates until the model's context is full.
+    ``stop`` may be a string or a list of strings; it is stored as a list.
+    ``logprobs=N`` returns the chosen token's logprob plus the top-N per step.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    output_kind: OutputKind = "cumulative"
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._validate()
+
+    def _normalize(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.top_k == -1:  # vLLM's other spelling of "off"
+            self.top_k = 0
+
+    def _validate(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            raise _bad("n", "an int >= 1", self.n)
+        self.temperature = self._real("temperature", ">= 0", lambda v: v >= 0)
+        self.top_p = self._real("top_p", "in (0, 1]", lambda v: 0 < v <= 1)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise _bad("top_k", "an int >= 1, or 0 / -1 to disable", self.top_k)
+        self.min_p = self._real("min_p", "in [0, 1]", lambda v: 0 <= v <= 1)
+        if self.seed is not None and not _is_int(self.seed):
+            raise _bad("seed", "an int or None", self.seed)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", "an int >= 1 or None", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", "an int >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+        if not isinstance(self.stop_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise _bad("stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, "a bool", getattr(self, name))
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise _bad("logprobs", "an int >= 0 or None", self.logprobs)
+        self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
+        if self.output_kind not in _OUTPUT_KINDS:
+            raise _bad("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
+
+    def _real(self, name: str, accepted: str, ok) -> float:
+        """A finite real number for which ``ok`` holds, returned as float."""
+        v = getattr(self, name)
+        if not _is_real(v) or not math.isfinite(v) or not ok(v):
+            raise _bad(name, f"a finite number {accepted}", v)
+        return float(v)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
