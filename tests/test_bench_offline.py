@@ -19,7 +19,7 @@ def test_mixed_workload_is_seeded_and_in_range():
 
 def test_offline_bench_smoke(tmp_path, default_model_dir):
     torch.manual_seed(0)
-    model_dir = save_tiny_model(HFLlama(tiny_llama_config()).eval(), tmp_path / "tiny", default_model_dir)
+    model_dir = save_tiny_model(HFLlama(tiny_llama_config(vocab_size=49152)).eval(), tmp_path / "tiny", default_model_dir)
     record = main(["--model", str(model_dir), "--num-requests", "4", "--hf-batch-size", "2", "--out", str(tmp_path / "res")])
     rows = {r["workload"]: r for r in record["results"]}
     assert set(rows) == {"uniform", "mixed"}
