@@ -20,7 +20,7 @@ from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
 from vllmini.models.attention import BACKENDS, select_backend
 from vllmini.models.weight_loader import load_model, resolve_model_dir
@@ -43,6 +43,7 @@ class RequestState:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     arrival_time: float
+    pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
 
@@ -180,8 +181,8 @@ class LLMEngine:
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         self.requests[request_id] = state
-        for seq in seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(seqs[0])
+        state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
         return request_id
 
     def abort_request(self, request_id: str | list[str]) -> None:
@@ -207,21 +208,53 @@ class LLMEngine:
         logits, sample_idx = self.runner.execute(sched, self.block_manager)
         self.scheduler.update_computed(sched)
         touched: dict[str, RequestState] = {}
-        if sample_idx:
-            seqs = [sched.scheduled[i].seq for i in sample_idx]
-            rows = [
-                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_ids_sorted, s.index)
-                for s in seqs
-            ]
-            out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
-            tokens = out.token_ids.tolist()
-            for row, (seq, token) in enumerate(zip(seqs, tokens)):
-                state = self.requests[seq.request_id]
-                seq.append_token(token)
-                self._record_logprobs(state, seq, row, token, out)
-                self._check_stop(state, seq)
-                touched[seq.request_id] = state
+        if not sample_idx:
+            return []
+        seqs = [sched.scheduled[i].seq for i in sample_idx]
+        logit_rows = list(range(len(seqs)))
+        for row, seq in enumerate(list(seqs)):
+            for child in self._fork_children(seq):  # n > 1: siblings sample from the parent's prompt logits
+                seqs.append(child)
+                logit_rows.append(row)
+        if len(logit_rows) > logits.shape[0]:
+            logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_ids_sorted, s.index) for s in seqs]
+        out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
+        tokens, invalid = out.token_ids.tolist(), out.invalid.tolist()
+        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+            state = self.requests[seq.request_id]
+            touched[seq.request_id] = state
+            if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
+                continue
+            seq.append_token(token)
+            self._record_logprobs(state, seq, row, token, out)
+            self._check_stop(state, seq)
         return [self._make_output(state) for state in touched.values()]
+
+    def _fork_children(self, parent: Sequence) -> list[Sequence]:
+        """When a parent with pending siblings (n > 1) has just computed its prompt, the
+        siblings share its KV blocks (copy-on-fork of the last partial block) instead of
+        prefilling the same prompt again. Without a free block for the copy, a sibling
+        falls back to the queue, where the prefix cache still shares the full blocks."""
+        state = self.requests[parent.request_id]
+        if not state.pending or parent.num_output_tokens:
+            return []
+        children, state.pending = state.pending, []
+        forked = []
+        for child in children:
+            try:
+                copies = self.block_manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
+            except NoFreeBlocksError:
+                self.scheduler.add(child)
+                continue
+            self.runner.copy_blocks(copies)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.first_scheduled_time = parent.first_scheduled_time
+            self.scheduler.add_running(child)
+            forked.append(child)
+        return forked
 
     def _record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: Any) -> None:
         if out.logprobs is None:

@@ -29,14 +29,33 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num
 
 
 @dataclass
+class _DecodeGroup:
+    """Single-token rows of similar context length, attended in one SDPA call."""
+
+    rows: torch.Tensor  # [Bd] flat query rows
+    block_tables: torch.Tensor  # [Bd, nb]
+    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] True = attend
+
+
+@dataclass
 class _TorchPlan:
     """Per-forward work split, computed once and shared by every layer."""
 
     q_starts: list[int]
     prefill_seqs: list[int]  # sequences attended one by one
-    decode_rows: torch.Tensor | None  # [Bd] flat query rows of single-token sequences
-    decode_block_tables: torch.Tensor | None  # [Bd, nb]
-    decode_mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] True = attend
+    decode_groups: list[_DecodeGroup]
+
+
+def _decode_buckets(num_blocks: list[int]) -> dict[int, list[int]]:
+    """Group decode rows whose block counts lie within a factor of two of each other.
+
+    Decode attention is memory-bound on the K/V gather, and a group is padded to its
+    longest member; with mixed context lengths, one group per power-of-two range cuts
+    the bytes gathered (often by half) for a few more SDPA calls."""
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(num_blocks):
+        buckets.setdefault((n - 1).bit_length(), []).append(i)
+    return buckets
 
 
 def _plan(meta: AttentionMetadata, block_size: int | None) -> _TorchPlan:
@@ -44,17 +63,19 @@ def _plan(meta: AttentionMetadata, block_size: int | None) -> _TorchPlan:
     paged = block_size is not None and meta.block_tables is not None
     decode = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1 and paged]
     prefill = [i for i, q in enumerate(meta.query_lens_cpu) if not (q == 1 and paged)]
-    if not decode:
-        return _TorchPlan(q_starts, prefill, None, None, None)
+    groups = []
     device = meta.seq_lens.device
-    idx = torch.tensor(decode, dtype=torch.long, device=device)
-    max_len = max(meta.seq_lens_cpu[i] for i in decode)
-    num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables.index_select(0, idx)[:, :num_blocks].long()
-    lens = meta.seq_lens.index_select(0, idx)
-    mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-    rows = torch.tensor([q_starts[i] for i in decode], dtype=torch.long, device=device)
-    return _TorchPlan(q_starts, prefill, rows, tables, mask[:, None, None, :])
+    blocks_needed = [-(-meta.seq_lens_cpu[i] // block_size) for i in decode]
+    for members in _decode_buckets(blocks_needed).values():
+        seqs = [decode[j] for j in members]
+        idx = torch.tensor(seqs, dtype=torch.long, device=device)
+        num_blocks = max(blocks_needed[j] for j in members)
+        tables = meta.block_tables.index_select(0, idx)[:, :num_blocks].long()
+        lens = meta.seq_lens.index_select(0, idx)
+        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+        rows = torch.tensor([q_starts[i] for i in seqs], dtype=torch.long, device=device)
+        groups.append(_DecodeGroup(rows, tables, mask[:, None, None, :]))
+    return _TorchPlan(q_starts, prefill, groups)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -82,15 +103,15 @@ def torch_attention(
     out = torch.empty_like(q)
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
 
-    if plan.decode_rows is not None:
+    for group in plan.decode_groups:
         k_cache, v_cache = kv_cache
-        bd, nb = plan.decode_block_tables.shape
-        # [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, L, D]
-        keys = k_cache[plan.decode_block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-        vals = v_cache[plan.decode_block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q.index_select(0, plan.decode_rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=plan.decode_mask, scale=scale)
-        out.index_copy_(0, plan.decode_rows, od.reshape(bd, num_heads, head_dim))
+        bd, nb = group.block_tables.shape
+        # one gather per group: [Bd, nb, bs, Hkv, D] -> [Bd, Hkv, L, D]
+        keys = k_cache[group.block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        vals = v_cache[group.block_tables].view(bd, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=group.mask, scale=scale)
+        out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
         start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]

@@ -18,10 +18,11 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # e.g. NaN logits: this sequence ends, the engine goes on
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort")
+        return self is not SequenceStatus.WAITING and self is not SequenceStatus.RUNNING
 
 
 @dataclass(eq=False)

@@ -1,0 +1,154 @@
+"""Every SamplingParams field is honoured by the engine (n, stop strings, stop ids, ignore_eos,
+min_tokens, seeds, logprobs), finish/stop reasons are set as vLLM does, and a row with
+invalid logits fails alone."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from helpers import save_tiny_model, tiny_llama_config
+from test_engine import assert_no_leaks
+from vllmini import LLM, SamplingParams
+
+PROMPT = {"prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 8287, 30, 198, 40, 837]}
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory, default_model_dir):
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return LLM(model=str(save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)))
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir):
+    return LLM(model=str(default_model_dir))
+
+
+def gen(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(**kw), use_tqdm=False)[0]
+
+
+def test_n_completions_share_the_prompt_kv(tiny_llm):
+    stats = tiny_llm.llm_engine.scheduler.stats
+    before = stats.num_prefill_tokens
+    out = gen(tiny_llm, PROMPT, n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    assert stats.num_prefill_tokens - before == len(PROMPT["prompt_token_ids"])  # one prefill, not three
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 12 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # siblings sample independently
+    again = gen(tiny_llm, PROMPT, n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    greedy = gen(tiny_llm, PROMPT, n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    single = gen(tiny_llm, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.outputs[0].token_ids
+    assert_no_leaks(tiny_llm)
+
+
+def test_seeded_request_is_batch_invariant(tiny_llm):
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=123, max_tokens=16, ignore_eos=True)
+    alone = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [5 + i] * (3 + i)} for i in range(5)]
+    mixed = tiny_llm.generate(
+        [*others[:2], PROMPT, *others[2:]],
+        [SamplingParams(temperature=1.0, max_tokens=10), SamplingParams(temperature=0, max_tokens=20), params,
+         SamplingParams(temperature=0.5, seed=1, max_tokens=5), SamplingParams(top_k=3, max_tokens=16),
+         SamplingParams(temperature=1.0, presence_penalty=1.0, max_tokens=8)],
+        use_tqdm=False,
+    )  # fmt: skip
+    assert mixed[2].outputs[0].token_ids == alone
+    assert_no_leaks(tiny_llm)
+
+
+def test_stop_token_ids_and_reasons(tiny_llm):
+    ref = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, ignore_eos=True).outputs[0]
+    stop_id = ref.token_ids[4]
+    first = ref.token_ids.index(stop_id)
+    out = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[stop_id]).outputs[0]
+    assert out.token_ids == ref.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens defers stop ids
+    late = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=first + 2).outputs[0]
+    assert len(late.token_ids) > first + 1
+    assert_no_leaks(tiny_llm)
+
+
+def _boundary_stop(llm, text_tokens: list[int]) -> str:
+    """A stop string that starts inside one token and ends inside the next one."""
+    pieces = [llm.get_tokenizer().decode([t]) for t in text_tokens]
+    for i in range(2, len(pieces) - 2):
+        if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2:
+            return pieces[i][-1] + pieces[i + 1][0]
+    raise AssertionError(f"the reference output has no two multi-character tokens in a row: {pieces}")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_across_token_boundaries(tiny_llm, include):
+    ref = gen(tiny_llm, PROMPT, temperature=0, max_tokens=30, ignore_eos=True).outputs[0]
+    stop = _boundary_stop(tiny_llm, ref.token_ids)
+    pos = ref.text.find(stop)
+    assert pos > 0
+    out = gen(tiny_llm, PROMPT, temperature=0, max_tokens=30, stop=[stop, "never-appears-xyz"],
+              include_stop_str_in_output=include).outputs[0]  # fmt: skip
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == (ref.text[: pos + len(stop)] if include else ref.text[:pos])
+    assert ref.token_ids[: len(out.token_ids)] == out.token_ids and len(out.token_ids) < len(ref.token_ids)
+    assert_no_leaks(tiny_llm)
+
+
+def test_eos_ignore_eos_and_min_tokens_on_the_default_model(smol):
+    chat = smol.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    prompt = {"prompt_token_ids": list(chat)}
+    eos = smol.llm_engine.tokenizer.eos_token_id
+    natural = gen(smol, prompt, temperature=0, max_tokens=64).outputs[0]
+    assert natural.finish_reason == "stop" and natural.stop_reason is None and natural.token_ids[-1] == eos
+    n = len(natural.token_ids)
+    ignored = gen(smol, prompt, temperature=0, max_tokens=n + 6, ignore_eos=True).outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == n + 6
+    assert ignored.token_ids[:n] == natural.token_ids  # EOS generated, then decoding went on
+    delayed = gen(smol, prompt, temperature=0, max_tokens=64, min_tokens=n + 3).outputs[0]
+    assert len(delayed.token_ids) >= n + 3 and eos not in delayed.token_ids[: n + 3]
+    assert_no_leaks(smol)
+
+
+def test_logprobs_in_outputs(tiny_llm):
+    out = gen(tiny_llm, PROMPT, temperature=0.8, seed=3, max_tokens=6, logprobs=3, ignore_eos=True).outputs[0]
+    assert len(out.logprobs) == 6
+    total = 0.0
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert all(v <= 0 and math.isfinite(v) for v in entry.values())
+        total += entry[token]
+    assert out.cumulative_logprob == pytest.approx(total, abs=1e-4)
+    assert gen(tiny_llm, PROMPT, max_tokens=3).outputs[0].logprobs is None
+
+
+def test_invalid_logits_fail_only_that_request(tiny_llm, monkeypatch):
+    eng = tiny_llm.llm_engine
+    poisoned = {}
+    original = eng.runner.execute
+
+    def execute(sched, bm):
+        logits, idx = original(sched, bm)
+        logits = logits.clone()
+        for row, i in enumerate(idx):
+            if sched.scheduled[i].seq.request_id == poisoned.get("id"):
+                logits[row] = float("nan")
+        return logits, idx
+
+    monkeypatch.setattr(eng.runner, "execute", execute)
+    poisoned["id"] = eng.add_request("bad", PROMPT, SamplingParams(max_tokens=8, temperature=0.7))
+    eng.add_request("good", PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finals = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o.outputs[0]
+    assert finals["bad"].finish_reason == "error" and "NaN" in finals["bad"].stop_reason
+    assert finals["good"].finish_reason == "length" and len(finals["good"].token_ids) == 8
+    assert_no_leaks(tiny_llm)
