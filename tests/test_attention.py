@@ -2,6 +2,7 @@
 against a stand-in with flash-attn's documented semantics, and backend selection."""
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import types
@@ -148,6 +149,7 @@ def test_backend_selection():
 
 def test_cuda_selection_falls_back_when_flash_attn_is_missing(monkeypatch, caplog):
     cuda = torch.device("cuda")  # selection only inspects the device; nothing runs on it
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
     with caplog.at_level("WARNING", logger="vllmini"):
         assert select_backend(None, cuda, torch.bfloat16, 256) == "torch"

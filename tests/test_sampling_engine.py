@@ -152,3 +152,32 @@ def test_invalid_logits_fail_only_that_request(tiny_llm, monkeypatch):
     assert finals["bad"].finish_reason == "error" and "NaN" in finals["bad"].stop_reason
     assert finals["good"].finish_reason == "length" and len(finals["good"].token_ids) == 8
     assert_no_leaks(tiny_llm)
+
+
+def _stream(llm, request_id, prompt, params):
+    eng = llm.llm_engine
+    eng.add_request(request_id, prompt, params)
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += [o for o in eng.step() if o.request_id == request_id]
+    return outs
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
+    ref = gen(tiny_llm, PROMPT, temperature=0, max_tokens=24, ignore_eos=True).outputs[0]
+    stop = [_boundary_stop(tiny_llm, ref.token_ids)] if with_stop else []
+    base = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=stop)
+    final = gen(tiny_llm, PROMPT, **base).outputs[0]
+    cumulative = _stream(tiny_llm, "c", PROMPT, SamplingParams(**base, output_kind="cumulative"))
+    deltas = _stream(tiny_llm, "d", PROMPT, SamplingParams(**base, output_kind="delta"))
+    finals = _stream(tiny_llm, "f", PROMPT, SamplingParams(**base, output_kind="final"))
+    assert len(finals) == 1 and finals[0].finished and finals[0].outputs[0].text == final.text
+    assert len(cumulative) == len(final.token_ids) and cumulative[-1].outputs[0].text == final.text
+    for out in cumulative:  # every streamed text is a prefix of the final one: no piece of a cut stop string
+        assert final.text.startswith(out.outputs[0].text)
+    assert "".join(o.outputs[0].text for o in deltas) == final.text
+    assert sum((o.outputs[0].token_ids for o in deltas), []) == final.token_ids
+    if with_stop:
+        assert final.finish_reason == "stop" and stop[0] not in final.text
+    assert_no_leaks(tiny_llm)

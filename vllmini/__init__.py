@@ -1,6 +1,26 @@
 """vllmini: a small, readable LLM inference engine (paged KV cache, continuous batching)."""
 from __future__ import annotations
 
+import logging
+import os
+
+
+def _configure_logging() -> None:
+    """Like vLLM, say what the engine is doing (model load, KV cache size) by default;
+    VLLMINI_LOGGING_LEVEL=WARNING quiets it, VLLMINI_CONFIGURE_LOGGING=0 leaves logging alone."""
+    if os.environ.get("VLLMINI_CONFIGURE_LOGGING", "1") == "0":
+        return
+    logger = logging.getLogger("vllmini")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s vllmini: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(os.environ.get("VLLMINI_LOGGING_LEVEL", "INFO").upper())
+
+
+_configure_logging()
+
 from vllmini.config import EngineArgs
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in ("generate", "chat", "-h", "--help"):
         argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("vllmini").setLevel(ns.log_level.upper())
     try:
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as exc:

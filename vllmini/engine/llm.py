@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import msgspec
 from tqdm.auto import tqdm
 
 from vllmini.config import EngineArgs
@@ -43,6 +44,9 @@ class LLM:
                 raise ValueError(
                     f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
                 )
+        # generate() returns whole completions, whatever output_kind asks for streaming
+        params_list = [msgspec.structs.replace(p, output_kind="final") if isinstance(p, SamplingParams) else p
+                       for p in params_list]  # fmt: skip
         engine = self.llm_engine
         ids: list[str] = []
         try:

@@ -44,6 +44,7 @@ class RequestState:
     detoks: list[IncrementalDetokenizer]
     arrival_time: float
     pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
+    sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
 
@@ -180,6 +181,7 @@ class LLMEngine:
         state = RequestState(request_id, text, ids, params, seqs, detoks, now)
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
+        state.sent = [(0, 0) for _ in seqs]
         self.requests[request_id] = state
         self.scheduler.add(seqs[0])
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
@@ -230,7 +232,7 @@ class LLMEngine:
             seq.append_token(token)
             self._record_logprobs(state, seq, row, token, out)
             self._check_stop(state, seq)
-        return [self._make_output(state) for state in touched.values()]
+        return [out for state in touched.values() if (out := self._make_output(state)) is not None]
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """When a parent with pending siblings (n > 1) has just computed its prompt, the
@@ -303,16 +305,36 @@ class LLMEngine:
             state.detoks[seq.index].step(seq.token_ids, final=True)
         self.scheduler.finish(seq, status, reason)
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
+    def _visible_text_len(self, state: RequestState, seq: Sequence) -> int:
+        """How much text may be shown now: while a stop string could still complete, its
+        possible beginning (the last ``len(longest stop) - 1`` characters) is held back, so
+        streamed text never contains a piece of a stop string that is later cut."""
+        text_len = len(state.detoks[seq.index].text)
+        if seq.status.finished or not state.params.stop:
+            return text_len
+        held = max(map(len, state.params.stop)) - 1
+        return max(state.sent[seq.index][0], text_len - held)
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        """The request's output for this step per ``output_kind``: cumulative text and tokens,
+        only what is new ("delta"), or nothing until the end ("final")."""
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == "final" and not finished:
+            return None
         outputs = []
         for seq, detok in zip(state.seqs, state.detoks):
+            text_end, tokens = self._visible_text_len(state, seq), seq.output_token_ids
+            text_start, token_start = state.sent[seq.index] if kind == "delta" else (0, 0)
+            state.sent[seq.index] = (text_end, len(tokens))
+            wants_logprobs = state.params.logprobs is not None
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=detok.text,
-                    token_ids=list(seq.output_token_ids),
-                    cumulative_logprob=state.cumulative_logprobs[seq.index] if state.params.logprobs is not None else None,
-                    logprobs=state.logprobs[seq.index] if state.params.logprobs is not None else None,
+                    text=detok.text[text_start:text_end],
+                    token_ids=tokens[token_start:],
+                    cumulative_logprob=state.cumulative_logprobs[seq.index] if wants_logprobs else None,
+                    logprobs=state.logprobs[seq.index][token_start:] if wants_logprobs else None,
                     finish_reason=seq.status.value if seq.status.finished else None,
                     stop_reason=seq.stop_reason,
                 )
@@ -326,7 +348,6 @@ class LLMEngine:
             num_preemptions=sum(s.num_preemptions for s in state.seqs),
             num_cached_tokens=first.num_cached_tokens,
         )
-        finished = state.finished
         if finished:
             self.requests.pop(state.request_id, None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, metrics)
