@@ -42,18 +42,7 @@ def greedy_paged(model, prompts: list[list[int]], max_new: int, block_size: int 
         positions = [pos for s, q in zip(seqs, q_lens) for pos in range(len(s) - q, len(s))]
         slots = [int(tables[i, pos // block_size]) * block_size + pos % block_size
                  for i, (s, q) in enumerate(zip(seqs, q_lens)) for pos in range(len(s) - q, len(s))]  # fmt: skip
-        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-        meta = AttentionMetadata(
-            cu_seqlens_q=cu,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(seq_lens),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=seq_lens,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
-            block_tables=tables,
-            logits_indices=cu[1:].long() - 1,
-        )
+        meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables.tolist())
         ids = torch.tensor([t for n in new for t in n])
         with torch.no_grad():
             logits = model(ids, torch.tensor(positions), meta, caches)

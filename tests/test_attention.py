@@ -55,19 +55,7 @@ def build_batch(q_lens: list[int], seq_lens: list[int], seed: int = 0):
     q = torch.randn(sum(q_lens), H, D, generator=g)
     k = torch.cat([hk[s - ql :] for hk, s, ql in zip(hist_k, seq_lens, q_lens)])
     v = torch.cat([hv[s - ql :] for hv, s, ql in zip(hist_v, seq_lens, q_lens)])
-    width = max(map(len, tables))
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    meta = AttentionMetadata(
-        cu_seqlens_q=cu,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(seq_lens),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-        slot_mapping=torch.tensor(slots),
-        cu_seqlens_k=torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-    )
+    meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables)
     return q, k, v, (k_cache, v_cache), meta, hist_k, hist_v
 
 

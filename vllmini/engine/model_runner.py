@@ -47,29 +47,9 @@ def build_model_input(
         if s.completes:
             logits_rows.append(len(ids) - 1)
             sample_indices.append(i)
-    width = max(map(len, tables))
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    cu, cu_k = [0], [0]
-    for q, k in zip(q_lens, seq_lens):
-        cu.append(cu[-1] + q)
-        cu_k.append(cu_k[-1] + k)
-
-    def tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(x, dtype=dtype, device=device)
-
-    meta = AttentionMetadata(
-        cu_seqlens_q=tensor(cu, torch.int32),
-        seq_lens=tensor(seq_lens, torch.int32),
-        max_seqlen_q=max(q_lens),
-        max_seqlen_k=max(seq_lens),
-        query_lens_cpu=q_lens,
-        seq_lens_cpu=seq_lens,
-        slot_mapping=tensor(slots, torch.long),
-        cu_seqlens_k=tensor(cu_k, torch.int32),
-        block_tables=tensor(padded, torch.int32),
-        logits_indices=tensor(logits_rows, torch.long),
-    )
-    return ModelInput(tensor(ids, torch.long), tensor(positions, torch.long), meta, sample_indices)
+    meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables, logits_rows, device)
+    as_long = {"dtype": torch.long, "device": device}
+    return ModelInput(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta, sample_indices)
 
 
 class ModelRunner:

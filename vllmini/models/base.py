@@ -45,6 +45,41 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
     @classmethod
+    def paged(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        slot_mapping: list[int],
+        block_tables: list[list[int]],
+        logits_rows: list[int] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for a step over the paged cache, from host lists (one copy each).
+        ``logits_rows`` default: the last row of every sequence."""
+        cu_q, cu_k = [0], [0]
+        for q, k in zip(query_lens, seq_lens):
+            cu_q.append(cu_q[-1] + q)
+            cu_k.append(cu_k[-1] + k)
+        width = max(map(len, block_tables))
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+
+        def tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype, device=device)
+
+        return cls(
+            cu_seqlens_q=tensor(cu_q, torch.int32),
+            seq_lens=tensor(seq_lens, torch.int32),
+            max_seqlen_q=max(query_lens),
+            max_seqlen_k=max(seq_lens),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            slot_mapping=tensor(slot_mapping, torch.long),
+            cu_seqlens_k=tensor(cu_k, torch.int32),
+            block_tables=tensor(padded, torch.int32),
+            logits_indices=tensor([c - 1 for c in cu_q[1:]] if logits_rows is None else logits_rows, torch.long),
+        )
+
+    @classmethod
     def for_prompts(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
         """Metadata for whole prompts run without a KV cache (tests, parity checks)."""
         if not lengths or min(lengths) < 1:
