@@ -12,8 +12,9 @@ from vllmini import LLM, SamplingParams
 from vllmini.kv.cache import KVCacheSpec
 
 
-def assert_no_leaks(llm: LLM) -> None:
-    eng = llm.llm_engine
+def assert_no_leaks(llm) -> None:
+    """Nothing queued or running, every KV block free (or cached with no owner)."""
+    eng = llm.llm_engine if isinstance(llm, LLM) else llm.engine
     bm = eng.block_manager
     bm.check_invariants()
     assert not eng.has_unfinished_requests()

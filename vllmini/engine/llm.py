@@ -59,6 +59,10 @@ class LLM:
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
+                    if engine.failed:
+                        _, exc = engine.failed.popitem()
+                        engine.abort_request(ids)
+                        raise exc
                     if out.finished:
                         finals[out.request_id] = out
                         bar.update(1)

@@ -32,6 +32,15 @@ logger = logging.getLogger("vllmini")
 PromptType = str | list[int] | dict[str, Any]
 
 
+class StepError(RuntimeError):
+    """The forward of one step failed; its requests were aborted (the engine is still usable)."""
+
+    def __init__(self, request_ids: list[str], cause: Exception) -> None:
+        super().__init__(f"forward failed for requests {request_ids}: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 @dataclass
 class RequestState:
     """A request and its n sequences (one per completion)."""
@@ -97,6 +106,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, allocate_kv_cache(spec, num_blocks, self.device), block_size, self.device)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -150,12 +160,20 @@ class LLMEngine:
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
         nothing is queued then."""
+        state = self.prepare_request(request_id, prompt, params, arrival_time)
+        self.enqueue(state)
+        return state.request_id
+
+    def prepare_request(
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> RequestState:  # fmt: skip
+        """Validate and tokenize without touching the scheduler, so that the async engine can
+        do it on the caller's thread and raise right at the call."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -182,19 +200,29 @@ class LLMEngine:
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
-        self.requests[request_id] = state
-        self.scheduler.add(seqs[0])
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
-        return request_id
+        return state
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Finish the request(s) with finish_reason "abort" and free their blocks now.
-        Unknown or finished ids are ignored."""
+    def enqueue(self, state: RequestState) -> None:
+        if state.request_id in self.requests:
+            raise ValueError(f"request_id {state.request_id!r} is already in use")
+        self.requests[state.request_id] = state
+        self.scheduler.add(state.seqs[0])
+
+    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+        """Finish the request(s) with finish_reason "abort" and free their blocks now;
+        returns their final outputs. Unknown or finished ids are ignored."""
+        outputs = []
         for rid in [request_id] if isinstance(request_id, str) else request_id:
-            state = self.requests.pop(rid, None)
-            for seq in state.seqs if state else []:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            for seq in state.seqs:
                 if not seq.status.finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            outputs.append(self._make_output(state))  # finished now, so never None
+            self.requests.pop(rid, None)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -207,7 +235,12 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        logits, sample_idx = self.runner.execute(sched, self.block_manager)
+        try:
+            logits, sample_idx = self.runner.execute(sched, self.block_manager)
+        except Exception as exc:  # the step's requests fail; the engine stays up for the others
+            failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
+            self.abort_request(failed)
+            raise StepError(failed, exc) from exc
         self.scheduler.update_computed(sched)
         touched: dict[str, RequestState] = {}
         if not sample_idx:
@@ -224,14 +257,21 @@ class LLMEngine:
         out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
         tokens, invalid = out.token_ids.tolist(), out.invalid.tolist()
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
-            state = self.requests[seq.request_id]
+            state = self.requests.get(seq.request_id)
+            if state is None:  # failed earlier in this loop
+                continue
             touched[seq.request_id] = state
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
                 continue
-            seq.append_token(token)
-            self._record_logprobs(state, seq, row, token, out)
-            self._check_stop(state, seq)
+            try:
+                seq.append_token(token)
+                self._record_logprobs(state, seq, row, token, out)
+                self._check_stop(state, seq)
+            except Exception as exc:  # e.g. a detokenizer failure: only this request fails
+                self.abort_request(seq.request_id)
+                self.failed[seq.request_id] = exc
+                touched.pop(seq.request_id, None)
         return [out for state in touched.values() if (out := self._make_output(state)) is not None]
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:

@@ -1,0 +1,224 @@
+"""AsyncLLMEngine: concurrent streams equal offline results, the loop stays responsive,
+cancellation frees blocks, errors stay with their request, shutdown ends streams."""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from helpers import save_tiny_model, tiny_llama_config
+from test_engine import assert_no_leaks
+from vllmini import LLM, EngineArgs, SamplingParams
+from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
+
+KV = 256 << 20
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request):
+    if request.param == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    return LLM(model=str(tiny_dir), kv_cache_memory=KV)
+
+
+def make_engine(model_dir, **kw) -> AsyncLLMEngine:
+    return AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory=KV, **kw))
+
+
+def workload(n: int):
+    prompts = [{"prompt_token_ids": [100 + (i * 37 + j * 11) % 4000 for j in range(5 + i % 23)]} for i in range(n)]
+    params = []
+    for i in range(n):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=8 + i % 17, ignore_eos=True))
+        elif i % 3 == 1:
+            params.append(SamplingParams(temperature=0.8, seed=i, max_tokens=10 + i % 9, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=30, stop=["e", "a "], ignore_eos=True))
+    return prompts, params
+
+
+async def consume(engine, prompt, params, request_id, kind="delta"):
+    import msgspec
+
+    p = msgspec.structs.replace(params, output_kind=kind)
+    outs = [o async for o in engine.generate(prompt, p, request_id=request_id)]
+    return outs
+
+
+async def test_64_concurrent_streams_match_offline_and_loop_stays_responsive(tiny_dir, offline):
+    prompts, params = workload(64)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def probe():
+        while not stop.is_set():
+            t = time.perf_counter()
+            await asyncio.sleep(0.01)
+            lags.append(time.perf_counter() - t - 0.01)
+
+    async with make_engine(tiny_dir) as engine:
+        probe_task = asyncio.create_task(probe())
+        kinds = ["delta", "cumulative"]
+        results = await asyncio.gather(
+            *[consume(engine, p, sp, f"r{i}", kinds[i % 2]) for i, (p, sp) in enumerate(zip(prompts, params))]
+        )
+        stop.set()
+        await probe_task
+        assert_no_leaks(engine)
+    for i, (outs, exp) in enumerate(zip(results, expected)):
+        assert outs[-1].finished
+        want = exp.outputs[0]
+        if i % 2 == 0:  # delta: pieces add up to the offline result
+            assert "".join(o.outputs[0].text for o in outs) == want.text
+            assert sum((o.outputs[0].token_ids for o in outs), []) == want.token_ids
+        else:  # cumulative: every text a prefix of the final one
+            assert all(want.text.startswith(o.outputs[0].text) for o in outs)
+            assert outs[-1].outputs[0].text == want.text and outs[-1].outputs[0].token_ids == want.token_ids
+        assert outs[-1].outputs[0].finish_reason == want.finish_reason
+        m = outs[-1].metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert len(lags) > 20
+    p99 = statistics.quantiles(lags, n=100)[98]
+    assert p99 < 0.050, f"event-loop lag p99 {p99 * 1e3:.1f} ms"
+
+
+async def test_cancel_half_of_40_streams(tiny_dir, offline):
+    prompts = [{"prompt_token_ids": [200 + i, 300 + i, 400 + i]} for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    async with make_engine(tiny_dir) as engine:
+        started = asyncio.Event()
+
+        async def run(i):
+            outs = []
+            async for out in engine.generate(prompts[i], params, request_id=f"c{i}"):
+                outs.append(out)
+                if len(outs) == 3:
+                    started.set()
+                if i % 4 == 0 and len(outs) == 5:  # 10 consumers leave by break
+                    break
+            return outs
+
+        tasks = [asyncio.create_task(run(i)) for i in range(40)]
+        await started.wait()
+        for i in range(40):
+            if i % 4 == 1 and i < 30:  # 8 cancelled tasks
+                tasks[i].cancel()
+        for i in (2, 6):  # 2 explicit aborts
+            await engine.abort(f"c{i}")
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        while engine.engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        assert_no_leaks(engine)
+    for i, res in enumerate(done):
+        if i % 4 == 1 and i < 30:
+            assert isinstance(res, asyncio.CancelledError) or (res and res[-1].finished)
+        elif i % 4 == 0:
+            assert len(res) == 5 and not res[-1].finished
+        elif i in (2, 6):
+            assert res[-1].finished and res[-1].outputs[0].finish_reason == "abort"
+        else:
+            assert res[-1].outputs[0].token_ids == expected[i].outputs[0].token_ids
+
+
+async def test_errors_stay_with_their_request(tiny_dir, monkeypatch):
+    async with make_engine(tiny_dir) as engine:
+        runner = engine.engine.runner
+        original = runner.execute
+
+        def execute(sched, bm):
+            if any(s.seq.request_id == "boom" for s in sched.scheduled):
+                raise RuntimeError("simulated kernel failure")
+            return original(sched, bm)
+
+        monkeypatch.setattr(runner, "execute", execute)
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        with pytest.raises(Exception, match="simulated kernel failure"):
+            async for _ in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="boom"):
+                pass
+        outs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="after")]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+
+        real_check = engine.engine._check_stop
+
+        def check_stop(state, seq):
+            if state.request_id == "bad-detok":
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
+            return real_check(state, seq)
+
+        monkeypatch.setattr(engine.engine, "_check_stop", check_stop)
+
+        async def good():
+            return [o async for o in engine.generate({"prompt_token_ids": [9, 9]}, params, request_id="good")]
+
+        async def bad():
+            return [o async for o in engine.generate({"prompt_token_ids": [9, 8]}, params, request_id="bad-detok")]
+
+        res = await asyncio.gather(good(), bad(), return_exceptions=True)
+        assert res[0][-1].finished and len(res[0][-1].outputs[0].token_ids) == 6
+        assert isinstance(res[1], UnicodeDecodeError)
+        assert_no_leaks(engine)
+
+
+async def test_bad_input_raises_at_the_call(tiny_dir):
+    engine = make_engine(tiny_dir, max_model_len=64)
+    params = SamplingParams(max_tokens=4)
+
+    async def first(gen):
+        return [o async for o in gen]
+
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        await first(engine.generate("hi", {"max_tokens": 3}))
+    with pytest.raises(ValueError, match="role"):
+        await first(engine.generate([{"role": "wizard", "content": "hi"}], params))
+    with pytest.raises(ValueError, match="max_model_len"):
+        await first(engine.generate({"prompt_token_ids": [1] * 80}, params))
+    running = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=20, ignore_eos=True), "dup")
+    first_out = await running.__anext__()
+    with pytest.raises(ValueError, match="already in use"):
+        await first(engine.generate("x", params, request_id="dup"))
+    rest = [o async for o in running]
+    assert (rest or [first_out])[-1].finished  # the other request kept streaming
+    chat = await first(engine.generate([{"role": "user", "content": "hello"}], params))
+    assert chat[-1].finished
+    await engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await first(engine.generate("hi", params))
+
+
+async def test_shutdown_ends_running_streams(tiny_dir):
+    engine = make_engine(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+
+    async def run(i):
+        return [o async for o in engine.generate({"prompt_token_ids": [i + 1] * 4}, params)]
+
+    tasks = [asyncio.create_task(run(i)) for i in range(6)]
+    await asyncio.sleep(0.3)
+    assert engine.is_running and engine.get_stats().num_running > 0
+    await asyncio.wait_for(engine.shutdown(), timeout=30)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    for outs in results:
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert not engine.is_running
+    assert_no_leaks(engine)

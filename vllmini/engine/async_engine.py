@@ -1,0 +1,215 @@
+"""AsyncLLMEngine: per-request async streams over the continuous-batching core.
+
+The event loop never runs a forward. Requests are validated and tokenized at the call
+(errors raise right there), then handed to one worker thread that owns the
+``LLMEngine``: it adds new requests and aborts between steps, runs ``step()`` and
+sends each ``RequestOutput`` back to its request's ``asyncio.Queue``. The loop task
+sleeps when there is no work and wakes as soon as a request arrives.
+
+Leaving an ``async for`` early (break, ``aclose()``, task cancellation, a timeout)
+aborts the request; its KV blocks are freed before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from vllmini.config import EngineArgs
+from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
+from vllmini.engine.outputs import RequestOutput
+from vllmini.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllmini")
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class EngineDeadError(RuntimeError):
+    """Raised by calls made after ``shutdown()``."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks referenced by live sequences
+    num_free_blocks: int
+    generation_tokens_per_s: float  # over the last few seconds
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
+        self._lock = threading.Lock()  # guards the inboxes shared with the worker thread
+        self._new: list[RequestState] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._dead = False
+        self._tokens_window: list[tuple[float, int]] = []
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(args))
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="vllmini-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the step loop; every open stream ends with a final "abort" output."""
+        if self._dead:
+            return
+        self._dead = True
+        if self._loop_task is not None:
+            self._wakeup.set()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        outs = await loop.run_in_executor(self._executor, self.engine.abort_request, list(self.engine.requests))
+        for out in outs:
+            self._deliver(out)
+        for rid in list(self._streams):  # streams not yet known to the engine
+            self._deliver(RequestOutput(rid, None, [], [], True, None))
+        self._executor.shutdown(wait=True)
+
+    # ---- requests ------------------------------------------------------------------------
+    def _prompt(self, prompt: PromptType | list[dict[str, str]]) -> PromptType:
+        """Chat messages go through the chat template; other prompt forms pass through."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            for i, msg in enumerate(prompt):
+                if msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
+                    raise ValueError(
+                        f"messages[{i}] must have a role in {CHAT_ROLES} and a string content, got {msg!r}"
+                    )
+            ids = self.engine.tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return {"prompt_token_ids": list(ids)}
+        return prompt
+
+    async def generate(
+        self,
+        prompt: PromptType | list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (cumulative, delta or final per ``output_kind``)."""
+        if self._dead:
+            raise EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
+        if request_id is not None and str(request_id) in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params)
+        rid = state.request_id
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[rid] = queue
+        with self._lock:
+            self._new.append(state)
+        self._ensure_loop()
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished and not self._dead:
+                with self._lock:
+                    self._aborts.append(rid)
+                self._wakeup.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with an output whose finish_reason is "abort"."""
+        with self._lock:
+            self._aborts.append(str(request_id))
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def get_stats(self) -> EngineStats:
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        now = time.monotonic()
+        recent = [(t, n) for t, n in self._tokens_window if now - t < 5.0]
+        span = (now - recent[0][0]) if recent else 0.0
+        rate = sum(n for _, n in recent) / span if span > 0 else 0.0
+        return EngineStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_free_blocks, rate)
+
+    # ---- the step loop -------------------------------------------------------------------
+    def _step_once(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
+        """Runs on the worker thread: admit, abort, one step."""
+        with self._lock:
+            new, self._new = self._new, []
+            aborts, self._aborts = self._aborts, []
+        errors: dict[str, BaseException] = {}
+        for state in new:
+            try:
+                self.engine.enqueue(state)
+            except ValueError as exc:
+                errors[state.request_id] = exc
+        outputs = self.engine.abort_request(aborts)
+        try:
+            outputs += self.engine.step()
+        except StepError as exc:
+            errors.update({rid: exc for rid in exc.request_ids})
+        errors.update(self.engine.failed)
+        self.engine.failed.clear()
+        return outputs, errors
+
+    def _has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._new or self._aborts)
+        return pending or self.engine.has_unfinished_requests()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._dead:
+            if not self._has_work():
+                self._wakeup.clear()
+                if not self._has_work():
+                    await self._wakeup.wait()
+                continue
+            try:
+                outputs, errors = await loop.run_in_executor(self._executor, self._step_once)
+            except Exception as exc:  # a bug in the engine itself: fail everyone, keep the loop alive
+                logger.exception("engine step failed")
+                outputs, errors = [], {rid: exc for rid in list(self._streams)}
+            tokens = 0
+            for out in outputs:
+                tokens += sum(len(c.token_ids) for c in out.outputs) if out.outputs else 0
+                self._deliver(out)
+            for rid, exc in errors.items():
+                self._deliver(exc, rid)
+            self._tokens_window.append((time.monotonic(), tokens))
+            del self._tokens_window[:-256]
+            await asyncio.sleep(0)  # let consumers run between steps
+
+    def _deliver(self, item: Any, request_id: str | None = None) -> None:
+        queue = self._streams.get(request_id or item.request_id)
+        if queue is not None:
+            queue.put_nowait(item)
