@@ -1,6 +1,11 @@
-"""The command line: the default job (generate) streams every prompt and prints a summary."""
+"""The command line: the default job streams every prompt concurrently and summarizes;
+chat streams its replies, keeps history, and obeys /reset, /exit and end of input."""
 from __future__ import annotations
 
+import io
+import sys
+
+import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -8,14 +13,51 @@ from helpers import save_tiny_model, tiny_llama_config
 from vllmini.cli import main
 
 
-def test_generate_streams_each_prompt_and_summarizes(tmp_path, capsys, default_model_dir):
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
     torch.manual_seed(0)
-    model_dir = save_tiny_model(HFLlama(tiny_llama_config(vocab_size=49152)).eval(), tmp_path / "m", default_model_dir)
-    rc = main(["generate", "--model", str(model_dir), "--max-tokens", "5", "--ignore-eos", "first prompt", "second"])
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("m"), default_model_dir)
+
+
+def test_generate_streams_each_prompt_and_summarizes(tiny_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_dir), "--max-tokens", "5", "--ignore-eos", "first prompt", "second"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "[0] " in out and "[1] " in out
-    assert "2 requests, 10 tokens" in out
+    assert "2 requests, 10 tokens" in out and "TTFT p50" in out
+
+
+class RecordingStdout(io.StringIO):
+    """Keeps every write, so the test can see a reply arrive in pieces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, s: str) -> int:
+        self.writes.append(s)
+        return super().write(s)
+
+    def isatty(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("ending", ["/exit\n", ""])  # /exit, or end of input (Ctrl-D)
+def test_chat_streams_replies_and_handles_commands(tiny_dir, monkeypatch, ending):
+    script = "hello there\n/reset\nsecond question\n" + ending
+    monkeypatch.setattr(sys, "stdin", io.StringIO(script))
+    out = RecordingStdout()
+    monkeypatch.setattr(sys, "stdout", out)
+    rc = main(["chat", "--model", str(tiny_dir), "--max-tokens", "6", "--ignore-eos"])
+    text = out.getvalue()
+    assert rc == 0
+    assert "(history cleared)" in text
+    replies = [line for line in text.splitlines() if line and not line.startswith(("chat with", "(history"))]
+    assert len(replies) >= 2
+    # each reply arrived as several writes (one per token), not one block at the end
+    pieces = [w for w in out.writes if w not in ("\n", "> ") and "history" not in w and "chat with" not in w]
+    assert len(pieces) >= 2 * 4
 
 
 def test_bad_option_value_is_a_clear_error(capsys):

@@ -22,6 +22,7 @@ def _configure_logging() -> None:
 _configure_logging()
 
 from vllmini.config import EngineArgs
+from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -29,6 +30,7 @@ from vllmini.engine.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",
+    "AsyncLLMEngine",
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",

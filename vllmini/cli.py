@@ -1,17 +1,22 @@
 """``vllmini`` command line: ``generate`` (the default) and ``chat``.
 
-``vllmini`` with no arguments submits a few prompts at once to the default model and
-streams all of them live (one line each, redrawn in place on a terminal).
+``vllmini`` with no arguments submits a few prompts concurrently to the async engine on
+the default model and streams all of them live (one line each, redrawn in place on a
+terminal), then prints a one-line summary (requests, tokens, tok/s, TTFT p50).
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 DEMO_PROMPTS = [
     "The three most important ideas in computer science are",
@@ -96,60 +101,89 @@ class LiveLines:
                 print(f"[{i}] {text}\n")
 
 
-def cmd_generate(ns: argparse.Namespace) -> int:
-    from vllmini import LLMEngine
+def _run(coro) -> int:
+    """uvloop when installed (faster event loop), the standard loop otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
-    prompts = list(ns.prompts)
-    if ns.file:
-        prompts += [line for line in Path(ns.file).read_text().splitlines() if line.strip()]
-    prompts = prompts or DEMO_PROMPTS
-    engine = LLMEngine.from_engine_args(_engine_args(ns))
-    params = _sampling_params(ns)
-    tok = engine.tokenizer
-    start = time.perf_counter()
-    for i, text in enumerate(prompts):
-        if ns.raw:
-            engine.add_request(str(i), text, params)
-        else:
-            chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)  # fmt: skip
-            engine.add_request(str(i), {"prompt_token_ids": list(chat), "prompt": text}, params)
-    live = LiveLines(len(prompts))
-    tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            live.update(int(out.request_id), out.outputs[0].text, out.finished)
-            tokens += out.finished and len(out.outputs[0].token_ids)
+
+def _chat_prompt(text: str, raw: bool) -> str | list[dict[str, str]]:
+    return text if raw else [{"role": "user", "content": text}]
+
+
+async def _generate(ns: argparse.Namespace, prompts: list[str]) -> int:
+    from vllmini import AsyncLLMEngine
+
+    params = msgspec.structs.replace(_sampling_params(ns), output_kind="delta")
+    async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        live = LiveLines(len(prompts))
+        texts = [""] * len(prompts)
+        ttfts: list[float] = []
+        tokens = 0
+        start = time.perf_counter()
+
+        async def one(i: int) -> None:
+            nonlocal tokens
+            async for out in engine.generate(_chat_prompt(prompts[i], ns.raw), params):
+                texts[i] += out.outputs[0].text
+                tokens += len(out.outputs[0].token_ids)
+                live.update(i, texts[i], out.finished)
+                if out.finished and out.metrics and out.metrics.first_token_time:
+                    ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+
+        await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        elapsed = time.perf_counter() - start
     live.close()
-    elapsed = time.perf_counter() - start
-    print(f"{len(prompts)} requests, {tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tok/s)")
+    ttft = f"{statistics.median(ttfts) * 1e3:.0f} ms" if ttfts else "n/a"
+    print(f"{len(prompts)} requests, {tokens} tokens in {elapsed:.1f}s "
+          f"({tokens / elapsed:.1f} tok/s), TTFT p50 {ttft}")  # fmt: skip
     return 0
 
 
-def cmd_chat(ns: argparse.Namespace) -> int:
-    from vllmini import LLM
+def cmd_generate(ns: argparse.Namespace) -> int:
+    """All prompts are submitted at once to the async engine; their streams show live."""
+    prompts = list(ns.prompts)
+    if ns.file:
+        prompts += [line for line in Path(ns.file).read_text().splitlines() if line.strip()]
+    return _run(_generate(ns, prompts or DEMO_PROMPTS))
 
-    llm = LLM(**dataclasses.asdict(_engine_args(ns)))
-    params = _sampling_params(ns)
+
+async def _chat(ns: argparse.Namespace) -> int:
+    from vllmini import AsyncLLMEngine
+
+    params = msgspec.structs.replace(_sampling_params(ns), output_kind="delta")
+    loop = asyncio.get_running_loop()
     history: list[dict[str, str]] = []
-    print("chat with the model; /reset clears the history, /exit or Ctrl-D quits")
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            print()
-            return 0
-        if line == "/exit":
-            return 0
-        if line == "/reset":
-            history.clear()
-            continue
-        if not line:
-            continue
-        history.append({"role": "user", "content": line})
-        reply = llm.chat(history, params, use_tqdm=False)[0].outputs[0].text
-        print(reply)
-        history.append({"role": "assistant", "content": reply})
+    async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
+        while True:
+            try:
+                line = (await loop.run_in_executor(None, input, "> ")).strip()
+            except EOFError:
+                print()
+                return 0
+            if line == "/exit":
+                return 0
+            if line == "/reset":
+                history.clear()
+                print("(history cleared)", flush=True)
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            reply = ""
+            async for out in engine.generate(history, params):
+                reply += out.outputs[0].text
+                print(out.outputs[0].text, end="", flush=True)  # tokens as they come
+            print(flush=True)
+            history.append({"role": "assistant", "content": reply})
+
+
+def cmd_chat(ns: argparse.Namespace) -> int:
+    return _run(_chat(ns))
 
 
 def build_parser() -> argparse.ArgumentParser:
