@@ -8,6 +8,8 @@ pins, so comparing against the plain default decode is fair.
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,19 +20,36 @@ from vllmini.engine.detokenizer import IncrementalDetokenizer
 VOCAB = 49152
 SPECIAL_IDS = list(range(17))
 FFFD = "\ufffd"
-PROPS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class Tok:
+    """The tokenizer with a short repr (hypothesis prints the arguments of a failing example)."""
+
+    def __init__(self, tokenizer):
+        self.t = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.t, name)
+
+    def __repr__(self) -> str:
+        return "tok"
 
 
 @pytest.fixture(scope="module")
 def tok(default_model_dir):
-    return AutoTokenizer.from_pretrained(default_model_dir)
+    return Tok(AutoTokenizer.from_pretrained(default_model_dir))
 
 
 @pytest.fixture(scope="module")
-def byte_ids(tok) -> list[int]:
-    """Ids of the single-byte tokens (lone UTF-8 lead/continuation bytes among them)."""
+def ids(tok):
+    """Strategy: arbitrary ids, weighted towards single-byte tokens (lone UTF-8 lead and
+    continuation bytes), special tokens and small ids."""
     tokens = tok.convert_ids_to_tokens(list(range(VOCAB)))
-    return [i for i, t in enumerate(tokens) if len(t) == 1 and i not in SPECIAL_IDS]
+    byte_ids = [i for i, t in enumerate(tokens) if len(t) == 1 and i not in SPECIAL_IDS]
+    return st.one_of(
+        st.integers(0, VOCAB - 1), st.sampled_from(byte_ids), st.sampled_from(SPECIAL_IDS), st.integers(17, 1000)
+    )
 
 
 def stream(tok, prompt: list[int], out: list[int], skip: bool, chunks: list[int] | None = None):
@@ -70,16 +89,6 @@ def check_stream(tok, prompt, out, skip, chunks=None, expected=None):
     return want
 
 
-def token_ids(byte_ids):
-    """Arbitrary ids, weighted towards single bytes, special tokens and small ids."""
-    return st.one_of(
-        st.integers(0, VOCAB - 1),
-        st.sampled_from(byte_ids),
-        st.sampled_from(SPECIAL_IDS),
-        st.integers(17, 1000),
-    )
-
-
 def test_reference_decode(tok):
     """The comparison is fair: the default decode does no clean-up of spaces."""
     ids = tok.encode("Hello , world ! It 's a test . <|im_end|> x", add_special_tokens=False)
@@ -91,8 +100,7 @@ def test_reference_decode(tok):
 
 @PROPS
 @given(data=st.data(), skip=st.booleans())
-def test_random_ids_one_at_a_time(tok, byte_ids, data, skip):
-    ids = token_ids(byte_ids)
+def test_random_ids_one_at_a_time(tok, ids, data, skip):
     prompt = data.draw(st.lists(ids, max_size=12), label="prompt")
     out = data.draw(st.lists(ids, max_size=40), label="out")
     check_stream(tok, prompt, out, skip)
@@ -100,8 +108,7 @@ def test_random_ids_one_at_a_time(tok, byte_ids, data, skip):
 
 @PROPS
 @given(data=st.data(), skip=st.booleans())
-def test_random_ids_in_chunks(tok, byte_ids, data, skip):
-    ids = token_ids(byte_ids)
+def test_random_ids_in_chunks(tok, ids, data, skip):
     prompt = data.draw(st.lists(ids, max_size=12), label="prompt")
     out = data.draw(st.lists(ids, max_size=40), label="out")
     chunks = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=6), label="chunks")
@@ -128,9 +135,10 @@ def test_multibyte_text(tok, text, prompt_text, chunks, skip):
 @PROPS
 @given(text=st.text(max_size=30), skip=st.booleans())
 def test_arbitrary_text(tok, text, skip):
-    """Any valid text (surrogates excluded by encode) round-trips through streaming."""
+    """Any text streams like its decode. (Not always ``text`` itself: the vocab lacks some bytes,
+    e.g. the lead byte F1 of U+40000..U+7FFFF, which encode drops.)"""
     out = tok.encode(text, add_special_tokens=False)
-    check_stream(tok, tok.encode("Hi", add_special_tokens=False), out, skip, expected=text)
+    check_stream(tok, tok.encode("Hi", add_special_tokens=False), out, skip)
 
 
 def test_leading_spaces_kept(tok):
@@ -140,26 +148,25 @@ def test_leading_spaces_kept(tok):
         assert check_stream(tok, prompt, out, skip).startswith(" ok,  two")
 
 
-def test_prompt_ending_inside_a_character(tok, byte_ids):
+def test_prompt_ending_inside_a_character(tok):
     """A prompt that ends with the first byte of a character: the output is the decode of the
     output ids on their own (its continuation bytes are U+FFFD), not the joined character."""
+    byte_id = _byte_ids(tok)
     head, tail = "😀".encode()[:2], "😀".encode()[2:]
-    by_byte = {tok.convert_tokens_to_ids(tok.convert_ids_to_tokens(i)): tok.decode([i]).encode("utf-8", "surrogateescape") for i in byte_ids}
-    byte_tok = {tok.decode([i], skip_special_tokens=False): i for i in byte_ids}
-    del by_byte, byte_tok  # (ids found below through the vocab instead)
-    ids = [_byte_id(tok, b) for b in head], [_byte_id(tok, b) for b in tail]
-    prompt = tok.encode("Hi ", add_special_tokens=False) + ids[0]
-    out = ids[1] + tok.encode(" ok", add_special_tokens=False)
+    prompt = tok.encode("Hi ", add_special_tokens=False) + [byte_id[b] for b in head]
+    out = [byte_id[b] for b in tail] + tok.encode(" ok", add_special_tokens=False)
     for skip in (True, False):
         assert check_stream(tok, prompt, out, skip) == FFFD * 2 + " ok"
 
 
-def _byte_id(tok, b: int) -> int:
-    """The id of the single-byte token for byte ``b`` (GPT-2 byte-to-unicode table)."""
+def _byte_ids(tok) -> dict[int, int]:
+    """Byte -> id of its single-byte token (GPT-2 byte-to-unicode table), for the 235 bytes in
+    the vocab (it lacks e.g. C0, C1, F1, F2 and F5..FF)."""
     printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
     extra = [c for c in range(256) if c not in printable]
-    char = chr(b) if b in printable else chr(256 + extra.index(b))
-    return tok.convert_tokens_to_ids(char)
+    vocab = tok.get_vocab()
+    chars = {b: chr(b) if b in printable else chr(256 + extra.index(b)) for b in range(256)}
+    return {b: vocab[c] for b, c in chars.items() if c in vocab}
 
 
 class RecordingTokenizer:
@@ -175,19 +182,18 @@ class RecordingTokenizer:
 
 @pytest.mark.parametrize("kind", ["random", "invalid_bytes", "split_chars", "specials"])
 @pytest.mark.parametrize("skip", [True, False])
-def test_work_per_step_is_bounded(tok, byte_ids, kind, skip):
+def test_work_per_step_is_bounded(tok, kind, skip):
     """2000 output tokens fed one at a time: every decode sees a window of a few tokens, never
-    the whole output (the old code's window grew without bound behind a trailing U+FFFD)."""
-    import random
-
-    rng = random.Random(kind)
-    n = 2000
+    the whole output (a window that waits for a trailing U+FFFD to resolve grows without bound
+    on a run of invalid bytes)."""
+    rng, n, byte_id = random.Random(kind), 2000, _byte_ids(tok)
     if kind == "random":
-        out = [rng.choice([rng.randrange(VOCAB), rng.choice(byte_ids), rng.choice(SPECIAL_IDS)]) for _ in range(n)]
+        pools = [range(VOCAB), list(byte_id.values()), SPECIAL_IDS]
+        out = [rng.choice(rng.choice(pools)) for _ in range(n)]
     elif kind == "invalid_bytes":  # lone continuation bytes: every decode ends in U+FFFD
-        out = [_byte_id(tok, 0x80 + rng.randrange(64)) for _ in range(n)]
+        out = [byte_id[0x80 + rng.randrange(64)] for _ in range(n)]
     elif kind == "split_chars":  # every character split into single-byte tokens
-        out = [_byte_id(tok, b) for _ in range(n // 4) for b in rng.choice("😀中é€").encode()]
+        out = [byte_id[b] for _ in range(n // 4) for b in rng.choice("😀中é€").encode()]
     else:
         out = [rng.choice(SPECIAL_IDS + [rng.randrange(17, VOCAB)]) for _ in range(n)]
     rec = RecordingTokenizer(tok)
@@ -197,5 +203,7 @@ def test_work_per_step_is_bounded(tok, byte_ids, kind, skip):
         detok.step(prompt + out[:k])
     detok.step(prompt + out, final=True)
     assert detok.text == tok.decode(out, skip_special_tokens=skip)
-    assert max(rec.lengths) <= 16, max(rec.lengths)
+    if kind == "split_chars":
+        assert FFFD not in detok.text
+    assert max(rec.lengths) <= 24, max(rec.lengths)  # _MAX_WINDOW + a few
     assert sum(rec.lengths) <= 64 * len(out)
