@@ -83,7 +83,6 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.eos_ids_sorted = tuple(sorted(self.eos_token_ids))
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
         self.attention_backend = select_backend(args.attention_backend, self.device, self.dtype, block_size)
@@ -114,7 +113,8 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's EOS plus any the generation config lists (e.g. Llama 3's <|eot_id|>)."""
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
         try:
             from transformers import GenerationConfig
@@ -123,7 +123,7 @@ class LLMEngine:
         except OSError:
             gen_eos = None
         ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
-        return ids
+        return tuple(sorted(ids))
 
     @property
     def capacity_tokens(self) -> int:
@@ -253,7 +253,7 @@ class LLMEngine:
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_ids_sorted, s.index) for s in seqs]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_token_ids, s.index) for s in seqs]
         out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
         tokens, invalid = out.token_ids.tolist(), out.invalid.tolist()
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
