@@ -1,0 +1,196 @@
+"""Serving-benchmark metrics with vLLM's names and definitions (``vllm bench serve``).
+
+Per request, from client-side timestamps (seconds, one clock):
+- TTFT: arrival of the first non-empty chunk minus the time the request was sent;
+- ITL: every gap between successive non-empty chunks (a chunk carrying k tokens is one gap,
+  as in vLLM, where a streamed delta is one chunk);
+- TPOT: (E2E - TTFT) / (output_len - 1), only for requests with output_len > 1;
+- E2E (vLLM's "E2EL"): arrival of the last chunk minus the send time.
+Aggregates: mean, median (p50), p90, p99 (numpy's linear-interpolation percentile, as vLLM);
+ITLs are pooled over all requests before aggregating, as vLLM does. Throughputs divide by the
+benchmark duration (first send to last completion, measured by the driver).
+
+``compute_metrics`` is a pure function of these records, so it is tested against timestamps
+computed by hand.
+"""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+
+class RequestRecord(msgspec.Struct):
+    """One request as the client saw it."""
+
+    send_time: float
+    chunk_times: list[float]  # arrival of each non-empty delta
+    prompt_len: int
+    output_len: int  # tokens received
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.send_time
+
+    @property
+    def e2e(self) -> float:
+        return self.chunk_times[-1] - self.send_time
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len <= 1:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+class Stat(msgspec.Struct):
+    """Seconds or tokens, as the field name says (the summary keeps seconds; tables show ms)."""
+
+    mean: float
+    median: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stat:
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        a = np.asarray(values, dtype=np.float64)
+        return cls(float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 90)),
+                   float(np.percentile(a, 99)))  # fmt: skip
+
+
+class ServingMetrics(msgspec.Struct):
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float  # req/s
+    output_throughput: float  # output tok/s
+    total_token_throughput: float  # (input + output) tok/s
+    ttft_s: Stat
+    tpot_s: Stat
+    itl_s: Stat
+    e2el_s: Stat
+    # engine-side figures, filled by the driver (not derivable from client timestamps)
+    peak_rss_bytes: int = 0
+    peak_cuda_bytes: int = 0
+    peak_kv_usage: float = 0.0
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+
+
+def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingMetrics:
+    """Aggregate per-request records over a run that lasted ``duration_s`` seconds."""
+    if duration_s <= 0:
+        raise ValueError(f"duration_s must be > 0, got {duration_s}")
+    done = [r for r in records if r.ok]
+    inp = sum(r.prompt_len for r in done)
+    out = sum(r.output_len for r in done)
+    return ServingMetrics(
+        completed=len(done),
+        failed=len(records) - len(done),
+        duration_s=duration_s,
+        total_input_tokens=inp,
+        total_output_tokens=out,
+        request_throughput=len(done) / duration_s,
+        output_throughput=out / duration_s,
+        total_token_throughput=(inp + out) / duration_s,
+        ttft_s=Stat.of([r.ttft for r in done]),
+        tpot_s=Stat.of([t for r in done if (t := r.tpot) is not None]),
+        itl_s=Stat.of([g for r in done for g in r.itls]),
+        e2el_s=Stat.of([r.e2e for r in done]),
+    )
+
+
+class Baseline(msgspec.Struct):
+    name: str  # e.g. "hf-static-16"
+    duration_s: float
+    output_throughput: float
+    ratio: float  # vllmini output tok/s / baseline output tok/s
+
+
+class RunRecord(msgspec.Struct):
+    """One JSON record per run (or sweep point) under bench/results/."""
+
+    benchmark: str  # "serving"
+    workload: str  # offline | poisson | concurrency
+    dataset: str  # chat | random
+    num_requests: int
+    request_rate: float | None  # None = all at t=0
+    burstiness: float
+    max_concurrency: int | None
+    seed: int
+    model: str
+    dtype: str
+    device: str
+    torch: str
+    threads: int
+    machine: str
+    git: str
+    time: str
+    metrics: ServingMetrics
+    baselines: list[Baseline] = []
+    interrupted: bool = False
+    args: dict = {}
+    requests: list[RequestRecord] = []
+
+
+def encode(record: RunRecord) -> bytes:
+    return msgspec.json.format(msgspec.json.encode(record), indent=2)
+
+
+def decode(data: bytes | str) -> RunRecord:
+    return msgspec.json.decode(data, type=RunRecord)
+
+
+def format_table(m: ServingMetrics, baselines: list[Baseline] = ()) -> str:
+    """A vLLM-style result block."""
+    w = 44
+    lines = [f"{' Serving Benchmark Result ':=^{w + 12}}"]
+
+    def row(name: str, value: object) -> None:
+        lines.append(f"{name:<{w}}{value:>12}")
+
+    row("Successful requests:", m.completed)
+    row("Failed requests:", m.failed)
+    row("Benchmark duration (s):", f"{m.duration_s:.2f}")
+    row("Total input tokens:", m.total_input_tokens)
+    row("Total generated tokens:", m.total_output_tokens)
+    row("Request throughput (req/s):", f"{m.request_throughput:.2f}")
+    row("Output token throughput (tok/s):", f"{m.output_throughput:.2f}")
+    row("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}")
+    for title, s in (("Time to First Token", m.ttft_s), ("Time per Output Token (excl. 1st token)", m.tpot_s),
+                     ("Inter-token Latency", m.itl_s), ("End-to-end Latency", m.e2el_s)):  # fmt: skip
+        short = {"Time to First Token": "TTFT", "Inter-token Latency": "ITL",
+                 "End-to-end Latency": "E2EL"}.get(title, "TPOT")  # fmt: skip
+        lines.append(f"{' ' + title + ' ':-^{w + 12}}")
+        row(f"Mean {short} (ms):", f"{s.mean * 1e3:.2f}")
+        row(f"Median {short} (ms):", f"{s.median * 1e3:.2f}")
+        row(f"P90 {short} (ms):", f"{s.p90 * 1e3:.2f}")
+        row(f"P99 {short} (ms):", f"{s.p99 * 1e3:.2f}")
+    lines.append(f"{' Engine ':-^{w + 12}}")
+    row("Peak RSS (MiB):", f"{m.peak_rss_bytes / 2**20:.0f}")
+    if m.peak_cuda_bytes:
+        row("Peak CUDA allocated (MiB):", f"{m.peak_cuda_bytes / 2**20:.0f}")
+    row("Peak KV-cache usage (%):", f"{m.peak_kv_usage * 100:.1f}")
+    row("Preemptions:", m.num_preemptions)
+    row("Prefix-cache hit rate (%):", f"{m.prefix_cache_hit_rate * 100:.1f}")
+    if baselines:
+        lines.append(f"{' Baselines (output tok/s) ':-^{w + 12}}")
+        row("vllmini:", f"{m.output_throughput:.2f}")
+        for b in baselines:
+            row(f"{b.name} (ratio {b.ratio:.2f}x):", f"{b.output_throughput:.2f}")
+    lines.append("=" * (w + 12))
+    return "\n".join(lines)
