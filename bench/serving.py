@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[RunRecord]:
 
     meta = dict(model=args.model, dtype=str(eng.dtype).removeprefix("torch."), device=str(eng.device),
                 torch=str(torch.__version__), threads=torch.get_num_threads(),
-                machine=f"{platform.machine()} {platform.processor() or ''} {platform.node()}".strip(),
+                machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 git=git_revision())  # fmt: skip
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
