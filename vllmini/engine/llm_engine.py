@@ -97,7 +97,7 @@ class LLMEngine:
         else:
             budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         num_blocks = num_blocks_for_budget(spec, budget)
-        self.cache_spec, self.num_blocks = spec, num_blocks
+        self.num_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.block_manager

@@ -87,10 +87,9 @@ class ModelRunner:
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor | None, list[int]]:
+    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[int]]:
         """Run the step's forward; returns logits for the sequences that completed their
         scheduled chunk (row order = the returned indices into ``sched.scheduled``)."""
-        self.copy_blocks(sched.block_copies)
         inp = build_model_input(sched, block_manager, self.block_size, self.device)
         logits = self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)
         return logits, inp.sample_indices

@@ -42,7 +42,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV block copies
 
     @property
     def num_batched_tokens(self) -> int:
@@ -78,9 +77,6 @@ class Scheduler:
         """A sequence whose KV is already in place (forked from a sibling): it decodes from the next step."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         """Finish or abort a sequence wherever it is, freeing its blocks now."""

@@ -60,11 +60,6 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    @property
-    def is_prefilling(self) -> bool:
-        """True while more than one token awaits computation (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
