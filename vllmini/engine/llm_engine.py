@@ -314,24 +314,26 @@ class LLMEngine:
     def _check_stop(self, state: RequestState, seq: Sequence) -> None:
         params, token = state.params, seq.token_ids[-1]
         detok = state.detoks[seq.index]
+        old_len = len(detok.text)
         detok.step(seq.token_ids)
         past_min = seq.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
             self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
         elif past_min and token in params.stop_token_ids:
             self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
-        elif past_min and (stop := self._find_stop_string(detok, params)) is not None:
+        elif past_min and (stop := self._find_stop_string(detok, params, old_len)) is not None:
             self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
 
     @staticmethod
-    def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams) -> str | None:
-        """Find the earliest stop string in the text and cut the text there (keeping it when
-        include_stop_str_in_output)."""
+    def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams, old_len: int) -> str | None:
+        """Find the earliest stop string that ends in the text added this step (it may start
+        in earlier text) and cut the text there, keeping it when include_stop_str_in_output.
+        Searching only the tail keeps the check O(new text) per step."""
         best: tuple[int, str] | None = None
         for stop in params.stop:
-            pos = detok.text.find(stop)
+            pos = detok.text.find(stop, max(0, old_len - len(stop) + 1))
             if pos != -1 and (best is None or pos < best[0]):
                 best = (pos, stop)
         if best is None:
