@@ -181,3 +181,21 @@ def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
     if with_stop:
         assert final.finish_reason == "stop" and stop[0] not in final.text
     assert_no_leaks(tiny_llm)
+
+
+def test_offline_generate_reports_a_failed_request_and_frees_everything(tiny_llm, monkeypatch):
+    eng = tiny_llm.llm_engine
+    real_check = eng._check_stop
+    calls = {"n": 0}
+
+    def check_stop(state, seq):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
+        return real_check(state, seq)
+
+    monkeypatch.setattr(eng, "_check_stop", check_stop)
+    with pytest.raises(UnicodeDecodeError, match="simulated detokenizer failure"):
+        tiny_llm.generate([PROMPT, PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert not eng.failed
+    assert_no_leaks(tiny_llm)

@@ -57,15 +57,18 @@ class LLM:
             raise
         finals: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if engine.failed:
-                        _, exc = engine.failed.popitem()
-                        engine.abort_request(ids)
-                        raise exc
-                    if out.finished:
-                        finals[out.request_id] = out
-                        bar.update(1)
+            try:
+                while engine.has_unfinished_requests():
+                    outputs = engine.step()
+                    if engine.failed:  # a request failed alone (e.g. its detokenizer): report it
+                        raise engine.failed.popitem()[1]
+                    for out in outputs:
+                        if out.finished:
+                            finals[out.request_id] = out
+                            bar.update(1)
+            except BaseException:  # a failed step or request, or Ctrl-C: free everything of this call
+                engine.abort_request(ids)
+                raise
         return [finals[i] for i in ids]
 
     def chat(
