@@ -16,13 +16,14 @@ import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
 from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
-from vllmini.models.attention import BACKENDS, select_backend
+from vllmini.models.attention import get_backend, select_backend
 from vllmini.models.weight_loader import load_model, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -86,14 +87,29 @@ class LLMEngine:
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
         self.attention_backend = select_backend(args.attention_backend, self.device, self.dtype, block_size)
-        self.model.set_attention_backend(BACKENDS[self.attention_backend])
-        logger.info("attention backend: %s (block size %d)", self.attention_backend, block_size)
+        self.model.set_attention_backend(get_backend(self.attention_backend))
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager
+        logger.info(
+            "attention backend: %s (block size %d, %s, CUDA graphs %s)",
+            self.attention_backend, block_size, self.dtype, "on" if use_graphs else "off",
+        )  # fmt: skip
         spec = KVCacheSpec(
             self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
         )
         if self.device.type == "cuda" and args.kv_cache_memory is None:
+            # Graphs are captured after the cache exists (they bake in its address), so their
+            # memory is measured first and set aside: one static decode forward at the largest
+            # padded batch plus the shared logits buffer (DecodeGraphRunner.activation_bytes).
+            graph_reserve = 0
+            if use_graphs:
+                shape = (1, block_size, spec.num_kv_heads, spec.head_dim)
+                graph_reserve = DecodeGraphRunner.activation_bytes(
+                    self.model, shape, self.dtype, spec.num_layers, args.max_num_seqs, self.max_model_len, self.device
+                ) + PAD_BLOCKS * spec.bytes_per_block
+            torch.cuda.reset_peak_memory_stats(self.device)
             ModelRunner.warmup(self.model, args.max_num_batched_tokens, self.max_model_len, self.device)
-            budget = cuda_kv_budget(self.device, args.gpu_memory_utilization)
+            budget = cuda_kv_budget(self.device, args.gpu_memory_utilization) - graph_reserve
+            logger.info("CUDA graph memory reserve: %.1f MiB", graph_reserve / 2**20)
         else:
             budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         num_blocks = num_blocks_for_budget(spec, budget)
@@ -102,7 +118,18 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.block_manager
         )
-        self.runner = ModelRunner(self.model, allocate_kv_cache(spec, num_blocks, self.device), block_size, self.device)
+        # with graphs, one extra block (outside the block manager's pool) takes the padding rows' K/V
+        kv_caches = allocate_kv_cache(spec, num_blocks + (PAD_BLOCKS if use_graphs else 0), self.device)
+        graphs = None
+        if use_graphs:
+            t0 = time.perf_counter()
+            graphs = DecodeGraphRunner(
+                self.model, kv_caches, block_size, args.max_num_seqs, self.max_model_len, num_blocks, self.device
+            )
+            graphs.capture()
+            logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
+                        len(graphs.sizes), graphs.sizes, time.perf_counter() - t0)  # fmt: skip
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.kv.block_manager import BlockManager
 from vllmini.models.base import AttentionMetadata
 from vllmini.scheduler.scheduler import SchedulerOutput
@@ -22,34 +23,63 @@ class ModelInput:
     sample_indices: list[int]  # indices into scheduler_output.scheduled that get a logits row, in row order
 
 
-def build_model_input(
-    sched: SchedulerOutput, block_manager: BlockManager, block_size: int, device: torch.device
-) -> ModelInput:
-    """Flatten the scheduled chunks into one varlen batch (host lists, then one copy each)."""
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    q_lens: list[int] = []
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    logits_rows: list[int] = []
-    sample_indices: list[int] = []
+@dataclass
+class FlatBatch:
+    """One step's scheduled chunks as host lists, before any device copy. The eager path and
+    the CUDA-graph path build their device inputs from this same object."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    logits_rows: list[int]
+    sample_indices: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every row is one new token whose logits are wanted (what a decode graph computes)."""
+        return len(self.logits_rows) == len(self.query_lens) == len(self.ids)
+
+    def to_model_input(self, device: torch.device) -> ModelInput:
+        meta = AttentionMetadata.paged(
+            self.query_lens, self.seq_lens, self.slots, self.block_tables, self.logits_rows, device
+        )
+        as_long = {"dtype": torch.long, "device": device}
+        return ModelInput(
+            torch.tensor(self.ids, **as_long), torch.tensor(self.positions, **as_long), meta, self.sample_indices
+        )
+
+
+def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> FlatBatch:
+    """Lay the scheduled chunks end to end: token ids, positions, KV slots, block tables."""
+    flat = FlatBatch([], [], [], [], [], [], [], [])
     for i, s in enumerate(sched.scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = block_manager.block_table(seq.seq_id)
-        ids.extend(seq.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        q_lens.append(s.num_new_tokens)
-        seq_lens.append(end)
-        tables.append(table)
+        flat.ids.extend(seq.token_ids[start:end])
+        flat.positions.extend(range(start, end))
+        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        flat.query_lens.append(s.num_new_tokens)
+        flat.seq_lens.append(end)
+        flat.block_tables.append(table)
         if s.completes:
-            logits_rows.append(len(ids) - 1)
-            sample_indices.append(i)
-    meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables, logits_rows, device)
-    as_long = {"dtype": torch.long, "device": device}
-    return ModelInput(torch.tensor(ids, **as_long), torch.tensor(positions, **as_long), meta, sample_indices)
+            flat.logits_rows.append(len(flat.ids) - 1)
+            flat.sample_indices.append(i)
+    return flat
+
+
+def build_model_input(
+    sched: SchedulerOutput, block_manager: BlockManager, block_size: int, device: torch.device
+) -> ModelInput:
+    """Flatten the scheduled chunks into one varlen batch (host lists, then one copy each)."""
+    return flatten_step(sched, block_manager, block_size).to_model_input(device)
 
 
 class ModelRunner:
@@ -59,11 +89,13 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         block_size: int,
         device: torch.device,
+        decode_graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.decode_graphs = decode_graphs  # None: every step runs eagerly (CPU, enforce_eager)
 
     @staticmethod
     @torch.inference_mode()
@@ -90,6 +122,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[int]]:
         """Run the step's forward; returns logits for the sequences that completed their
         scheduled chunk (row order = the returned indices into ``sched.scheduled``)."""
-        inp = build_model_input(sched, block_manager, self.block_size, self.device)
+        flat = flatten_step(sched, block_manager, self.block_size)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(flat):
+            return self.decode_graphs.run(flat), flat.sample_indices
+        inp = flat.to_model_input(self.device)
         logits = self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)
         return logits, inp.sample_indices

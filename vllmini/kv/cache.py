@@ -42,7 +42,8 @@ def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
 
 def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
     """Bytes left for the KV cache on a GPU after the weights and a warm-up forward's peak
-    (the caller runs the warm-up first)."""
+    (the caller resets the peak statistics, runs the warm-up at the largest step first, and
+    subtracts what CUDA graphs will hold: they are captured after the cache is allocated)."""
     free, total = torch.cuda.mem_get_info(device)
     used_by_us = torch.cuda.max_memory_allocated(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)

@@ -1,7 +1,11 @@
 """Attention over a varlen batch, with or without a paged KV cache.
 
 Backends share one signature ``(q, k, v, meta, kv_cache, scale) -> out`` and one
-metadata object; ``select_backend`` picks one at start-up.
+metadata object; ``select_backend`` picks one at start-up: ``flash_attn`` (the flash-attn
+package), ``torch_varlen`` (torch's built-in FlashAttention, ``varlen_attn`` with a block
+table) or ``torch`` (below). The two FlashAttention backends read K/V straight from the
+paged cache and are graph-safe as they are; the torch backend has a separate static-shape
+path for decode steps replayed from a CUDA graph (``meta.static_decode``).
 
 The pure-PyTorch backend (any device; the CPU default):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
@@ -12,6 +16,7 @@ The pure-PyTorch backend (any device; the CPU default):
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -99,6 +104,8 @@ def torch_attention(
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+    if meta.static_decode:
+        return _static_decode(q, meta, kv_cache, scale)
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(meta, block_size)
@@ -135,6 +142,22 @@ def torch_attention(
     return out
 
 
+def _static_decode(q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float) -> torch.Tensor:
+    """One token per row over ALL ``block_tables`` columns, masked by the ``seq_lens`` tensor:
+    fixed shapes, no host lists, no device->host sync, so a CUDA graph can capture it."""
+    k_cache, v_cache = kv_cache
+    batch, num_blocks = meta.block_tables.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    tables = meta.block_tables.long()
+    keys = k_cache[tables].view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    vals = v_cache[tables].view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < meta.seq_lens[:, None]
+    qd = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,41 +184,122 @@ def flash_attention(
 
 
 AttentionBackend = Callable[..., torch.Tensor]
-BACKENDS: dict[str, AttentionBackend] = {"torch": torch_attention, "flash_attn": flash_attention}
-FLASH_BLOCK_MULTIPLE = 256
+BACKEND_NAMES = ("torch", "flash_attn", "torch_varlen")
+FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel (also vendored in torch): page size % 256 == 0
+_VARLEN_PAGED_ARGS = frozenset({"scale", "window_size", "enable_gqa", "seqused_k", "block_table"})
+
+
+def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None) -> AttentionBackend | None:
+    """torch's own FlashAttention (``torch.nn.attention.varlen.varlen_attn``) bound into our
+    backend signature, or None when the installed torch lacks it or its paged arguments
+    (``block_table``/``seqused_k``/``enable_gqa``, torch >= 2.12-ish): its schema is read once
+    here, at start-up, instead of failing inside a forward. ``varlen_attn`` may be a stand-in
+    (tests)."""
+    if varlen_attn is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            return None
+    try:
+        params = set(inspect.signature(varlen_attn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if not _VARLEN_PAGED_ARGS <= params:
+        return None
+    fn = varlen_attn
+
+    def torch_varlen_attention(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None, scale: float
+    ) -> torch.Tensor:
+        """One varlen call for the whole mixed batch; causal is (-1, 0) windowing, aligned to the
+        bottom-right like flash-attn's, which a chunk after cached tokens needs."""
+        common = {"scale": scale, "window_size": (-1, 0), "enable_gqa": True}
+        if kv_cache is None:
+            cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
+            return fn(q, k, v, cu, cu, n, n, **common)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        return fn(
+            q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            seqused_k=meta.seq_lens, block_table=meta.block_tables, **common,
+        )  # fmt: skip
+
+    return torch_varlen_attention
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """The callable for a name that ``select_backend`` returned."""
+    if name == "torch":
+        return torch_attention
+    if name == "flash_attn":
+        return flash_attention
+    if name == "torch_varlen":
+        backend = torch_varlen_backend()
+        if backend is None:
+            raise ValueError("attention_backend='torch_varlen' needs torch.nn.attention.varlen.varlen_attn with block_table")
+        return backend
+    raise ValueError(f"attention_backend={name!r} is not one of {list(BACKEND_NAMES)}")
 
 
 def _flash_attn_importable() -> bool:
+    """flash-attn with a paged varlen kernel. A wheel built for another torch fails at import
+    (undefined symbol) or at first attribute access: either way we fall back, never crash."""
     try:
-        import flash_attn  # noqa: F401
-    except Exception as exc:  # ImportError, or an ABI error from a wheel built for another torch
+        from flash_attn import flash_attn_varlen_func
+
+        return "block_table" in inspect.signature(flash_attn_varlen_func).parameters
+    except Exception as exc:  # ImportError, OSError, an ABI error surfacing as anything else
         logger.debug("flash-attn not usable: %s", exc)
         return False
-    return True
 
 
-def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """The backend for this engine: ``requested`` when given (validated), else flash-attn on
-    CUDA when importable and compatible, else the torch backend."""
-    if requested is not None and requested not in BACKENDS:
-        raise ValueError(f"attention_backend={requested!r} is not one of {sorted(BACKENDS)}")
-    if requested == "torch" or (requested is None and device.type != "cuda"):
-        return "torch"
+def _fused_problems(name: str, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
+    """Why a FlashAttention backend cannot run this configuration (empty: it can)."""
     problems = []
     if device.type != "cuda":
         problems.append("it needs a CUDA device")
     if block_size % FLASH_BLOCK_MULTIPLE:
-        problems.append(f"its paged kernel needs block_size to be a multiple of {FLASH_BLOCK_MULTIPLE} (got {block_size})")
+        problems.append(
+            f"its paged kernel needs block_size to be a multiple of {FLASH_BLOCK_MULTIPLE} (got {block_size})"
+        )
     if dtype not in (torch.float16, torch.bfloat16):
-        problems.append(f"it supports float16/bfloat16 only (got {dtype})")
-    if requested == "flash_attn" and problems:
-        raise ValueError("attention_backend='flash_attn' cannot be used: " + "; ".join(problems))
+        problems.append(f"it supports float16/bfloat16 only (got {dtype}; use dtype='bfloat16' or 'auto')")
+    return problems
+
+
+def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
+    """The backend for this engine. ``requested`` (EngineArgs.attention_backend) is validated:
+    a configuration it cannot run is a ValueError naming the backend and the constraint.
+    Auto: on CUDA flash-attn when importable, else torch's varlen FlashAttention when its schema
+    reads a paged cache, else the torch backend (SDPA over gathered blocks); on CPU the torch
+    backend. A FlashAttention backend is skipped (with a reason logged) when the block size or
+    dtype rules it out."""
+    if requested is not None and requested not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
+    if requested == "torch" or (requested is None and device.type != "cuda"):
+        return "torch"
+    if requested is not None:
+        problems = _fused_problems(requested, device, dtype, block_size)
+        if problems:
+            raise ValueError(f"attention_backend={requested!r} cannot be used: " + "; ".join(problems))
+        if requested == "flash_attn" and not _flash_attn_importable():
+            raise ValueError("attention_backend='flash_attn' but flash-attn (with block_table) is not importable")
+        if requested == "torch_varlen" and torch_varlen_backend() is None:
+            logger.warning(
+                "torch %s has no paged varlen_attn (block_table/seqused_k); using the torch backend", torch.__version__
+            )
+            return "torch"
+        return requested
+    problems = _fused_problems("flash_attn", device, dtype, block_size)
     if problems:
+        logger.info("FlashAttention backends skipped: %s; using the torch backend", "; ".join(problems))
         return "torch"
-    if not _flash_attn_importable():
-        logger.warning("flash-attn is not importable with this torch; using the torch attention backend")
-        return "torch"
-    return "flash_attn"
+    if _flash_attn_importable():
+        return "flash_attn"
+    if torch_varlen_backend() is not None:
+        logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
+        return "torch_varlen"
+    logger.warning("flash-attn is not importable and torch's varlen_attn cannot read a paged cache; using torch")
+    return "torch"
 
 
 class Attention(nn.Module):

@@ -39,10 +39,14 @@ class AttentionMetadata:
     # Filled by the attention backend at the first layer and reused by the others
     # (how the batch splits into decode and prefill work), so each step plans once.
     backend_plan: Any = None
+    # A padded decode step with fixed shapes (what a CUDA graph replays): every row is one
+    # token, ``block_tables`` spans the longest possible context, ``max_seqlen_k`` is that
+    # bound and the host lists are NOT per-step values, so backends must read the tensors only.
+    static_decode: bool = False
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]
 
     @classmethod
     def paged(
@@ -77,6 +81,33 @@ class AttentionMetadata:
             cu_seqlens_k=tensor(cu_k, torch.int32),
             block_tables=tensor(padded, torch.int32),
             logits_indices=tensor([c - 1 for c in cu_q[1:]] if logits_rows is None else logits_rows, torch.long),
+        )
+
+    @classmethod
+    def for_static_decode(
+        cls,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        seq_lens: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        max_seqlen_k: int,
+    ) -> AttentionMetadata:
+        """Metadata over preallocated device buffers (views) for a padded decode batch: built
+        once per padded batch size and reused by every replay, so nothing here is per-step."""
+        batch = seq_lens.shape[0]
+        return cls(
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            max_seqlen_q=1,
+            max_seqlen_k=max_seqlen_k,
+            query_lens_cpu=[1] * batch,
+            seq_lens_cpu=[max_seqlen_k] * batch,  # upper bounds only (see static_decode)
+            slot_mapping=slot_mapping,
+            cu_seqlens_k=cu_seqlens_k,
+            block_tables=block_tables,
+            logits_indices=None,  # every row is a sequence's last token
+            static_decode=True,
         )
 
     @classmethod

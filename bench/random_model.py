@@ -1,0 +1,63 @@
+"""Random-weight models built in code: no hub, no network, no default-model wheel.
+
+Throughput depends on shapes, not on weight values, so a model with a real model's
+config and random weights measures the same work; the GPU check uses these on a machine
+where nothing can be downloaded. The tokenizer is a word-level one (``t0``, ``t1``, ...)
+covering the whole vocabulary, so that any token id decodes; workloads use token ids.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig, Qwen3Config
+
+
+def qwen3_06b_config(**overrides) -> Qwen3Config:
+    """Qwen3-0.6B's shapes (as nano-vllm's benchmark uses it)."""
+    kw = dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+        rope_theta=1000000.0, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        initializer_range=0.02, architectures=["Qwen3ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+def tiny_qwen3_bench_config(**overrides) -> Qwen3Config:
+    """The same architecture at test size (CPU smoke runs)."""
+    return qwen3_06b_config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, **overrides,
+    )  # fmt: skip
+
+
+def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
+    """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0", unk_token="t0").save_pretrained(
+        out_dir
+    )
+
+
+@torch.no_grad()
+def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu", seed: int = 0) -> Path:  # fmt: skip
+    """An HF directory (config.json, model.safetensors, tokenizer) with random weights,
+    initialised on ``device`` (fast on a GPU for a 0.6B model) and saved in ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out_dir)
+    save_word_level_tokenizer(config.vocab_size, out_dir)
+    return out_dir

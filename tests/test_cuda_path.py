@@ -1,0 +1,299 @@
+"""The CUDA path's CPU-checkable parts: torch varlen glue against a stand-in with varlen_attn's
+documented semantics, backend selection and fallbacks, dtype rules, and the padded static-shape
+decode forward (what a CUDA graph replays) against the eager forward."""
+from __future__ import annotations
+
+import importlib.abc
+import logging
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from helpers import tiny_llama_config, tiny_qwen3_config
+from test_attention import D, MIXES, build_batch, dense_reference
+from vllmini.config import resolve_dtype
+from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, StaticDecodeBuffers, capture_sizes
+from vllmini.engine.model_runner import FlatBatch
+from vllmini.models.attention import get_backend, select_backend, torch_attention, torch_varlen_backend
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.registry import get_model_class
+
+CUDA = torch.device("cuda")  # selection only inspects the device; nothing runs on it
+
+
+def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
+    """torch.nn.attention.varlen.varlen_attn as documented (torch 2.13), written densely:
+    (-1, 0) windowing = causal aligned bottom-right; with block_table, key/value are a page pool
+    and seqused_k[i] tokens of sequence i are valid."""
+    assert window_size == (-1, 0) and enable_gqa and query.dtype == key.dtype
+    assert block_table is None or (seqused_k is not None and block_table.dtype == torch.int32)
+    out = torch.empty_like(query)
+    for i in range(len(cu_seq_q) - 1):
+        qs, qe = int(cu_seq_q[i]), int(cu_seq_q[i + 1])
+        assert qe - qs <= max_q
+        if block_table is None:
+            ks, ke = int(cu_seq_k[i]), int(cu_seq_k[i + 1])
+            keys, vals = key[ks:ke], value[ks:ke]
+        else:
+            n = int(seqused_k[i])
+            assert n <= max_k
+            blocks = block_table[i, : math.ceil(n / key.shape[1])].long()
+            keys, vals = key[blocks].flatten(0, 1)[:n], value[blocks].flatten(0, 1)[:n]
+        h, hkv = query.shape[1], keys.shape[1]
+        k_rep, v_rep = keys.repeat_interleave(h // hkv, 1), vals.repeat_interleave(h // hkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", query[qs:qe].float(), k_rep.float()) * scale
+        q_len, k_len = qe - qs, keys.shape[0]
+        allowed = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_rep.float()).to(query.dtype)
+    return out
+
+
+def old_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """The torch 2.10-era schema: no block_table, no GQA."""
+    raise AssertionError("must not be called")
+
+
+def fake_varlen_module(fn) -> types.ModuleType:
+    mod = types.ModuleType("torch.nn.attention.varlen")
+    mod.varlen_attn = fn
+    return mod
+
+
+# ---- torch varlen glue ---------------------------------------------------------------------
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_torch_varlen_glue_passes_paged_metadata(mix):
+    q_lens, seq_lens = MIXES[mix]
+    q, k, v, cache, meta, hk, hv = build_batch(q_lens, seq_lens, seed=3)
+    cache_copy = (cache[0].clone(), cache[1].clone())
+    out = torch_varlen_backend(fake_varlen_attn)(q, k, v, meta, cache, D**-0.5)
+    ref = torch_attention(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, meta.slot_mapping.tolist(),
+                                                           meta.block_tables.tolist()), cache_copy, D**-0.5)  # fmt: skip
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache[0], cache_copy[0])  # same K/V written at the same slots
+    start = 0
+    for ql, k_seq, v_seq in zip(q_lens, hk, hv):
+        torch.testing.assert_close(out[start : start + ql], dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        start += ql
+
+
+def test_torch_varlen_glue_without_cache():
+    lens = [3, 7, 1]
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(sum(lens), n, D, generator=g) for n in (6, 2, 2))
+    meta = AttentionMetadata.for_prompts(lens)
+    out = torch_varlen_backend(fake_varlen_attn)(q, k, v, meta, None, 0.3)
+    torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_varlen_schema_check():
+    assert torch_varlen_backend(fake_varlen_attn) is not None
+    assert torch_varlen_backend(old_varlen_attn) is None  # no block_table: cannot read a paged cache
+    assert torch_varlen_backend(len) is None  # any other callable: refused, not raised on
+
+
+# ---- backend selection ----------------------------------------------------------------------
+@pytest.fixture
+def vllmini_log(monkeypatch, caplog):
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
+    caplog.set_level("INFO", logger="vllmini")
+    return caplog
+
+
+def _no_flash(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
+
+
+def test_auto_order_on_cuda(monkeypatch, vllmini_log):
+    from test_attention import _fake_flash_module
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "flash_attn"
+    _no_flash(monkeypatch)
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "torch_varlen"
+    assert "flash-attn is not importable" in vllmini_log.text
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(old_varlen_attn))
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "torch"
+    # auto never picks a FlashAttention backend that the block size or dtype rules out
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
+    assert select_backend(None, CUDA, torch.bfloat16, 16) == "torch"
+    assert select_backend(None, CUDA, torch.float32, 256) == "torch"
+    assert select_backend(None, torch.device("cpu"), torch.bfloat16, 256) == "torch"
+
+
+def test_forced_backends_name_their_constraint(monkeypatch, vllmini_log):
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
+    with pytest.raises(ValueError, match="'torch_varlen' cannot be used.*block_size to be a multiple of 256 \\(got 16\\)"):
+        select_backend("torch_varlen", CUDA, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="'flash_attn' cannot be used.*float16/bfloat16 only \\(got torch.float32"):
+        select_backend("flash_attn", CUDA, torch.float32, 256)
+    with pytest.raises(ValueError, match="'torch_varlen' cannot be used: it needs a CUDA device"):
+        select_backend("torch_varlen", torch.device("cpu"), torch.bfloat16, 256)
+    assert select_backend("torch_varlen", CUDA, torch.float16, 512) == "torch_varlen"  # fp16 accepted
+    assert select_backend("torch", CUDA, torch.float32, 16) == "torch"  # the torch backend takes anything
+    _no_flash(monkeypatch)
+    with pytest.raises(ValueError, match="flash-attn .* is not importable"):
+        select_backend("flash_attn", CUDA, torch.bfloat16, 256)
+    # forced torch_varlen on a torch whose varlen_attn has no block_table: SDPA over gathered blocks
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(old_varlen_attn))
+    assert select_backend("torch_varlen", CUDA, torch.bfloat16, 256) == "torch"
+    assert "no paged varlen_attn" in vllmini_log.text
+    with pytest.raises(ValueError, match="attention_backend='nope' is not one of"):
+        select_backend("nope", CUDA, torch.bfloat16, 256)
+
+
+class _AbiBrokenFinder(importlib.abc.MetaPathFinder):
+    """What a flash-attn wheel built for another torch does at import."""
+
+    def find_spec(self, name, path, target=None):
+        if name == "flash_attn" or name.startswith("flash_attn."):
+            raise ImportError("flash_attn_2_cuda.cpython-312-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDevice")
+        return None
+
+
+def _lazy_broken_flash() -> types.ModuleType:
+    mod = types.ModuleType("flash_attn")
+
+    def __getattr__(name):
+        raise OSError("libcudart.so.12: cannot open shared object file")
+
+    mod.__getattr__ = __getattr__
+    return mod
+
+
+@pytest.mark.parametrize("breakage", ["abi-import-error", "lazy-load-error"])
+def test_broken_flash_attn_falls_back_with_one_warning(monkeypatch, vllmini_log, breakage):
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
+    if breakage == "abi-import-error":
+        monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+        monkeypatch.setattr(sys, "meta_path", [_AbiBrokenFinder(), *sys.meta_path])
+    else:
+        monkeypatch.setitem(sys.modules, "flash_attn", _lazy_broken_flash())
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "torch_varlen"
+    warnings = [r for r in vllmini_log.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "flash-attn is not importable" in warnings[0].getMessage()
+
+
+def test_get_backend():
+    assert get_backend("torch") is torch_attention
+    assert callable(get_backend("torch_varlen"))  # this torch's schema has block_table
+    with pytest.raises(ValueError, match="not one of"):
+        get_backend("nope")
+
+
+def test_dtype_rules():
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", CUDA) == torch.bfloat16
+    assert resolve_dtype("fp16", CUDA) == torch.float16
+    assert resolve_dtype("float32", CUDA) == torch.float32  # allowed with the torch backend
+    with pytest.raises(ValueError, match="float16/bfloat16 only"):
+        select_backend("flash_attn", CUDA, resolve_dtype("float32", CUDA), 256)
+
+
+# ---- padded static decode (what a CUDA graph replays) == eager --------------------------------
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 32]
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert capture_sizes(256)[-1] == 256 and len(capture_sizes(256)) == 20
+
+
+def test_static_buffers_pad_rows():
+    buf = StaticDecodeBuffers.allocate(8, 4, torch.device("cpu"))
+    flat = FlatBatch([5, 6, 7], [9, 0, 20], [36 + 9, 2 * 4, 7 * 4 + 20 % 4], [1, 1, 1], [10, 1, 21],
+                     [[9, 8, 7], [2], [1, 3, 5, 7]], [0, 1, 2], [0, 1, 2])  # fmt: skip
+    buf.fill(flat, 4, pad_block=11, block_size=4)
+    assert buf.input_ids[:4].tolist() == [5, 6, 7, 0]
+    assert buf.slot_mapping[:4].tolist() == [45, 8, 28, 44]  # the pad row writes into the pad block
+    assert buf.seq_lens[:4].tolist() == [10, 1, 21, 1]
+    assert buf.cu_seqlens_k[:5].tolist() == [0, 10, 11, 32, 33]
+    assert buf.block_tables[:4].tolist() == [[9, 8, 7, 0], [2, 0, 0, 0], [1, 3, 5, 7], [11, 0, 0, 0]]
+    meta = buf.metadata(4, 4)
+    assert meta.static_decode and meta.max_seqlen_k == 16 and meta.num_seqs == 4
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
+
+
+def _random_model(config, backend):
+    torch.manual_seed(0)
+    model = get_model_class(config.architectures)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.set_attention_backend(backend)
+    return model
+
+
+def _decode_state(model, batch: int, block_size: int, max_model_len: int, seed: int):
+    """A paged cache holding ``batch`` sequences of varied lengths (prefilled for real), and the
+    decode step that follows (one new token each), as a FlatBatch."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_model_len - 1, (batch,), generator=g).tolist()
+    lens[0] = max_model_len - 1  # one sequence fills its block table to the last block
+    blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = blocks_per_seq * batch
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[i * blocks_per_seq : i * blocks_per_seq + -(-(n + 1) // block_size)] for i, n in enumerate(lens)]
+    shape = (num_blocks + PAD_BLOCKS, block_size, model.num_kv_heads, model.head_dim)
+    p = next(model.parameters())
+    caches = [(torch.zeros(shape, dtype=p.dtype), torch.zeros(shape, dtype=p.dtype)) for _ in model.model.layers]
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in lens]
+    slots = [t[i // block_size] * block_size + i % block_size for t, n in zip(tables, lens) for i in range(n)]
+    meta = AttentionMetadata.paged(lens, lens, slots, tables)
+    ids = torch.tensor([t for pr in prompts for t in pr])
+    with torch.no_grad():
+        model(ids, torch.cat([torch.arange(n) for n in lens]), meta, caches)
+    new = torch.randint(0, model.config.vocab_size, (batch,), generator=g).tolist()
+    flat = FlatBatch(
+        ids=new, positions=list(lens),
+        slots=[t[n // block_size] * block_size + n % block_size for t, n in zip(tables, lens)],
+        query_lens=[1] * batch, seq_lens=[n + 1 for n in lens], block_tables=tables,
+        logits_rows=list(range(batch)), sample_indices=list(range(batch)),
+    )  # fmt: skip
+    return caches, flat, num_blocks
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("backend", ["torch", "torch_varlen"])
+def test_padded_static_decode_equals_eager(arch, backend):
+    block_size, max_model_len = 4, 40
+    config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
+    fn = torch_attention if backend == "torch" else torch_varlen_backend(fake_varlen_attn)
+    model = _random_model(config, fn)
+    for batch in (3, 5, 17):
+        caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
+        static_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            ref = model(*[torch.tensor(x) for x in (flat.ids, flat.positions)], flat.to_model_input("cpu").attn_metadata, caches)
+        runner = DecodeGraphRunner(model, static_caches, block_size, 20, max_model_len, num_blocks,
+                                   torch.device("cpu"), use_graphs=False)  # fmt: skip
+        assert runner.can_run(flat) and runner.padded_size(batch) > batch
+        out = runner.run(flat)
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+        for (k, v), (sk, sv) in zip(caches, static_caches):  # same K/V written; padding only in the pad block
+            torch.testing.assert_close(sk[:num_blocks], k[:num_blocks])
+            torch.testing.assert_close(sv[:num_blocks], v[:num_blocks])
+
+
+def test_graph_runner_refuses_what_it_cannot_replay():
+    model = _random_model(tiny_llama_config(), torch_attention)
+    runner = DecodeGraphRunner(model, [], 4, 8, 40, 0, torch.device("cpu"), use_graphs=False)
+    decode = FlatBatch([1, 2], [3, 4], [3, 4], [1, 1], [4, 5], [[0], [1, 2]], [0, 1], [0, 1])
+    assert runner.can_run(decode)
+    prefill = FlatBatch([1, 2], [0, 1], [0, 1], [2], [2], [[0]], [1], [0])
+    assert not runner.can_run(prefill)
+    partial = FlatBatch([1], [0], [0], [1], [1], [[0]], [], [])  # a 1-token chunk that samples nothing
+    assert not runner.can_run(partial)
+    too_many = FlatBatch(*([[1] * 9] * 5), [[0]] * 9, list(range(9)), list(range(9)))
+    assert not runner.can_run(too_many)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphRunner(model, [], 4, 8, 40, 0, torch.device("cpu"), use_graphs=True)
