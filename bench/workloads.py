@@ -3,7 +3,7 @@
 Prompts: ``chat`` (bench/data/chat_prompts.txt through the chat template, bench.offline's
 uniform workload) or ``random`` (random token ids with input/output lengths uniform in given
 ranges; with the default 16..512 / 16..256 ranges it is exactly bench.offline's mixed
-workload). Arrivals as in vLLM's serving benchmark: inter-arrival times drawn from a gamma
+workload) or ``file`` (a JSONL file of prompts, see load_workload_file). Arrivals as in vLLM's serving benchmark: inter-arrival times drawn from a gamma
 distribution with shape = burstiness and scale = 1 / (rate * burstiness), so the mean rate is
 ``rate`` for any burstiness (1 = Poisson; < 1 burstier; > 1 more uniform); rate = inf sends
 everything at t = 0.
@@ -63,3 +63,75 @@ def arrival_offsets(n: int, rate: float = math.inf, burstiness: float = 1.0, see
         return [0.0] * n
     gaps = np.random.default_rng(seed).gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)
     return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def load_workload_file(path: str) -> list[dict]:
+    """Rows of a JSONL workload file, validated before any model is loaded.
+
+    Each line is an object with exactly one of ``prompt`` (raw text), ``messages`` (chat
+    messages, the template is applied) or ``prompt_token_ids`` (ints >= 0), and optionally
+    ``output_len`` (int >= 1; else --output-len decides). Blank lines are skipped. A bad row
+    raises ValueError naming the file, the line and the field."""
+    import json
+
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except OSError as e:
+        raise ValueError(f"workload file {path!r} cannot be read: {e}") from e
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"workload file {path!r} line {n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        kinds = [k for k in ("prompt", "messages", "prompt_token_ids") if k in row]
+        if len(kinds) != 1:
+            raise ValueError(f"{where}: needs exactly one of 'prompt', 'messages', 'prompt_token_ids' (got {kinds or 'none'})")
+        unknown = set(row) - {"prompt", "messages", "prompt_token_ids", "output_len"}
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}")
+        v = row[kinds[0]]
+        if kinds[0] == "prompt" and not (isinstance(v, str) and v):
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+        if kinds[0] == "prompt_token_ids" and not (
+            isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+        ):
+            raise ValueError(f"{where}: 'prompt_token_ids' must be a non-empty list of ints >= 0")
+        if kinds[0] == "messages" and not (
+            isinstance(v, list) and v and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                              and isinstance(m.get("content"), str) for m in v)  # fmt: skip
+        ):
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role': str, 'content': str}}")
+        out = row.get("output_len")
+        if out is not None and not (isinstance(out, int) and not isinstance(out, bool) and out >= 1):
+            raise ValueError(f"{where}: 'output_len' must be an int >= 1, got {out!r}")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"workload file {path!r} has no rows")
+    return rows
+
+
+def file_workload(rows: list[dict], tokenizer, vocab_size: int, n: int, output_range: tuple[int, int],
+                  seed: int = 0) -> Workload:  # fmt: skip
+    """The first ``n`` rows (cycled when fewer), tokenized; missing output lengths drawn from the range."""
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for i in range(n):
+        row = rows[i % len(rows)]
+        if "prompt_token_ids" in row:
+            ids = list(row["prompt_token_ids"])
+            if max(ids) >= vocab_size:
+                raise ValueError(f"workload row {i % len(rows) + 1}: token id {max(ids)} >= the model's vocab_size {vocab_size}")
+        elif "messages" in row:
+            ids = list(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False))  # fmt: skip
+        else:
+            ids = tokenizer.encode(row["prompt"])
+        prompts.append(ids)
+        outs.append(row.get("output_len") or rng.randint(*output_range))
+    return Workload("file", prompts, outs)

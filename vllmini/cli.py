@@ -200,12 +200,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")
     return parser
+
+
+def cmd_bench(argv: list[str]) -> int:
+    """``vllmini bench ...`` runs bench.serving, which lives beside the package in a source
+    checkout (it is not installed: it drives baselines from other virtualenvs)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "serving.py").is_file():
+        print("error: vllmini bench needs a source checkout (bench/ beside vllmini/); "
+              "install with `pip install -e .` from a clone", file=sys.stderr)  # fmt: skip
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench.serving import main as bench_main
+
+    bench_main(argv, prog="vllmini bench")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return cmd_bench(argv[1:])
     if not argv or argv[0] not in ("generate", "chat", "-h", "--help"):
         argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
