@@ -164,6 +164,18 @@ def main(argv: list[str] | None = None) -> dict:
     if device.type == "cuda":
         record["gpu"] = torch.cuda.get_device_name(device)
 
+    if args.out:
+        path = Path(args.out)
+    elif os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / "gpu_offline.json"
+    else:
+        path = HERE / "results" / f"gpu-offline-{'tiny-' if tiny else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every phase, so that a run cut short by a time limit still reports
+        record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        path.write_text(json.dumps(record, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="vllmini-gpu-offline-") as tmp:
         t0 = time.perf_counter()
         model_dir = save_random_model(config, Path(tmp), dtype, device)
@@ -187,10 +199,12 @@ def main(argv: list[str] | None = None) -> dict:
             "block_size": eng.block_manager.block_size, "kv_blocks": eng.num_blocks,
             "kv_tokens": eng.capacity_tokens, "preemptions": eng.scheduler.stats.num_preemptions,
         }  # fmt: skip
+        save()
         record["decode_step"] = decode_step_timing(eng, args.timing_batch or (8 if tiny else 64), context=(lo + hi) // 2, iters=5 if tiny else 20)
         if device.type == "cuda":
             record["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             record["gpu_memory_total_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)
+        save()
         del llm, eng
         gc.collect()
         if device.type == "cuda":
@@ -217,15 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"x {v['block_size']} tokens, peak GPU memory {record.get('peak_gpu_memory_gib', 'n/a')} GiB")  # fmt: skip
     print(f"decode step: {json.dumps(record['decode_step'])}")
 
-    if args.out:
-        path = Path(args.out)
-    elif os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "gpu_offline.json"
-    else:
-        path = HERE / "results" / f"gpu-offline-{'tiny-' if tiny else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
-    path.write_text(json.dumps(record, indent=2))
+    save()
     print(f"wrote {path}")
     return record
 

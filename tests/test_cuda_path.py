@@ -297,3 +297,36 @@ def test_graph_runner_refuses_what_it_cannot_replay():
     assert not runner.can_run(too_many)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         DecodeGraphRunner(model, [], 4, 8, 40, 0, torch.device("cpu"), use_graphs=True)
+
+
+def test_engine_steps_through_the_graph_runner(tmp_path):
+    """LLMEngine with its runner's decode steps routed through DecodeGraphRunner (eager static
+    mode, as on CUDA minus the replay): the same greedy tokens as the plain eager engine,
+    with and without preemption-free mixed prefill/decode steps."""
+    from bench.random_model import save_random_model, tiny_qwen3_bench_config
+    from vllmini import LLM, SamplingParams
+    from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    model_dir = save_random_model(tiny_qwen3_bench_config(initializer_range=0.3), tmp_path / "m", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 40, 17, 1, 25)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (9, 5, 12, 7, 3)]
+    kw = dict(model=str(model_dir), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, kv_cache_memory=2**20)
+
+    def generate(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = generate(LLM(**kw))
+    llm = LLM(**kw)
+    eng = llm.llm_engine
+    runner = eng.runner
+    spec = KVCacheSpec(len(runner.kv_caches), eng.model.num_kv_heads, eng.model.head_dim, runner.block_size, eng.dtype)
+    runner.kv_caches = allocate_kv_cache(spec, eng.num_blocks + PAD_BLOCKS, runner.device)
+    runner.decode_graphs = DecodeGraphRunner(eng.model, runner.kv_caches, runner.block_size, 8, 64, eng.num_blocks,
+                                             runner.device, use_graphs=False)  # fmt: skip
+    calls = []
+    original = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    assert generate(llm) == expected
+    assert calls and max(calls) > 1, "no decode step went through the graph runner"

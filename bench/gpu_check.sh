@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU check of issue 7, in one script (one H200, no network, under 5 minutes):
+#   (i)   CUDA tests: every attention backend vs the torch reference path and HF transformers
+#         (tiny random Llama and Qwen3, bf16), CUDA-graph replay == eager, decode-step timing;
+#   (ii)  nano-vllm's offline workload on Qwen3-0.6B-shaped random weights: vllmini output tok/s
+#         and HF transformers static batches in the same run, with the ratio;
+#   (iii) peak GPU memory and KV blocks.
+# Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json, gpu_tests.log/.xml.
+# Wheels the machine lacks (msgspec) come from a local folder only: fill it here with
+# bench/fetch_gpu_wheels.sh, carry it (default .gpu-wheels, or $WHEELS).
+#   bash bench/gpu_check.sh                 # from the repo root
+#   bash bench/gpu_check.sh --tiny          # CPU smoke run of the benchmark part (tests skip without CUDA)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS="${WHEELS:-.gpu-wheels}"
+RESULTS="${OUT:-bench/results}"
+PY="${PYTHON:-python3}"
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+if ! "$PY" -c "import msgspec" 2>/dev/null; then
+    if ! ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        echo "msgspec is missing and $WHEELS holds no wheels: run bench/fetch_gpu_wheels.sh and carry $WHEELS" >&2
+        exit 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/vllmini-site "$WHEELS"/*.whl || exit 2
+    export PYTHONPATH="/tmp/vllmini-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+"$PY" - <<'PYEOF'
+import torch
+from vllmini.models.attention import _flash_attn_importable, torch_varlen_backend
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {torch_varlen_backend() is not None}; "
+      f"flash-attn: {_flash_attn_importable()}")
+PYEOF
+
+start=$(date +%s)
+timeout 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_cuda_path.py tests/test_attention.py \
+    --junitxml "$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"
+
+start=$(date +%s)
+timeout 200 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@"
+bench_rc=$?
+echo "benchmark: rc=$bench_rc in $(( $(date +%s) - start ))s"
+
+"$PY" - "$RESULTS" "$tests_rc" "$bench_rc" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+results, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+summary = {"tests_rc": tests_rc, "benchmark_rc": bench_rc}
+try:
+    suite = ET.parse(results / "gpu_tests.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    summary["tests"] = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+except (OSError, ET.ParseError, AttributeError) as exc:
+    summary["tests"] = f"no junit report: {exc}"
+try:
+    summary["gpu_offline"] = json.loads((results / "gpu_offline.json").read_text())
+except (OSError, ValueError) as exc:
+    summary["gpu_offline"] = f"no benchmark record: {exc}"
+(results / "gpu_check.json").write_text(json.dumps(summary, indent=2))
+print(json.dumps({k: v for k, v in summary.items() if k != "gpu_offline"}))
+print(f"wrote {results / 'gpu_check.json'}")
+PYEOF
+exit $(( tests_rc != 0 || bench_rc != 0 ))
