@@ -27,9 +27,11 @@ CUDA = torch.device("cuda")  # selection only inspects the device; nothing runs 
 def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
     """torch.nn.attention.varlen.varlen_attn as documented (torch 2.13), written densely:
-    (-1, 0) windowing = causal aligned bottom-right; with block_table, key/value are a page pool
+    (-1, 0) windowing = causal aligned bottom-right (full attention is only accepted where every
+    query is a single token, where the two agree); with block_table, key/value are a page pool
     and seqused_k[i] tokens of sequence i are valid."""
-    assert window_size == (-1, 0) and enable_gqa and query.dtype == key.dtype
+    assert (window_size == (-1, 0) or (window_size == (-1, -1) and max_q == 1)) and enable_gqa
+    assert query.dtype == key.dtype
     assert block_table is None or (seqused_k is not None and block_table.dtype == torch.int32)
     out = torch.empty_like(query)
     for i in range(len(cu_seq_q) - 1):

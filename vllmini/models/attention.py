@@ -212,8 +212,10 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None, scale: float
     ) -> torch.Tensor:
         """One varlen call for the whole mixed batch; causal is (-1, 0) windowing, aligned to the
-        bottom-right like flash-attn's, which a chunk after cached tokens needs."""
-        common = {"scale": scale, "window_size": (-1, 0), "enable_gqa": True}
+        bottom-right like flash-attn's, which a chunk after cached tokens needs. With one query
+        per sequence causal == full, and full attention lets the kernel pack GQA heads."""
+        window = (-1, -1) if meta.max_seqlen_q == 1 else (-1, 0)
+        common = {"scale": scale, "window_size": window, "enable_gqa": True}
         if kv_cache is None:
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             return fn(q, k, v, cu, cu, n, n, **common)
