@@ -59,7 +59,9 @@ def sync(device: torch.device) -> None:
 
 def decode_step_timing(eng, batch: int, context: int, iters: int) -> dict:
     """Per-step time of one decode batch, eager forward vs the graph runner (on CPU: the padded
-    static forward run eagerly, which is what a graph would replay)."""
+    static forward run eagerly, which is what a graph would replay). It writes K/V into the
+    first blocks of the idle engine's cache (their prefix-cache contents are stale afterwards:
+    run it last, on an engine that is thrown away)."""
     from vllmini.engine.cuda_graph import DecodeGraphRunner
     from vllmini.engine.model_runner import FlatBatch
 
@@ -114,7 +116,7 @@ def run_hf_static(model_dir: Path, dtype: torch.dtype, device: torch.device, pro
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
         with torch.inference_mode():
-            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+            res = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                  do_sample=False, eos_token_id=None, pad_token_id=pad)  # fmt: skip
         assert res.shape[1] == width + max_new
 
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
             "attention_backend": eng.attention_backend, "cuda_graphs": eng.runner.decode_graphs is not None,
             "block_size": eng.block_manager.block_size, "kv_blocks": eng.num_blocks,
             "kv_tokens": eng.capacity_tokens, "preemptions": eng.scheduler.stats.num_preemptions,
+            "kv_cache_gib": round(sum(t.numel() * t.element_size() for kv in eng.runner.kv_caches for t in kv) / 2**30, 2),
         }  # fmt: skip
         save()
         record["decode_step"] = decode_step_timing(eng, args.timing_batch or (8 if tiny else 64), context=(lo + hi) // 2, iters=5 if tiny else 20)
