@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
         ap.error(str(e))
     warm = random_workload(eng.vocab_size, args.num_warmup, (16, 64), (4, 4), seed=args.seed + 1_000_003)
     context = int(statistics.median(map(len, wl.prompts)) + statistics.median(wl.output_lens) // 2)
-    bare_forward = bare_decode_forward_s(eng, context)
+    bare_forward = engine.run_on_engine_thread(bare_decode_forward_s, eng, context)  # where the engine steps
 
     meta = dict(model=args.model, dtype=str(eng.dtype).removeprefix("torch."), device=str(eng.device),
                 torch=str(torch.__version__), threads=torch.get_num_threads(),

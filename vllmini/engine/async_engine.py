@@ -17,12 +17,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 from vllmini.config import EngineArgs
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 logger = logging.getLogger("vllmini")
 
@@ -43,9 +45,9 @@ class EngineStats:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
         self._lock = threading.Lock()  # guards the inboxes shared with the worker thread
         self._new: list[RequestState] = []
         self._aborts: list[str] = []
@@ -57,7 +59,22 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args))
+        """Builds the engine on the worker thread that will step it. torch's OpenMP thread
+        pool is per calling thread: loading on one thread and stepping on another leaves two
+        pools on the machine's cores, and on a 2-core CPU that cost ~10-15% of step time
+        (measured: 64 x 64-token offline run, 195 vs 225 tok/s)."""
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
+        try:
+            engine = executor.submit(LLMEngine.from_engine_args, args).result()
+        except BaseException:
+            executor.shutdown(wait=False)
+            raise
+        return cls(engine, executor)
+
+    def run_on_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """Call ``fn(*args)`` on the engine's worker thread, between steps, and wait for it
+        (blocking: for set-up and measurement code, not for the event loop's hot path)."""
+        return self._executor.submit(fn, *args).result()
 
     # ---- lifecycle ------------------------------------------------------------------------
     @property

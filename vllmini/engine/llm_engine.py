@@ -6,6 +6,7 @@ request that changed. The async engine drives this same loop from a worker threa
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -138,7 +139,14 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args)
+        engine = cls(args)
+        # Everything alive now (imported modules, tokenizer, model) lives as long as the
+        # process: moving it out of the collector's reach makes later full collections scan
+        # only new objects. Without this a gen-2 collection took ~200 ms here, stalling
+        # whichever thread triggered it (a step, or the event loop that streams outputs).
+        gc.collect()
+        gc.freeze()
+        return engine
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         """The tokenizer's EOS plus any the generation config lists (e.g. Llama 3's <|eot_id|>)."""

@@ -124,7 +124,7 @@ def torch_attention(
 
     for i in plan.prefill_seqs:
         start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
-        if kv_cache is None:
+        if kv_cache is None or q_len == seq_len:  # nothing cached before this chunk: no gather needed
             keys, vals = k[start : start + q_len], v[start : start + q_len]
         else:
             blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
