@@ -136,9 +136,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
 
     from vllmini import AsyncLLMEngine, EngineArgs
 
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
-        model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory))  # fmt: skip
+    try:  # a model that does not load is reported as such, before any request is sent
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+            model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory))  # fmt: skip
+    except (ValueError, OSError) as e:  # OSError covers FileNotFoundError and unreadable files
+        ap.error(f"--model {args.model!r} could not be loaded: {e}")
     eng = engine.engine
     try:
         if args.dataset == "chat":

@@ -196,3 +196,16 @@ def test_entry_points():
     res = subprocess.run([sys.executable, "-m", "vllmini", "bench", "--workload", "poisson", "--rate", "0"],
                          capture_output=True, text=True, cwd=REPO, env=env, timeout=120)  # fmt: skip
     assert res.returncode == 2 and "request rate must be > 0" in res.stderr
+
+
+def test_model_that_does_not_load_is_a_clear_error(tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')
+    for model in (str(tmp_path / "missing"), str(broken)):
+        with pytest.raises(SystemExit) as e:
+            main(["--model", model, "--num-requests", "1", "--hf-batch-size", "0", "--out", str(tmp_path)])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("could not be loaded") == 2 and "Traceback" not in err
+    assert not list(tmp_path.glob("serving-*.json"))  # nothing was measured, nothing written

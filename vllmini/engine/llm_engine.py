@@ -25,6 +25,7 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
 from vllmini.models.attention import get_backend, select_backend
+from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_model, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -74,6 +75,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.model_dir = resolve_model_dir(args.model, args.cache_dir)
         self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device)
+        if packing_available(self.device, self.dtype):
+            logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(self.model))
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
