@@ -149,3 +149,19 @@ def test_cuda_selection_falls_back_when_flash_attn_is_missing(monkeypatch, caplo
         select_backend("flash_attn", cuda, torch.bfloat16, 16)
     with pytest.raises(ValueError, match="float16/bfloat16 only"):
         select_backend("flash_attn", cuda, torch.float32, 256)
+
+
+def test_decode_groups_split_only_when_padding_costs_more_than_a_group():
+    from vllmini.models.attention import _decode_groups
+
+    assert _decode_groups([]) == []
+    assert _decode_groups([3, 9, 5, 7, 4], group_cost=16) == [[0, 4, 2, 3, 1]]  # short, similar: one group
+    groups = _decode_groups([2, 48, 3, 50, 1, 47], group_cost=16)  # two clusters far apart
+    assert groups == [[4, 0, 2], [5, 1, 3]]
+    every = _decode_groups([1, 2, 3, 4], group_cost=0)  # free groups: no padding at all
+    assert sorted(map(sorted, every)) == [[0], [1], [2], [3]]
+    # every row lands in exactly one group, for any cost
+    lens = [(i * 37) % 61 + 1 for i in range(64)]
+    for cost in (0, 4, 16, 1000):
+        flat = sorted(i for g in _decode_groups(lens, group_cost=cost) for i in g)
+        assert flat == list(range(64))
