@@ -13,6 +13,7 @@ import sys
 import time
 
 from bench.offline import Workload
+from bench.send_schedule import send_on_schedule, span_s
 from bench.serving_metrics import RequestRecord
 
 
@@ -44,13 +45,12 @@ async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: Reques
 
 
 async def drive(engine, wl: Workload, offsets: list[float], concurrency: int | None, records: list[RequestRecord],
-                progress: bool = True, tag: str = "req", peak: dict | None = None) -> tuple[float, float]:  # fmt: skip
+                progress: bool = True, tag: str = "req", peak: dict | None = None) -> float:  # fmt: skip
     """Send ``wl`` at ``offsets`` (at most ``concurrency`` in flight); fill ``records`` as requests
-    are sent and ``peak["kv_usage"]`` as it is sampled. Returns (duration_s, peak KV usage).
+    are sent and ``peak["kv_usage"]`` as it is sampled. Returns the duration in seconds.
     Cancelling stops sending; finished records stay, unfinished ones are marked "cancelled"."""
     from tqdm.auto import tqdm
 
-    sem = asyncio.Semaphore(concurrency) if concurrency else None
     bar = tqdm(total=len(wl.prompts), desc=f"vllmini {tag}", disable=not progress, leave=False)
     peak = {} if peak is None else peak
     peak["kv_usage"] = 0.0
@@ -64,32 +64,16 @@ async def drive(engine, wl: Workload, offsets: list[float], concurrency: int | N
 
     async def request(i: int) -> None:
         rec = RequestRecord(send_time=0.0, chunk_times=[], prompt_len=len(wl.prompts[i]), output_len=0)
-        if sem is not None:
-            async with sem:
-                records.append(rec)
-                await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
-        else:
-            records.append(rec)
-            await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
+        records.append(rec)
+        await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
         bar.update(1)
 
     sampler = asyncio.create_task(sample_kv())
-    tasks: list[asyncio.Task] = []
     start = time.perf_counter()
     try:
-        for i, t in enumerate(offsets):
-            delay = start + t - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(request(i)))
-        await asyncio.gather(*tasks)
+        await send_on_schedule(offsets, concurrency, request)
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         stop.set()
         await sampler
         bar.close()
-    ends = [r.chunk_times[-1] for r in records if r.chunk_times]
-    duration = (max(ends) if ends else time.perf_counter()) - start
-    return max(duration, 1e-9), peak["kv_usage"]
+    return span_s(start, (r.chunk_times for r in records))

@@ -40,12 +40,12 @@ from bench.baselines import VLLM_MODES, VllmPoint, bare_decode_forward_s, check_
 from bench.driver import drive, peak_rss_bytes
 from bench.offline import Workload, git_revision, run_hf_static
 from bench.plots import plot_distributions, plot_sweep
+from bench.send_schedule import span_s
 from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
 from bench.workloads import (arrival_offsets, chat_workload, file_workload, load_workload_file, parse_range,
                              random_workload)  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
-
 
 
 def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
         engine.shutdown()
         ap.error(str(e))
     warm = random_workload(eng.vocab_size, args.num_warmup, (16, 64), (4, 4), seed=args.seed + 1_000_003)
+    schedules = [arrival_offsets(len(wl.prompts), rate, args.burstiness, seed=args.seed) for rate, _ in points]
     context = int(statistics.median(map(len, wl.prompts)) + statistics.median(wl.output_lens) // 2)
     bare_forward = engine.run_on_engine_thread(bare_decode_forward_s, eng, context)  # where the engine steps
 
@@ -185,16 +186,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
                 if eng.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(eng.device)
                 records: list[RequestRecord] = []
-                offsets = arrival_offsets(len(wl.prompts), rate, args.burstiness, seed=args.seed)
                 interrupted = False
-                start, peak = time.perf_counter(), {}
+                start, peak = time.perf_counter(), {"kv_usage": 0.0}
                 try:
-                    duration, peak_kv = await drive(engine, wl, offsets, conc, records,
-                                                    progress=not args.no_progress, tag=f"p{k}", peak=peak)  # fmt: skip
+                    duration = await drive(engine, wl, schedules[k], conc, records,
+                                           progress=not args.no_progress, tag=f"p{k}", peak=peak)  # fmt: skip
                 except asyncio.CancelledError:
-                    interrupted, peak_kv = True, peak.get("kv_usage", 0.0)
-                    ends = [r.chunk_times[-1] for r in records if r.chunk_times]
-                    duration = max((max(ends) if ends else time.perf_counter()) - start, 1e-9)
+                    interrupted, duration = True, span_s(start, (r.chunk_times for r in records))
+                peak_kv = peak["kv_usage"]
                 m = compute_metrics(records, duration)
                 m.peak_rss_bytes = peak_rss_bytes()
                 m.peak_cuda_bytes = torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0
@@ -224,7 +223,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
         interrupted = True
     try:
         if not interrupted:
-            _run_baselines(args, chk, eng, wl, warm, points, results, series)
+            _run_baselines(args, chk, eng, wl, warm, points, schedules, results, series)
     except KeyboardInterrupt:
         interrupted = True
     for k, rec in enumerate(results):
@@ -248,8 +247,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
     return results
 
 
-def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, results: list[RunRecord],
-                   series: list[dict]) -> None:  # fmt: skip
+def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, schedules: list[list[float]],
+                   results: list[RunRecord], series: list[dict]) -> None:  # fmt: skip
     """HF (same process, our engine idle) then vLLM (subprocess), appended to each point's record."""
     def add(k: int, name: str, duration: float, tput: float, metrics=None, startup=None) -> None:
         ours = results[k].metrics.output_throughput
@@ -277,8 +276,7 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, r
     engine_cfg = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                   "max_model_len": eng.max_model_len, "seed": args.seed,
                   "enable_prefix_caching": eng.block_manager.enable_prefix_caching}  # fmt: skip
-    vpoints = [VllmPoint(_label(args.workload, r, c), wl, arrival_offsets(len(wl.prompts), r, args.burstiness,
-                                                                         seed=args.seed), c) for r, c in points]  # fmt: skip
+    vpoints = [VllmPoint(_label(args.workload, r, c), wl, offs, c) for (r, c), offs in zip(points, schedules)]
     for mode in chk["vllm_modes"]:
         budget = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM takes whole GiB
         res, startup, cut = run_vllm(args.vllm_python, mode, eng.model_dir, str(eng.dtype).removeprefix("torch."),

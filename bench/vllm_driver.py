@@ -2,8 +2,8 @@
 
     <vllm-venv>/bin/python bench/vllm_driver.py JOB.json RESULT.json
 
-It imports only the standard library and vllm (never vllmini or bench), so it runs where
-vllmini is not installed. JOB.json (written by bench.baselines.run_vllm) holds the engine
+It imports only the standard library, vllm and its sibling send_schedule.py (never vllmini
+or the bench package), so it runs where vllmini is not installed. JOB.json (written by bench.baselines.run_vllm) holds the engine
 settings, warm-up requests and one or more runs: token-id prompts, output lengths, send
 offsets and an optional concurrency cap. Each run drives vLLM's AsyncLLMEngine exactly as
 bench.serving drives ours (greedy, ignore_eos, delta outputs), timestamping every streamed
@@ -19,6 +19,8 @@ import os
 import resource
 import sys
 import time
+
+from send_schedule import send_on_schedule, span_s  # bench/ is on sys.path: run as a script
 
 
 async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict) -> None:
@@ -39,30 +41,17 @@ async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict) 
 
 
 async def _drive(engine, run: dict, tag: str) -> dict:
-    prompts, outs, offsets = run["prompts"], run["output_lens"], run["offsets"]
-    sem = asyncio.Semaphore(run["concurrency"]) if run.get("concurrency") else None
+    prompts, outs = run["prompts"], run["output_lens"]
     records: list[dict] = []
 
     async def request(i: int) -> None:
         rec = {"send_time": 0.0, "chunk_times": [], "prompt_len": len(prompts[i]), "output_len": 0, "error": None}
         records.append(rec)
-        if sem is None:
-            await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec)
-        else:
-            async with sem:
-                await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec)
+        await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec)
 
-    tasks = []
     start = time.perf_counter()
-    for i, t in enumerate(offsets):
-        delay = start + t - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(request(i)))
-    await asyncio.gather(*tasks)
-    ends = [r["chunk_times"][-1] for r in records if r["chunk_times"]]
-    return {"label": run["label"], "duration_s": max((max(ends) if ends else time.perf_counter()) - start, 1e-9),
-            "records": records}  # fmt: skip
+    await send_on_schedule(run["offsets"], run.get("concurrency"), request)
+    return {"label": run["label"], "duration_s": span_s(start, (r["chunk_times"] for r in records)), "records": records}
 
 
 async def _main(job: dict, result_path: str) -> None:
