@@ -75,13 +75,6 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
     return flat
 
 
-def build_model_input(
-    sched: SchedulerOutput, block_manager: BlockManager, block_size: int, device: torch.device
-) -> ModelInput:
-    """Flatten the scheduled chunks into one varlen batch (host lists, then one copy each)."""
-    return flatten_step(sched, block_manager, block_size).to_model_input(device)
-
-
 class ModelRunner:
     def __init__(
         self,
