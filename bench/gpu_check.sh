@@ -31,14 +31,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 "$PY" - <<'PYEOF'
 import torch
-from vllmini.models.attention import _flash_attn_importable, torch_varlen_backend
+from vllmini.models.attention import _flash_attn_importable, _triton_importable, torch_varlen_backend
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
+triton = __import__("triton").__version__ if _triton_importable() else "not importable"
 print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {torch_varlen_backend() is not None}; "
-      f"flash-attn: {_flash_attn_importable()}")
+      f"flash-attn: {_flash_attn_importable()}; triton: {triton}")
 PYEOF
 
 start=$(date +%s)
-timeout 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_cuda_path.py tests/test_attention.py \
+timeout 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
     --junitxml "$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"

@@ -8,9 +8,16 @@ own tmp cache instead.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels can only run in Triton's interpreter, which must be chosen before
+# triton is first imported (its own jit'd helpers are bound then): tests/test_triton_attention.py.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from vllmini.models.weight_loader import DEFAULT_INSTALL_HINT, default_cache_dir, default_gguf_path, resolve_model_dir
 

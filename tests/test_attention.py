@@ -135,10 +135,20 @@ def test_backend_selection():
         select_backend("flash_attn", cpu, torch.float32, 16)
 
 
+def set_triton(monkeypatch, present: bool) -> None:
+    """Make ``import triton.language`` succeed (a stand-in) or fail, whatever is installed."""
+    if present:
+        monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+        monkeypatch.setitem(sys.modules, "triton.language", types.ModuleType("triton.language"))
+    else:
+        monkeypatch.setitem(sys.modules, "triton", None)  # import raises ImportError
+
+
 def test_cuda_selection_falls_back_when_flash_attn_is_missing(monkeypatch, caplog):
     cuda = torch.device("cuda")  # selection only inspects the device; nothing runs on it
     monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # import raises ImportError
+    set_triton(monkeypatch, present=False)
     with caplog.at_level("WARNING", logger="vllmini"):
         assert select_backend(None, cuda, torch.bfloat16, 256) in ("torch_varlen", "torch")  # per torch's schema
     assert "flash-attn is not importable" in caplog.text
@@ -149,6 +159,10 @@ def test_cuda_selection_falls_back_when_flash_attn_is_missing(monkeypatch, caplo
         select_backend("flash_attn", cuda, torch.bfloat16, 16)
     with pytest.raises(ValueError, match="float16/bfloat16 only"):
         select_backend("flash_attn", cuda, torch.float32, 256)
+    set_triton(monkeypatch, present=True)  # what FlashAttention cannot run goes to the Triton kernel
+    assert select_backend(None, cuda, torch.bfloat16, 16) == "triton"
+    assert select_backend(None, cuda, torch.float32, 256) == "triton"
+    assert select_backend(None, cuda, torch.bfloat16, 256) == "flash_attn"  # FlashAttention first
 
 
 def test_decode_groups_split_only_when_padding_costs_more_than_a_group():

@@ -12,7 +12,7 @@ from bench.random_model import save_word_level_tokenizer
 from helpers import tiny_llama_config, tiny_qwen3_config
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
 from vllmini.engine.model_runner import FlatBatch
-from vllmini.models.attention import _flash_attn_importable, get_backend, torch_varlen_backend
+from vllmini.models.attention import _flash_attn_importable, _triton_importable, get_backend, torch_varlen_backend
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.weight_loader import load_model
 
@@ -28,6 +28,8 @@ def backends() -> list:
         torch_varlen_backend() is None, reason="this torch's varlen_attn has no block_table")))  # fmt: skip
     names.append(pytest.param("flash_attn", marks=pytest.mark.skipif(
         not _flash_attn_importable(), reason="flash-attn not importable")))  # fmt: skip
+    names.append(pytest.param("triton", marks=pytest.mark.skipif(
+        not _triton_importable(), reason="triton not importable")))  # fmt: skip
     return names
 
 

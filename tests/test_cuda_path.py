@@ -112,8 +112,9 @@ def _no_flash(monkeypatch):
 
 
 def test_auto_order_on_cuda(monkeypatch, vllmini_log):
-    from test_attention import _fake_flash_module
+    from test_attention import _fake_flash_module, set_triton
 
+    set_triton(monkeypatch, present=False)
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
     assert select_backend(None, CUDA, torch.bfloat16, 256) == "flash_attn"
     _no_flash(monkeypatch)
@@ -127,9 +128,37 @@ def test_auto_order_on_cuda(monkeypatch, vllmini_log):
     assert select_backend(None, CUDA, torch.bfloat16, 16) == "torch"
     assert select_backend(None, CUDA, torch.float32, 256) == "torch"
     assert select_backend(None, torch.device("cpu"), torch.bfloat16, 256) == "torch"
+    # with triton: after the FlashAttention backends, before SDPA over gathered blocks
+    set_triton(monkeypatch, present=True)
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "torch_varlen"
+    assert select_backend(None, CUDA, torch.bfloat16, 16) == "triton"
+    assert select_backend(None, CUDA, torch.float32, 256) == "triton"
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(old_varlen_attn))
+    vllmini_log.clear()
+    assert select_backend(None, CUDA, torch.bfloat16, 256) == "triton"  # torch 2.11 without flash-attn
+    assert [r.levelname for r in vllmini_log.records] == ["WARNING", "INFO"]  # one warning, then the choice
+    assert select_backend(None, torch.device("cpu"), torch.bfloat16, 256) == "torch"
+
+
+def test_forced_triton(monkeypatch):
+    from test_attention import set_triton
+
+    set_triton(monkeypatch, present=True)
+    assert select_backend("triton", CUDA, torch.float32, 16) == "triton"  # any dtype, any block size
+    assert select_backend("triton", CUDA, torch.bfloat16, 256) == "triton"
+    with pytest.raises(ValueError, match="'triton' cannot be used: it needs a CUDA device"):
+        select_backend("triton", torch.device("cpu"), torch.float32, 16)
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(old_varlen_attn))
+    assert select_backend("torch_varlen", CUDA, torch.bfloat16, 256) == "triton"  # its fallback, with a warning
+    set_triton(monkeypatch, present=False)
+    with pytest.raises(ValueError, match="'triton' but triton is not importable"):
+        select_backend("triton", CUDA, torch.bfloat16, 256)
 
 
 def test_forced_backends_name_their_constraint(monkeypatch, vllmini_log):
+    from test_attention import set_triton
+
+    set_triton(monkeypatch, present=False)
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
     with pytest.raises(ValueError, match="'torch_varlen' cannot be used.*block_size to be a multiple of 256 \\(got 16\\)"):
         select_backend("torch_varlen", CUDA, torch.bfloat16, 16)
@@ -171,6 +200,9 @@ def _lazy_broken_flash() -> types.ModuleType:
 
 @pytest.mark.parametrize("breakage", ["abi-import-error", "lazy-load-error"])
 def test_broken_flash_attn_falls_back_with_one_warning(monkeypatch, vllmini_log, breakage):
+    from test_attention import set_triton
+
+    set_triton(monkeypatch, present=True)
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
     if breakage == "abi-import-error":
         monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
@@ -187,6 +219,8 @@ def test_get_backend():
     assert callable(get_backend("torch_varlen"))  # this torch's schema has block_table
     with pytest.raises(ValueError, match="not one of"):
         get_backend("nope")
+    pytest.importorskip("triton")
+    assert get_backend("triton").__name__ == "triton_attention"
 
 
 def test_dtype_rules():

@@ -3,9 +3,10 @@
 Backends share one signature ``(q, k, v, meta, kv_cache, scale) -> out`` and one
 metadata object; ``select_backend`` picks one at start-up: ``flash_attn`` (the flash-attn
 package), ``torch_varlen`` (torch's built-in FlashAttention, ``varlen_attn`` with a block
-table) or ``torch`` (below). The two FlashAttention backends read K/V straight from the
-paged cache and are graph-safe as they are; the torch backend has a separate static-shape
-path for decode steps replayed from a CUDA graph (``meta.static_decode``).
+table), ``triton`` (our paged kernel, models/triton_attention.py) or ``torch`` (below). The
+first three read K/V straight from the paged cache and are graph-safe as they are; the
+torch backend has a separate static-shape path for decode steps replayed from a CUDA graph
+(``meta.static_decode``).
 
 The pure-PyTorch backend (any device; the CPU default):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
@@ -199,7 +200,7 @@ def flash_attention(
 
 
 AttentionBackend = Callable[..., torch.Tensor]
-BACKEND_NAMES = ("torch", "flash_attn", "torch_varlen")
+BACKEND_NAMES = ("torch", "flash_attn", "torch_varlen", "triton")
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel (also vendored in torch): page size % 256 == 0
 _VARLEN_PAGED_ARGS = frozenset({"scale", "window_size", "enable_gqa", "seqused_k", "block_table"})
 
@@ -254,7 +255,22 @@ def get_backend(name: str) -> AttentionBackend:
         if backend is None:
             raise ValueError("attention_backend='torch_varlen' needs torch.nn.attention.varlen.varlen_attn with block_table")
         return backend
+    if name == "triton":
+        from vllmini.models.triton_attention import triton_attention
+
+        return triton_attention
     raise ValueError(f"attention_backend={name!r} is not one of {list(BACKEND_NAMES)}")
+
+
+def _triton_importable() -> bool:
+    """Triton (it ships with CUDA builds of torch; CPU builds lack it)."""
+    try:
+        import triton.language  # noqa: F401
+
+        return True
+    except Exception as exc:  # ImportError, or a broken install surfacing as anything else
+        logger.debug("triton not usable: %s", exc)
+        return False
 
 
 def _flash_attn_importable() -> bool:
@@ -286,14 +302,20 @@ def _fused_problems(name: str, device: torch.device, dtype: torch.dtype, block_s
 def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
     """The backend for this engine. ``requested`` (EngineArgs.attention_backend) is validated:
     a configuration it cannot run is a ValueError naming the backend and the constraint.
-    Auto: on CUDA flash-attn when importable, else torch's varlen FlashAttention when its schema
-    reads a paged cache, else the torch backend (SDPA over gathered blocks); on CPU the torch
-    backend. A FlashAttention backend is skipped (with a reason logged) when the block size or
-    dtype rules it out."""
+    Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
+    reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
+    skipped with the reason logged), else our Triton kernel when triton imports, else the torch
+    backend (SDPA over gathered blocks). On CPU: the torch backend."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
     if requested == "torch" or (requested is None and device.type != "cuda"):
         return "torch"
+    if requested == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' cannot be used: it needs a CUDA device")
+        if not _triton_importable():
+            raise ValueError("attention_backend='triton' but triton is not importable (pip install triton)")
+        return "triton"
     if requested is not None:
         problems = _fused_problems(requested, device, dtype, block_size)
         if problems:
@@ -301,21 +323,26 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
         if requested == "flash_attn" and not _flash_attn_importable():
             raise ValueError("attention_backend='flash_attn' but flash-attn (with block_table) is not importable")
         if requested == "torch_varlen" and torch_varlen_backend() is None:
-            logger.warning(
-                "torch %s has no paged varlen_attn (block_table/seqused_k); using the torch backend", torch.__version__
-            )
-            return "torch"
+            fallback = "triton" if _triton_importable() else "torch"
+            logger.warning("torch %s has no paged varlen_attn (block_table/seqused_k); using the %s backend",
+                           torch.__version__, fallback)  # fmt: skip
+            return fallback
         return requested
     problems = _fused_problems("flash_attn", device, dtype, block_size)
     if problems:
-        logger.info("FlashAttention backends skipped: %s; using the torch backend", "; ".join(problems))
-        return "torch"
-    if _flash_attn_importable():
+        logger.info("FlashAttention backends skipped: %s", "; ".join(problems))
+    elif _flash_attn_importable():
         return "flash_attn"
-    if torch_varlen_backend() is not None:
+    elif torch_varlen_backend() is not None:
         logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
         return "torch_varlen"
-    logger.warning("flash-attn is not importable and torch's varlen_attn cannot read a paged cache; using torch")
+    else:
+        logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
+                       torch.__version__)  # fmt: skip
+    if _triton_importable():
+        logger.info("using the Triton paged-attention kernel")
+        return "triton"
+    logger.warning("triton is not importable either; using the torch backend (SDPA over gathered blocks)")
     return "torch"
 
 

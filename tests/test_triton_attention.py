@@ -1,0 +1,206 @@
+"""The Triton paged-attention kernel, checked on CPU through Triton's interpreter: every batch
+shape the engine produces (decode rows, prefill chunks, chunks after cached tokens, mixes,
+whole prompts without a cache, padded static decode steps), GQA groups of 1/2/3/4 and head
+dims that are not powers of two, against the torch backend and a dense reference; then whole
+models and the engine with the kernel in place of the torch backend. On CUDA the compiled
+kernel is checked by tests/test_cuda.py."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from helpers import greedy_paged, tiny_llama_config, tiny_qwen3_config
+from test_attention import D, MIXES, build_batch, dense_reference
+from test_cuda_path import _decode_state, _random_model
+from vllmini.engine.cuda_graph import DecodeGraphRunner
+from vllmini.models.attention import torch_attention
+from vllmini.models.base import AttentionMetadata
+
+
+def _interpreter_usable() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 7):  # older interpreters fail on NumPy >= 2.4 (int() of a 1-element array)
+        return f"triton {triton.__version__}'s interpreter predates NumPy 2.4 support"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_interpreter_usable() is not None, reason=str(_interpreter_usable()))
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py when there is no CUDA
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+on_interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU-tensor model runs; on CUDA see tests/test_cuda.py")
+
+
+@pytest.fixture(scope="module")
+def ta():
+    """vllmini.models.triton_attention; its kernel runs in the interpreter on CPU tensors
+    without CUDA, compiled on CUDA tensors with it."""
+    import vllmini.models.triton_attention as module
+
+    return module
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) if isinstance(t, torch.Tensor) else tuple(x.to(DEVICE) for x in t) for t in tensors]
+
+
+def _plain_meta(meta: AttentionMetadata, device: torch.device = torch.device("cpu")) -> AttentionMetadata:
+    """The same step's metadata, fresh (backend plans are per backend), on ``device``."""
+    return AttentionMetadata.paged(
+        meta.query_lens_cpu, meta.seq_lens_cpu, meta.slot_mapping.tolist(), meta.block_tables.tolist(), device=device
+    )
+
+
+def run_kernel(ta, q, k, v, meta, cache, scale):
+    """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU."""
+    q, k, v = on_device(q, k, v)
+    cache = None if cache is None else tuple(on_device(*cache))
+    meta = _plain_meta(meta, DEVICE) if cache is not None else AttentionMetadata.for_prompts(meta.query_lens_cpu, DEVICE)
+    out = ta.triton_attention(q, k, v, meta, cache, scale)
+    return out.cpu(), None if cache is None else tuple(c.cpu() for c in cache)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_kernel_matches_torch_backend_and_dense_reference(ta, mix):
+    q_lens, seq_lens = MIXES[mix]
+    q, k, v, cache, meta, hk, hv = build_batch(q_lens, seq_lens, seed=5)
+    out, written = run_kernel(ta, q, k, v, meta, cache, D**-0.5)
+    ref = torch_attention(q, k, v, meta, cache, D**-0.5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(written[0], cache[0])  # the same K/V written at the same slots
+    torch.testing.assert_close(written[1], cache[1])
+    start = 0
+    for ql, k_seq, v_seq in zip(q_lens, hk, hv):
+        dense = dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5)
+        torch.testing.assert_close(out[start : start + ql], dense, atol=1e-5, rtol=1e-5)
+        start += ql
+
+
+def test_plan_splits_mixed_steps_into_decode_and_prefill_launches(ta):
+    *_, meta = build_batch([1, 70, 1, 3], [9, 70, 17, 12])[:5]
+    launches = ta._plan(meta, group=2)
+    assert [(x.block_q, x.num_tiles) for x in launches] == [(1, 2), (32, 4)]  # 70 tokens: 3 tiles of 32
+    assert launches[0].tiles.tolist() == [[0, 2], [0, 0]]
+    assert launches[1].tiles.tolist() == [[1, 1, 1, 3], [0, 32, 64, 0]]
+    *_, decode_meta = build_batch([1, 1], [4, 9])[:5]
+    assert [(x.block_q, x.num_tiles, x.tiles) for x in ta._plan(decode_meta, group=3)] == [(1, 2, None)]
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim", [(4, 4, 16), (8, 4, 64), (6, 2, 24), (16, 4, 8), (2, 1, 128)]
+)  # fmt: skip
+def test_kernel_shapes_gqa_groups_and_head_dims(ta, heads, kv_heads, head_dim):
+    """Long chunks over several KV blocks and tiles (prefill tile = 64 // group queries), a
+    chunk after cached tokens, decode rows; fp32 everywhere (the kernel computes in fp32)."""
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    block_size, q_lens, seq_lens = 16, [1, 90, 37, 1], [70, 90, 100, 1]
+    tables = [list(range(i * 8, i * 8 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
+    cache = tuple(torch.randn(32, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, s, ql in zip(tables, seq_lens, q_lens) for p in range(s - ql, s)]  # fmt: skip
+    meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+    k, v = (torch.randn(sum(q_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5)
+    ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_without_cache_and_in_fp16(ta):
+    lens = [3, 70, 1, 12]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lens), n, 32, generator=g) for n in (8, 2, 2))
+    meta = AttentionMetadata.for_prompts(lens)
+    out, _ = run_kernel(ta, q, k, v, meta, None, 0.2)
+    ref = torch_attention(q, k, v, meta, None, 0.2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    half, _ = run_kernel(ta, q.half(), k.half(), v.half(), meta, None, 0.2)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_kernel_reads_a_noncontiguous_query(ta):
+    """The model hands attention q as a view of the fused qkv projection."""
+    q_lens, seq_lens = MIXES["mixed"]
+    q, k, v, cache, meta, *_ = build_batch(q_lens, seq_lens, seed=7)
+    wide = torch.cat([q, torch.full_like(q, float("nan"))], dim=1)[:, : q.shape[1]]
+    assert not wide.is_contiguous()
+    wide, k, v = on_device(wide, k, v)
+    out = ta.triton_attention(wide, k, v, _plain_meta(meta, DEVICE), tuple(on_device(*cache)), D**-0.5).cpu()
+    torch.testing.assert_close(out, torch_attention(q, k.cpu(), v.cpu(), meta, cache, D**-0.5), atol=1e-5, rtol=1e-5)
+
+
+@on_interpreter
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_padded_static_decode_equals_eager(ta, arch):
+    """What a CUDA graph replays with this backend (one tile per padded row, block tables as
+    wide as max_model_len, padding rows in the pad block) == the eager step."""
+    block_size, max_model_len = 4, 40
+    config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
+    model = _random_model(config, ta.triton_attention)
+    for batch in (3, 17):
+        caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
+        static_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            ref = model(*[torch.tensor(x) for x in (flat.ids, flat.positions)], flat.to_model_input("cpu").attn_metadata, caches)
+        runner = DecodeGraphRunner(model, static_caches, block_size, 20, max_model_len, num_blocks,
+                                   torch.device("cpu"), use_graphs=False)  # fmt: skip
+        out = runner.run(flat)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        for (k, v), (sk, sv) in zip(caches, static_caches):
+            torch.testing.assert_close(sk[:num_blocks], k[:num_blocks])
+
+
+@on_interpreter
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_model_greedy_tokens_equal_torch_backend(ta, arch):
+    config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)()
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 33, 1)]
+    expected = greedy_paged(_random_model(config, torch_attention), prompts, max_new=6, block_size=8)
+    assert greedy_paged(_random_model(config, ta.triton_attention), prompts, max_new=6, block_size=8) == expected
+
+
+@on_interpreter
+def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path):
+    """The whole engine (chunked prefill, prefix-cache hits, mixed steps, decode steps through
+    the static graph path) with the kernel swapped in: the same greedy tokens."""
+    from bench.random_model import save_random_model, tiny_qwen3_bench_config
+    from test_cuda_path import PAD_BLOCKS
+    from vllmini import LLM, SamplingParams
+    from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    model_dir = save_random_model(tiny_qwen3_bench_config(initializer_range=0.3), tmp_path / "m", torch.float32)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(0, 512, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 512, (n,), generator=g).tolist() for n in (3, 30, 1)] + [[5]]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 4, 8, 5)]
+    kw = dict(model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64,
+              kv_cache_memory=2**20, enable_prefix_caching=True)  # fmt: skip
+
+    def generate(llm):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    expected = generate(LLM(**kw))
+    llm = LLM(**kw)
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    eng.model.set_attention_backend(ta.triton_attention)
+    spec = KVCacheSpec(len(runner.kv_caches), eng.model.num_kv_heads, eng.model.head_dim, runner.block_size, eng.dtype)
+    runner.kv_caches = allocate_kv_cache(spec, eng.num_blocks + PAD_BLOCKS, runner.device)
+    runner.decode_graphs = DecodeGraphRunner(eng.model, runner.kv_caches, runner.block_size, 4, 64, eng.num_blocks,
+                                             runner.device, use_graphs=False)  # fmt: skip
+    calls = []
+    original = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    assert generate(llm) == expected
+    stats = eng.scheduler.stats
+    print(stats, calls)
+    assert stats.num_chunked_prefills and stats.num_cached_prompt_tokens and max(calls) > 1  # every path ran
