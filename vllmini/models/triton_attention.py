@@ -33,7 +33,10 @@ from vllmini.models.base import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
-BLOCK_N = 64  # keys per inner-loop iteration (half that for fp32 caches: the same shared memory)
+# Tile sizes for 16-bit caches; fp32 (exact "ieee" dots) takes half of each, or registers spill.
+# bench/triton_compile_check.py compiles every launch for sm_90 (no GPU needed) and reports
+# registers, spills and shared memory.
+BLOCK_N = 64  # keys per inner-loop iteration
 PREFILL_ROWS = 64  # tile rows (queries x group heads) of a prefill launch
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
@@ -120,11 +123,32 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _plan(meta: AttentionMetadata, group: int) -> list[_Launch]:
+def _shrink(dtype: torch.dtype) -> int:
+    return 1 if dtype.itemsize <= 2 else 2
+
+
+def prefill_block_q(dtype: torch.dtype, group: int) -> int:
+    """Queries per prefill tile: the tile's rows hold ``block_q x group`` (query, head) pairs."""
+    return max(PREFILL_ROWS // _shrink(dtype) // group, 1)
+
+
+def kernel_constants(
+    dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool
+) -> dict:
+    """The compile-time constants of one launch: what the launcher passes, and what
+    bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have."""
+    return {
+        "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
+        "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
+        "BLOCK_N": BLOCK_N // _shrink(dtype), "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    }  # fmt: skip
+
+
+def _plan(meta: AttentionMetadata, prefill_q: int) -> list[_Launch]:
     """Split the step into launches (see the module docstring), once per step."""
     if meta.static_decode or meta.max_seqlen_q == 1:
         return [_Launch(1, meta.num_seqs, None)]
-    prefill_q = max(PREFILL_ROWS // group, 1)
     decode_seqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     chunks = [(i, s) for i, q in enumerate(meta.query_lens_cpu) if q > 1 for s in range(0, q, prefill_q)]
     device = meta.seq_lens.device
@@ -166,9 +190,8 @@ def triton_attention(
         block_tables, block_size = meta.seq_lens, 1  # unused (PAGED=False); any int tensor will do
     plan = meta.backend_plan
     if plan is None:
-        plan = meta.backend_plan = _plan(meta, group)
+        plan = meta.backend_plan = _plan(meta, prefill_block_q(keys.dtype, group))
     for launch in plan:
-        block_m = max(_next_pow2(launch.block_q * group), MIN_DOT)
         # without a tile map the kernel never reads these pointers (TILE_IS_SEQ): any int tensor
         tile_seq, tile_start = (meta.seq_lens,) * 2 if launch.tiles is None else launch.tiles.unbind(0)
         _paged_attention_kernel[(launch.num_tiles, num_kv_heads)](
@@ -177,9 +200,7 @@ def triton_attention(
             scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-            BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(_next_pow2(head_dim), MIN_DOT), GROUP=group,
-            BLOCK_Q=launch.block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N if keys.element_size() <= 2 else BLOCK_N // 2,
-            TILE_IS_SEQ=launch.tiles is None, PAGED=kv_cache is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **kernel_constants(keys.dtype, head_dim, group, launch.block_q, block_size,
+                               tile_is_seq=launch.tiles is None, paged=kv_cache is not None),
         )  # fmt: skip
     return out
