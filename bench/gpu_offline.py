@@ -41,7 +41,8 @@ def nano_vllm_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> tuple
 def run_vllmini(llm, prompts: list[list[int]], outs: list[int]) -> float:
     from vllmini import SamplingParams
 
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in outs]
+    # token ids only, like the HF baseline, nano-vllm's bench.py and vLLM's --disable-detokenize
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, detokenize=False) for m in outs]
     sync(llm.llm_engine.device)
     start = time.perf_counter()
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_vllmini(llm, prompts[:2], [4, 4])  # warm-up, not counted
         ours = run_vllmini(llm, prompts, outs)
         record["vllmini"] = {
-            "requests": n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs),
+            "requests": n, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs), "detokenize": False,
             "seconds": round(ours, 2), "output_tok_s": round(sum(outs) / ours, 1),
             "attention_backend": eng.attention_backend, "cuda_graphs": eng.runner.decode_graphs is not None,
             "block_size": eng.block_manager.block_size, "kv_blocks": eng.num_blocks,

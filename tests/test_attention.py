@@ -174,6 +174,22 @@ def test_decode_groups_split_only_when_padding_costs_more_than_a_group():
     assert groups == [[4, 0, 2], [5, 1, 3]]
     every = _decode_groups([1, 2, 3, 4], group_cost=0)  # free groups: no padding at all
     assert sorted(map(sorted, every)) == [[0], [1], [2], [3]]
+    # the DP over distinct lengths is as cheap as the best split over rows (row-level DP)
+    def cost(groups, lens, c):
+        return sum(len(g) * max(lens[i] for i in g) + c for g in groups)
+
+    def best_over_rows(lens, c):
+        srt = sorted(lens)
+        best = [0] + [math.inf] * len(srt)
+        for j in range(1, len(srt) + 1):
+            best[j] = min(best[i] + (j - i) * srt[j - 1] + c for i in range(j))
+        return best[-1]
+
+    g = torch.Generator().manual_seed(0)
+    for c in (0, 3, 16):
+        for _ in range(20):
+            lens = torch.randint(1, 40, (int(torch.randint(1, 60, (1,), generator=g)),), generator=g).tolist()
+            assert cost(_decode_groups(lens, group_cost=c), lens, c) == best_over_rows(lens, c)
     # every row lands in exactly one group, for any cost
     lens = [(i * 37) % 61 + 1 for i in range(64)]
     for cost in (0, 4, 16, 1000):

@@ -161,6 +161,9 @@ def test_outputs_in_input_order_with_text(default_model_dir):
         assert o.prompt == p and o.prompt_token_ids == tok(p).input_ids
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True) and c.finish_reason in ("stop", "length")
+    ids_only = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, detokenize=False), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in outs]
+    assert [o.outputs[0].text for o in ids_only] == ["", "", ""]  # vLLM's detokenize=False: ids only
     chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert chat[0].outputs[0].text.strip()
     assert_no_leaks(llm)

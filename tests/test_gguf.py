@@ -205,6 +205,29 @@ def test_tiny_gguf_converts(tmp_path: Path, arch: str) -> None:
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
+def test_special_tokens_follow_the_gguf_metadata(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever transformers' GGUF tokenizer rebuild decides (5.17 swaps SmolLM2's EOS for
+    <|im_start|>), the converted tokenizer's special tokens are the file's."""
+    from transformers import AutoTokenizer
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, "llama")
+    real = AutoTokenizer.from_pretrained
+
+    def rebuilt_wrongly(*args, **kwargs):
+        tok = real(*args, **kwargs)
+        tok.eos_token, tok.bos_token = "<|endoftext|>", "<|im_end|>"
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", rebuilt_wrongly)
+    out = convert_gguf(gguf_path, tmp_path / "out")
+    monkeypatch.undo()
+    tok = AutoTokenizer.from_pretrained(out)
+    vocab = len(_tiny_tokenizer()[0])
+    assert (tok.bos_token_id, tok.eos_token_id) == (vocab - 2, vocab - 1)
+    assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+
+
 def test_converted_tiny_gguf_loads_into_model(tmp_path: Path) -> None:
     gguf_path = tmp_path / "tiny.gguf"
     expected = write_tiny_gguf(gguf_path, "llama", tied=True)

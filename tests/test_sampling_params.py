@@ -71,7 +71,7 @@ BAD = [
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
-    ("include_stop_str_in_output", 0), ("skip_special_tokens", None),
+    ("include_stop_str_in_output", 0), ("skip_special_tokens", None), ("detokenize", 0),
     ("output_kind", "streaming"), ("output_kind", 1),
 ]  # fmt: skip
 
@@ -80,6 +80,12 @@ BAD = [
 def test_rejects_bad_value(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_stop_strings_need_detokenize():
+    with pytest.raises(ValueError, match="stop strings need detokenize=True.*stop=\\['x'\\]"):
+        SamplingParams(stop="x", detokenize=False)
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop_token_ids == [5]  # ids need no text
 
 
 def test_min_tokens_above_max_tokens():

@@ -353,7 +353,8 @@ class LLMEngine:
         params, token = state.params, seq.token_ids[-1]
         detok = state.detoks[seq.index]
         old_len = len(detok.text)
-        detok.step(seq.token_ids)
+        if params.detokenize:
+            detok.step(seq.token_ids)
         past_min = seq.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
             self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
@@ -381,7 +382,8 @@ class LLMEngine:
         return stop
 
     def _finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
-        if status is not SequenceStatus.FINISHED_STOPPED or isinstance(reason, int) or reason is None:
+        stopped_by_text = status is SequenceStatus.FINISHED_STOPPED and isinstance(reason, str)
+        if state.params.detokenize and not stopped_by_text:
             state.detoks[seq.index].step(seq.token_ids, final=True)
         self.scheduler.finish(seq, status, reason)
 

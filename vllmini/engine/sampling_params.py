@@ -68,6 +68,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, text stays "" (saves the per-step decode)
     output_kind: OutputKind = "cumulative"
 
     def __post_init__(self) -> None:
@@ -112,9 +113,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise _bad("stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a bool", getattr(self, name))
+        if self.stop and not self.detokenize:
+            raise ValueError(f"stop strings need detokenize=True (the text is matched), got stop={self.stop!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise _bad("logprobs", "an int >= 0 or None", self.logprobs)
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)

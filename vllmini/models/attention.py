@@ -64,19 +64,27 @@ def _decode_groups(num_blocks: list[int], group_cost: int = DECODE_GROUP_COST_BL
     Decode attention is memory-bound on the K/V gather, so padding every row to the longest
     context wastes bytes (mixed lengths: often half); each extra group costs a few more
     small ops per layer. Rows sorted by length are cut into runs minimising
-    ``sum(rows x longest) + group_cost x groups`` (exact, O(n^2) over at most max_num_seqs
-    rows, once per step): long mixed contexts split, short or similar ones stay together."""
+    ``sum(rows x longest) + group_cost x groups`` (exact DP, once per step): long mixed
+    contexts split, short or similar ones stay together. Rows of equal length never gain
+    from being split, so the DP runs over the distinct lengths (at most max_model_len /
+    block_size of them), not over the rows."""
     order = sorted(range(len(num_blocks)), key=num_blocks.__getitem__)
-    lens = [num_blocks[i] for i in order]
+    lens = sorted(set(num_blocks))
+    rank = {n: i for i, n in enumerate(lens)}
+    counts = [0] * (len(lens) + 1)  # counts[j]: rows with one of the j shortest lengths
+    for n in num_blocks:
+        counts[rank[n] + 1] += 1
+    for j in range(1, len(counts)):
+        counts[j] += counts[j - 1]
     best, cut = [0] + [math.inf] * len(lens), [0] * (len(lens) + 1)
-    for j in range(1, len(lens) + 1):  # best[j]: cheapest split of the j shortest rows
-        for i in range(j):  # last group = rows i..j-1, padded to lens[j - 1]
-            cost = best[i] + (j - i) * lens[j - 1] + group_cost
+    for j in range(1, len(lens) + 1):  # best[j]: cheapest split of the rows of the j shortest lengths
+        for i in range(j):  # last group = lengths i..j-1, padded to lens[j - 1]
+            cost = best[i] + (counts[j] - counts[i]) * lens[j - 1] + group_cost
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     groups, j = [], len(lens)
     while j:
-        groups.append(order[cut[j] : j])
+        groups.append(order[counts[cut[j]] : counts[j]])
         j = cut[j]
     return groups[::-1]
 

@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: special tokens pinned to the GGUF metadata
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py).
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -201,7 +201,32 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
     except Exception as exc:  # transformers raises assorted types for tokenizers it cannot rebuild
         raise ValueError(f"{gguf_path}: cannot rebuild its tokenizer with transformers: {exc}") from exc
+    _pin_special_tokens(tok, reader)
     tok.save_pretrained(out)
+
+
+_SPECIAL_TOKEN_FIELDS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _pin_special_tokens(tok, reader) -> None:
+    """Special tokens exactly as the GGUF file names them: transformers' rebuild has varied
+    across versions (5.17 makes SmolLM2's EOS ``<|im_start|>`` instead of ``<|im_end|>``, so
+    a chat reply would never stop on the tokenizer's EOS)."""
+    for attr, key in _SPECIAL_TOKEN_FIELDS.items():
+        if key not in reader.fields:
+            continue
+        token_id = int(reader.fields[key].contents())
+        if not 0 <= token_id < len(tok):
+            continue
+        token = tok.convert_ids_to_tokens(token_id)
+        if getattr(tok, attr) != token:
+            logger.info("GGUF tokenizer: %s set to %r (id %d) from %s", attr, token, token_id, key)
+            setattr(tok, attr, token)
 
 
 def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -> None:
