@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 from pathlib import Path
 
@@ -11,6 +12,23 @@ from transformers import AutoTokenizer, LlamaConfig, Qwen3Config
 from vllmini.models.base import AttentionMetadata
 
 NEAR_TIE = 1e-4
+# Set by conftest.py when there is no CUDA: Triton kernels then run in Triton's interpreter.
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_skip_reason(cpu_tensors: bool = False) -> str | None:
+    """Why the Triton kernel cannot run in this process (None: it can). ``cpu_tensors``: the
+    test hands it CPU tensors, which only the interpreter takes."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    if cpu_tensors and not TRITON_INTERPRETED:
+        return "CPU tensors need Triton's interpreter (this machine has CUDA: tests/test_cuda.py runs the kernel)"
+    if TRITON_INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
+        # older interpreters call int() on 1-element arrays, which NumPy >= 2.4 refuses
+        return f"triton {triton.__version__}'s interpreter predates NumPy 2.4 support"
+    return None
 
 
 def prompt_forward(model, prompts: list[list[int]]) -> torch.Tensor:

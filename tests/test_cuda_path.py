@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from helpers import tiny_llama_config, tiny_qwen3_config
+from helpers import tiny_llama_config, tiny_qwen3_config, triton_skip_reason
 from test_attention import D, MIXES, build_batch, dense_reference
 from vllmini.config import resolve_dtype
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, StaticDecodeBuffers, capture_sizes
@@ -301,11 +301,15 @@ def _decode_state(model, batch: int, block_size: int, max_model_len: int, seed: 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("backend", ["torch", "torch_varlen"])
+@pytest.mark.parametrize("backend", ["torch", "torch_varlen", pytest.param("triton", marks=pytest.mark.skipif(
+    triton_skip_reason(cpu_tensors=True) is not None, reason=str(triton_skip_reason(cpu_tensors=True))))])  # fmt: skip
 def test_padded_static_decode_equals_eager(arch, backend):
+    """What a CUDA graph replays (rows padded to the captured size, block tables as wide as
+    max_model_len, padding rows in the pad block) == the eager step, for every backend."""
     block_size, max_model_len = 4, 40
     config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
-    fn = torch_attention if backend == "torch" else torch_varlen_backend(fake_varlen_attn)
+    fn = {"torch": lambda: torch_attention, "torch_varlen": lambda: torch_varlen_backend(fake_varlen_attn),
+          "triton": lambda: get_backend("triton")}[backend]()  # fmt: skip
     model = _random_model(config, fn)
     for batch in (3, 5, 17):
         caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
@@ -345,7 +349,6 @@ def test_engine_steps_through_the_graph_runner(tmp_path):
     with and without preemption-free mixed prefill/decode steps."""
     from bench.random_model import save_random_model, tiny_qwen3_bench_config
     from vllmini import LLM, SamplingParams
-    from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache
 
     model_dir = save_random_model(tiny_qwen3_bench_config(initializer_range=0.3), tmp_path / "m", torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -359,14 +362,22 @@ def test_engine_steps_through_the_graph_runner(tmp_path):
 
     expected = generate(LLM(**kw))
     llm = LLM(**kw)
-    eng = llm.llm_engine
-    runner = eng.runner
-    spec = KVCacheSpec(len(runner.kv_caches), eng.model.num_kv_heads, eng.model.head_dim, runner.block_size, eng.dtype)
-    runner.kv_caches = allocate_kv_cache(spec, eng.num_blocks + PAD_BLOCKS, runner.device)
-    runner.decode_graphs = DecodeGraphRunner(eng.model, runner.kv_caches, runner.block_size, 8, 64, eng.num_blocks,
-                                             runner.device, use_graphs=False)  # fmt: skip
-    calls = []
-    original = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    calls = route_decodes_through_graph_runner(llm, max_num_seqs=8, max_model_len=64)
     assert generate(llm) == expected
     assert calls and max(calls) > 1, "no decode step went through the graph runner"
+
+
+def route_decodes_through_graph_runner(llm, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Give a CPU engine what a CUDA one has (a pad block, a DecodeGraphRunner in eager static
+    mode); returns the list that records the batch size of every decode step it runs."""
+    from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache
+
+    eng, runner = llm.llm_engine, llm.llm_engine.runner
+    spec = KVCacheSpec(len(runner.kv_caches), eng.model.num_kv_heads, eng.model.head_dim, runner.block_size, eng.dtype)
+    runner.kv_caches = allocate_kv_cache(spec, eng.num_blocks + PAD_BLOCKS, runner.device)
+    runner.decode_graphs = DecodeGraphRunner(eng.model, runner.kv_caches, runner.block_size, max_num_seqs,
+                                             max_model_len, eng.num_blocks, runner.device, use_graphs=False)  # fmt: skip
+    calls: list[int] = []
+    original = runner.decode_graphs.run
+    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    return calls

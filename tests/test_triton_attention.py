@@ -1,41 +1,25 @@
-"""The Triton paged-attention kernel, checked on CPU through Triton's interpreter: every batch
-shape the engine produces (decode rows, prefill chunks, chunks after cached tokens, mixes,
-whole prompts without a cache, padded static decode steps), GQA groups of 1/2/3/4 and head
-dims that are not powers of two, against the torch backend and a dense reference; then whole
-models and the engine with the kernel in place of the torch backend. On CUDA the compiled
-kernel is checked by tests/test_cuda.py."""
+"""The Triton paged-attention kernel against the torch backend and a dense reference: every
+batch shape the engine produces (decode rows, prefill chunks, chunks after cached tokens,
+mixes, whole prompts without a cache), GQA groups of 1/2/3/4 and head dims that are not
+powers of two; then whole models and the engine with the kernel in place of the torch
+backend. Without CUDA the kernel runs in Triton's interpreter on CPU tensors; with CUDA the
+kernel-level tests run it compiled on the GPU (tests/test_cuda.py covers the models there).
+The padded static decode (what a graph replays) is a parameter of tests/test_cuda_path.py."""
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-from helpers import greedy_paged, tiny_llama_config, tiny_qwen3_config
+from helpers import TRITON_INTERPRETED, greedy_paged, tiny_llama_config, tiny_qwen3_config, triton_skip_reason
 from test_attention import D, MIXES, build_batch, dense_reference
-from test_cuda_path import _decode_state, _random_model
-from vllmini.engine.cuda_graph import DecodeGraphRunner
+from test_cuda_path import _random_model
 from vllmini.models.attention import torch_attention
 from vllmini.models.base import AttentionMetadata
 
-
-def _interpreter_usable() -> str | None:
-    try:
-        import triton
-    except ImportError:
-        return "triton is not installed"
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 7):  # older interpreters fail on NumPy >= 2.4 (int() of a 1-element array)
-        return f"triton {triton.__version__}'s interpreter predates NumPy 2.4 support"
-    return None
-
-
-pytestmark = pytest.mark.skipif(_interpreter_usable() is not None, reason=str(_interpreter_usable()))
-
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest.py when there is no CUDA
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
-on_interpreter = pytest.mark.skipif(not INTERPRETED, reason="CPU-tensor model runs; on CUDA see tests/test_cuda.py")
+pytestmark = pytest.mark.skipif(triton_skip_reason() is not None, reason=str(triton_skip_reason()))
+DEVICE = torch.device("cpu" if TRITON_INTERPRETED else "cuda")
+on_interpreter = pytest.mark.skipif(triton_skip_reason(cpu_tensors=True) is not None,
+                                    reason=str(triton_skip_reason(cpu_tensors=True)))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -140,27 +124,6 @@ def test_kernel_reads_a_noncontiguous_query(ta):
 
 @on_interpreter
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_padded_static_decode_equals_eager(ta, arch):
-    """What a CUDA graph replays with this backend (one tile per padded row, block tables as
-    wide as max_model_len, padding rows in the pad block) == the eager step."""
-    block_size, max_model_len = 4, 40
-    config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
-    model = _random_model(config, ta.triton_attention)
-    for batch in (3, 17):
-        caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
-        static_caches = [(k.clone(), v.clone()) for k, v in caches]
-        with torch.no_grad():
-            ref = model(*[torch.tensor(x) for x in (flat.ids, flat.positions)], flat.to_model_input("cpu").attn_metadata, caches)
-        runner = DecodeGraphRunner(model, static_caches, block_size, 20, max_model_len, num_blocks,
-                                   torch.device("cpu"), use_graphs=False)  # fmt: skip
-        out = runner.run(flat)
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-        for (k, v), (sk, sv) in zip(caches, static_caches):
-            torch.testing.assert_close(sk[:num_blocks], k[:num_blocks])
-
-
-@on_interpreter
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_model_greedy_tokens_equal_torch_backend(ta, arch):
     config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)()
     g = torch.Generator().manual_seed(11)
@@ -174,9 +137,8 @@ def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path):
     """The whole engine (chunked prefill, prefix-cache hits, mixed steps, decode steps through
     the static graph path) with the kernel swapped in: the same greedy tokens."""
     from bench.random_model import save_random_model, tiny_qwen3_bench_config
-    from test_cuda_path import PAD_BLOCKS
+    from test_cuda_path import route_decodes_through_graph_runner
     from vllmini import LLM, SamplingParams
-    from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache
 
     model_dir = save_random_model(tiny_qwen3_bench_config(initializer_range=0.3), tmp_path / "m", torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -192,16 +154,8 @@ def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path):
 
     expected = generate(LLM(**kw))
     llm = LLM(**kw)
-    eng, runner = llm.llm_engine, llm.llm_engine.runner
-    eng.model.set_attention_backend(ta.triton_attention)
-    spec = KVCacheSpec(len(runner.kv_caches), eng.model.num_kv_heads, eng.model.head_dim, runner.block_size, eng.dtype)
-    runner.kv_caches = allocate_kv_cache(spec, eng.num_blocks + PAD_BLOCKS, runner.device)
-    runner.decode_graphs = DecodeGraphRunner(eng.model, runner.kv_caches, runner.block_size, 4, 64, eng.num_blocks,
-                                             runner.device, use_graphs=False)  # fmt: skip
-    calls = []
-    original = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    llm.llm_engine.model.set_attention_backend(ta.triton_attention)
+    calls = route_decodes_through_graph_runner(llm, max_num_seqs=4, max_model_len=64)
     assert generate(llm) == expected
-    stats = eng.scheduler.stats
-    print(stats, calls)
+    stats = llm.llm_engine.scheduler.stats
     assert stats.num_chunked_prefills and stats.num_cached_prompt_tokens and max(calls) > 1  # every path ran
