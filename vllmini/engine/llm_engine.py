@@ -24,7 +24,7 @@ from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
-from vllmini.models.attention import get_backend, select_backend
+from vllmini.models.backend_check import start_backend
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_model, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -90,8 +90,11 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
-        self.attention_backend = select_backend(args.attention_backend, self.device, self.dtype, block_size)
-        self.model.set_attention_backend(get_backend(self.attention_backend))
+        self.attention_backend, backend = start_backend(
+            args.attention_backend, self.device, self.dtype, block_size,
+            self.hf_config.num_attention_heads, self.model.num_kv_heads, self.model.head_dim,
+        )  # fmt: skip
+        self.model.set_attention_backend(backend)
         use_graphs = self.device.type == "cuda" and not args.enforce_eager
         logger.info(
             "attention backend: %s (block size %d, %s, CUDA graphs %s)",

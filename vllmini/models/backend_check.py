@@ -1,0 +1,100 @@
+"""Start-up check of an attention backend against the torch path, on the model's own shapes.
+
+A kernel that imports can still fail where it first runs: a Triton kernel compiles at its
+first launch (a toolchain or driver mismatch raises there), and a miscompiled one returns
+wrong numbers without raising. Running every kind of launch the engine will make (prompts
+without a cache, a mixed prefill/decode step over the paged cache, a decode-only step) on a
+small scratch cache, before any request, turns both into a start-up decision: the engine
+falls back to the torch backend with one warning instead of failing mid-request. The
+kernels it compiles are the ones the engine then uses, so the check costs no extra compiles.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from vllmini.models.attention import get_backend, select_backend, torch_attention
+from vllmini.models.base import AttentionMetadata
+
+logger = logging.getLogger("vllmini")
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def start_backend(
+    requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[str, AttentionFn]:  # fmt: skip
+    """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``.
+    A chosen backend that fails falls back to the torch one with a warning; a forced one
+    (``EngineArgs.attention_backend``) that fails is a ValueError naming it and the failure."""
+    name = select_backend(requested, device, dtype, block_size)
+    fn = get_backend(name)
+    if name == "torch":
+        return name, fn
+    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    if problem is None:
+        return name, fn
+    if requested == name:
+        raise ValueError(f"attention_backend={name!r} failed its start-up check: {problem}")
+    logger.warning("attention backend %s failed its start-up check (%s); using the torch backend", name, problem)
+    return "torch", torch_attention
+
+
+def _steps(block_size: int) -> list[tuple[list[int], list[int]]]:
+    """(query lengths, context lengths) per step: a mixed step (decode rows, a chunk after
+    cached tokens, a fresh prompt), then a decode-only step over a context longer than one block."""
+    return [([1, 5, 3, 1], [block_size + 3, 9, 3, 1]), ([1, 1], [2 * block_size + 1, 7])]
+
+
+@torch.inference_mode()
+def check_backend(
+    backend: AttentionFn,
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> str | None:
+    """None when ``backend`` matches the torch path on every kind of step, else why not."""
+    g = torch.Generator().manual_seed(0)
+    scale = head_dim**-0.5
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+
+    def qkv(tokens: int) -> list[torch.Tensor]:
+        shapes = ((tokens, num_heads, head_dim), (tokens, num_kv_heads, head_dim), (tokens, num_kv_heads, head_dim))
+        return [torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for shape in shapes]
+
+    try:
+        lens = [5, 1, 17]
+        q, k, v = qkv(sum(lens))
+        got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale)
+        want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale)
+        problems = _compare("prompts without a cache", got, want, tol)
+        for q_lens, seq_lens in _steps(block_size):
+            blocks = [-(-n // block_size) for n in seq_lens]
+            tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(blocks))]
+            cache = [torch.randn(sum(blocks), block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
+                     for _ in range(2)]  # fmt: skip
+            slots = [t[p // block_size] * block_size + p % block_size
+                     for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]  # fmt: skip
+            q, k, v = qkv(sum(q_lens))
+            got, want = (
+                fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
+                   tuple(c.clone() for c in cache), scale)
+                for fn in (backend, torch_attention)
+            )  # fmt: skip
+            problems += _compare("decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step", got, want, tol)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except Exception as exc:  # a compile error, a launch failure, a driver error: the finding
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    return "; ".join(problems) or None
+
+
+def _compare(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> list[str]:
+    err = (got.float() - want.float()).abs().max().item()
+    bound = tol * max(want.float().abs().max().item(), 1.0)
+    return [] if err <= bound else [f"{what}: max |diff| {err:.3g} vs the torch path (tolerance {bound:.3g})"]
