@@ -381,3 +381,31 @@ def route_decodes_through_graph_runner(llm, max_num_seqs: int, max_model_len: in
     original = runner.decode_graphs.run
     runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
     return calls
+
+
+def test_failed_graph_capture_leaves_an_eager_engine(monkeypatch, vllmini_log):
+    """capture_decode_graphs on a runner whose capture raises (as an op that cannot be captured
+    does): no runner, one warning, and nothing raised; a capture that works gives the runner."""
+    from vllmini.engine import cuda_graph
+
+    class Runner(DecodeGraphRunner):
+        fail = True
+
+        def __init__(self, *args):
+            super().__init__(*args[:-1], torch.device("cpu"), use_graphs=False)
+            self.sizes = [1, 2]
+
+        def capture(self):
+            if Runner.fail:
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graph, "DecodeGraphRunner", Runner)
+    model = _random_model(tiny_llama_config(), torch_attention)
+    args = (model, [], 4, 2, 40, 0, torch.device("cpu"))
+    assert cuda_graph.capture_decode_graphs(*args) is None
+    warnings = [r.getMessage() for r in vllmini_log.records if r.levelno == logging.WARNING]
+    assert warnings == ["CUDA graph capture failed (RuntimeError: operation not permitted when stream is capturing); "
+                        "decode steps run eagerly"]  # fmt: skip
+    Runner.fail = False
+    assert isinstance(cuda_graph.capture_decode_graphs(*args), Runner)
+    assert "captured 2 decode CUDA graphs" in vllmini_log.text

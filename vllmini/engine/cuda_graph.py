@@ -20,6 +20,8 @@ is checked on every machine, and on CUDA replay == this forward.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ from vllmini.models.base import AttentionMetadata
 if TYPE_CHECKING:
     from vllmini.engine.model_runner import FlatBatch
 
+logger = logging.getLogger("vllmini")
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 PAD_BLOCKS = 1  # the KV cache holds this many blocks beyond the block manager's, for padding rows
 
@@ -205,3 +208,23 @@ class DecodeGraphRunner:
         out = runner._forward(batch)
         peak = torch.cuda.max_memory_allocated(device) - before
         return peak + out.numel() * out.element_size()
+
+
+def capture_decode_graphs(
+    model: torch.nn.Module, kv_caches: KVCaches, block_size: int, max_num_seqs: int, max_model_len: int,
+    pad_block: int, device: torch.device,
+) -> DecodeGraphRunner | None:  # fmt: skip
+    """A runner with every size captured, or None (decode steps then run eagerly) when capture
+    fails: an op that cannot be captured is a slower engine, not one that does not start."""
+    t0 = time.perf_counter()
+    runner = DecodeGraphRunner(model, kv_caches, block_size, max_num_seqs, max_model_len, pad_block, device)
+    try:
+        runner.capture()
+    except Exception as exc:  # e.g. an op that syncs with the host inside the capture
+        logger.warning("CUDA graph capture failed (%s: %s); decode steps run eagerly", type(exc).__name__, exc)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return None
+    logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
+                len(runner.sizes), runner.sizes, time.perf_counter() - t0)  # fmt: skip
+    return runner

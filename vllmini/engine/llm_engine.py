@@ -17,7 +17,7 @@ import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
 from vllmini.engine.detokenizer import IncrementalDetokenizer
-from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
+from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, capture_decode_graphs
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
@@ -129,13 +129,9 @@ class LLMEngine:
         kv_caches = allocate_kv_cache(spec, num_blocks + (PAD_BLOCKS if use_graphs else 0), self.device)
         graphs = None
         if use_graphs:
-            t0 = time.perf_counter()
-            graphs = DecodeGraphRunner(
+            graphs = capture_decode_graphs(
                 self.model, kv_caches, block_size, args.max_num_seqs, self.max_model_len, num_blocks, self.device
             )
-            graphs.capture()
-            logger.info("captured %d decode CUDA graphs (batch sizes %s) in %.1fs",
-                        len(graphs.sizes), graphs.sizes, time.perf_counter() - t0)  # fmt: skip
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
