@@ -350,7 +350,7 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
     if _triton_importable():
         logger.info("using the Triton paged-attention kernel")
         return "triton"
-    logger.warning("triton is not importable either; using the torch backend (SDPA over gathered blocks)")
+    logger.warning("triton is not importable; using the torch backend (SDPA over gathered blocks)")
     return "torch"
 
 
