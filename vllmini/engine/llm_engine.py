@@ -17,13 +17,14 @@ import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
 from vllmini.engine.detokenizer import IncrementalDetokenizer
-from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, capture_decode_graphs
+from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
+from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
-from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, allocate_kv_cache, cuda_kv_budget, num_blocks_for_budget
+from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_model, resolve_model_dir
@@ -103,22 +104,7 @@ class LLMEngine:
         spec = KVCacheSpec(
             self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
         )
-        if self.device.type == "cuda" and args.kv_cache_memory is None:
-            # Graphs are captured after the cache exists (they bake in its address), so their
-            # memory is measured first and set aside: one static decode forward at the largest
-            # padded batch plus the shared logits buffer (DecodeGraphRunner.activation_bytes).
-            graph_reserve = 0
-            if use_graphs:
-                shape = (1, block_size, spec.num_kv_heads, spec.head_dim)
-                graph_reserve = DecodeGraphRunner.activation_bytes(
-                    self.model, shape, self.dtype, spec.num_layers, args.max_num_seqs, self.max_model_len, self.device
-                ) + PAD_BLOCKS * spec.bytes_per_block
-            torch.cuda.reset_peak_memory_stats(self.device)
-            ModelRunner.warmup(self.model, args.max_num_batched_tokens, self.max_model_len, self.device)
-            budget = cuda_kv_budget(self.device, args.gpu_memory_utilization) - graph_reserve
-            logger.info("CUDA graph memory reserve: %.1f MiB", graph_reserve / 2**20)
-        else:
-            budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs)
         num_blocks = num_blocks_for_budget(spec, budget)
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
