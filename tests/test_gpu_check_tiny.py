@@ -16,10 +16,22 @@ def test_nano_vllm_workload_is_seeded_and_in_range():
 
 def test_gpu_offline_tiny_on_cpu(tmp_path):
     out = tmp_path / "r.json"
-    record = main(["--tiny", "--device", "cpu", "--num-requests", "4", "--hf-requests", "2",
+    record = main(["--tiny", "--device", "cpu", "--num-requests", "4", "--hf-runs", "9x4,2x2",
                    "--timing-batch", "4", "--out", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == record
     v = record["vllmini"]
     assert v["requests"] == 4 and v["output_tok_s"] > 0 and v["attention_backend"] == "torch" and not v["cuda_graphs"]
-    assert record["hf_static"]["requests"] == 2 and record["ratio"] > 0
+    whole, subset = record["hf_static"]
+    assert (whole["requests"], whole["batch_size"], whole["note"]) == (4, 4, "the whole workload")  # 9 capped at 4
+    assert (subset["requests"], subset["batch_size"], subset["note"]) == (2, 2, "first 2 of the 4 requests")
+    assert record["ratio"] == min(whole["ratio"], subset["ratio"]) > 0
     assert record["decode_step"]["batch"] == 4 and "static_padded_eager_ms" in record["decode_step"]
+
+
+def test_hf_runs_argument_is_checked(capsys):
+    import pytest
+
+    for bad in ("64", "64x0", "ax2", "64x64,"):
+        with pytest.raises(SystemExit):
+            main(["--tiny", "--device", "cpu", "--hf-runs", bad])
+        assert "expected REQUESTSxBATCH" in capsys.readouterr().err
