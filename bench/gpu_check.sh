@@ -45,7 +45,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"
 
 start=$(date +%s)
-timeout 200 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@"
+timeout 240 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@"
 bench_rc=$?
 echo "benchmark: rc=$bench_rc in $(( $(date +%s) - start ))s"
 
