@@ -68,7 +68,11 @@ class RotaryEmbedding(nn.Module):
             raise ValueError("partial_rotary_factor != 1 is not supported")
         self.head_dim = head_dim
         self.params = params
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # Built on the meta device (weight_loader), the buffer is only a placeholder until
+        # reset_buffers: computing it there would run meta ops, which import torch._dynamo.
+        on_meta = torch.empty(0).device.type == "meta"
+        inv_freq = torch.empty(head_dim // 2) if on_meta else self._inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         theta = float(self.params["rope_theta"])

@@ -76,7 +76,11 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # uninitialised (_weight): the checkpoint fills it, and a random init on the meta device
+        # (weight_loader) imports torch._dynamo, and with it triton, for nothing
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
