@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllmini.models.attention import KVCache, write_kv
 from vllmini.models.base import AttentionMetadata
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 # Tile sizes for 16-bit caches; fp32 (exact "ieee" dots) takes half of each, or registers spill.
 # bench/triton_compile_check.py compiles every launch for sm_90 (no GPU needed) and reports
@@ -173,8 +172,6 @@ def triton_attention(
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``; writes the new K/V into the cache
     first (one indexed copy each, as every backend does)."""
-    from vllmini.models.attention import write_kv
-
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     if q.stride(-1) != 1:
