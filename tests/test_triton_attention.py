@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers import TRITON_INTERPRETED, greedy_paged, tiny_llama_config, tiny_qwen3_config, triton_skip_reason
-from test_attention import D, MIXES, build_batch, dense_reference
+from test_attention import BS, D, MIXES, build_batch, dense_reference
 from test_cuda_path import _random_model
 from vllmini.models.attention import torch_attention
 from vllmini.models.base import AttentionMetadata
@@ -70,12 +70,13 @@ def test_kernel_matches_torch_backend_and_dense_reference(ta, mix):
 def test_plan_splits_mixed_steps_into_decode_and_prefill_launches(ta):
     *_, meta = build_batch([1, 70, 1, 3], [9, 70, 17, 12])[:5]
     assert ta.prefill_block_q(torch.float32, 2) == 16 and ta.prefill_block_q(torch.bfloat16, 3) == 21
-    launches = ta._plan(meta, prefill_q=ta.prefill_block_q(torch.bfloat16, 2))
+    launches = ta._plan(meta, torch.bfloat16, head_dim=D, group=2, block_size=BS, paged=True)  # 32 queries a tile
     assert [(x.block_q, x.num_tiles) for x in launches] == [(1, 2), (32, 4)]  # 70 tokens: 3 tiles of 32
     assert launches[0].tiles.tolist() == [[0, 2], [0, 0]]
     assert launches[1].tiles.tolist() == [[1, 1, 1, 3], [0, 32, 64, 0]]
+    assert launches[1].constants == ta.kernel_constants(torch.bfloat16, D, 2, 32, BS, tile_is_seq=False, paged=True)
     *_, decode_meta = build_batch([1, 1], [4, 9])[:5]
-    assert [(x.block_q, x.num_tiles, x.tiles) for x in ta._plan(decode_meta, prefill_q=21)] == [(1, 2, None)]
+    assert [(x.block_q, x.num_tiles, x.tiles) for x in ta._plan(decode_meta, torch.bfloat16, D, 3, BS, True)] == [(1, 2, None)]
 
 
 @pytest.mark.parametrize(

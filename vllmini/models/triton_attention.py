@@ -111,11 +111,13 @@ def _paged_attention_kernel(
 @dataclass
 class _Launch:
     """One kernel launch: ``num_tiles`` tiles of ``block_q`` queries; ``tiles`` is ``[2, n]``
-    int32 (sequence, first query) or None when tile i is sequence i."""
+    int32 (sequence, first query) or None when tile i is sequence i; ``constants`` are its
+    compile-time constants (``kernel_constants``), worked out once per step, not per layer."""
 
     block_q: int
     num_tiles: int
     tiles: torch.Tensor | None
+    constants: dict
 
 
 def _next_pow2(n: int) -> int:
@@ -144,10 +146,18 @@ def kernel_constants(
     }  # fmt: skip
 
 
-def _plan(meta: AttentionMetadata, prefill_q: int) -> list[_Launch]:
+def _plan(
+    meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, block_size: int, paged: bool
+) -> list[_Launch]:
     """Split the step into launches (see the module docstring), once per step."""
+
+    def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None) -> _Launch:
+        constants = kernel_constants(dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged)
+        return _Launch(block_q, num_tiles, tiles, constants)
+
     if meta.static_decode or meta.max_seqlen_q == 1:
-        return [_Launch(1, meta.num_seqs, None)]
+        return [launch(1, meta.num_seqs, None)]
+    prefill_q = prefill_block_q(dtype, group)
     decode_seqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     chunks = [(i, s) for i, q in enumerate(meta.query_lens_cpu) if q > 1 for s in range(0, q, prefill_q)]
     device = meta.seq_lens.device
@@ -158,7 +168,7 @@ def _plan(meta: AttentionMetadata, prefill_q: int) -> list[_Launch]:
     ):
         if seqs:
             tiles = torch.tensor([seqs, starts], dtype=torch.int32).to(device, non_blocking=True)
-            launches.append(_Launch(block_q, len(seqs), tiles))
+            launches.append(launch(block_q, len(seqs), tiles))
     return launches
 
 
@@ -187,7 +197,7 @@ def triton_attention(
         block_tables, block_size = meta.seq_lens, 1  # unused (PAGED=False); any int tensor will do
     plan = meta.backend_plan
     if plan is None:
-        plan = meta.backend_plan = _plan(meta, prefill_block_q(keys.dtype, group))
+        plan = meta.backend_plan = _plan(meta, keys.dtype, head_dim, group, block_size, paged=kv_cache is not None)
     for launch in plan:
         # without a tile map the kernel never reads these pointers (TILE_IS_SEQ): any int tensor
         tile_seq, tile_start = (meta.seq_lens,) * 2 if launch.tiles is None else launch.tiles.unbind(0)
@@ -197,7 +207,6 @@ def triton_attention(
             scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-            **kernel_constants(keys.dtype, head_dim, group, launch.block_q, block_size,
-                               tile_is_seq=launch.tiles is None, paged=kv_cache is not None),
+            **launch.constants,
         )  # fmt: skip
     return out
