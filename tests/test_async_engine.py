@@ -160,14 +160,14 @@ async def test_errors_stay_with_their_request(tiny_dir, monkeypatch):
         outs = [o async for o in engine.generate({"prompt_token_ids": [5, 6, 7]}, params, request_id="after")]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
 
-        real_check = engine.engine._check_stop
+        real_check = engine.engine.output_processor.check_stop
 
         def check_stop(state, seq):
             if state.request_id == "bad-detok":
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
             return real_check(state, seq)
 
-        monkeypatch.setattr(engine.engine, "_check_stop", check_stop)
+        monkeypatch.setattr(engine.engine.output_processor, "check_stop", check_stop)
 
         async def good():
             return [o async for o in engine.generate({"prompt_token_ids": [9, 9]}, params, request_id="good")]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from vllmini.models.attention import FLASH_BLOCK_MULTIPLE, flash_attention, select_backend, torch_attention
-from vllmini.models.base import AttentionMetadata
+from vllmini.models.base import AttentionMetadata, block_table_tensor
 
 H, HKV, D, BS = 6, 2, 8, 4
 
@@ -195,3 +195,13 @@ def test_decode_groups_split_only_when_padding_costs_more_than_a_group():
     for cost in (0, 4, 16, 1000):
         flat = sorted(i for g in _decode_groups(lens, group_cost=cost) for i in g)
         assert flat == list(range(64))
+
+
+def test_block_table_tensor_pads_rows_like_the_nested_lists_it_replaces():
+    tables = [[5, 1, 9], [2], [], [7, 3]]
+    width, rows, pad_block = 5, 6, 11
+    nested = [t + [0] * (width - len(t)) for t in tables] + [[pad_block] + [0] * (width - 1)] * (rows - len(tables))
+    got = block_table_tensor(tables, width, rows, pad_block)
+    assert got.dtype == torch.int32 and got.tolist() == nested
+    assert block_table_tensor(tables, 3).tolist() == [t + [0] * (3 - len(t)) for t in tables]
+    assert block_table_tensor([], 2, 2, 4).tolist() == [[4, 0], [4, 0]]  # padding only (graph capture)

