@@ -70,7 +70,8 @@ def compile_one(constants: dict, dtype: torch.dtype, arch: int) -> dict:
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    hinted = [i for i, n in enumerate(names) if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_bt")]
+    unhinted = ("stride_bt", "tile_seq_ptr", "tile_start_ptr")  # never specialized (see the kernel)
+    hinted = [i for i, n in enumerate(names) if (n.endswith("_ptr") or n.startswith("stride")) and n not in unhinted]
     src = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
         attrs={(i,): [["tt.divisibility", 16]] for i in hinted},

@@ -40,7 +40,11 @@ PREFILL_ROWS = 64  # tile rows (queries x group heads) of a prefill launch
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
 
 
-@triton.jit
+# Each distinct specialization of an argument is a compile (seconds) in the middle of serving.
+# The block-table width changes from step to step (Triton would specialize it on == 1 and on
+# divisibility by 16), and a tile map's second row starts at 4 x (number of tiles) bytes (its
+# alignment would vary); neither value helps the generated code, so neither is specialized.
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"])
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tile_seq_ptr, tile_start_ptr,
