@@ -227,16 +227,29 @@ def main(argv: list[str] | None = None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+        if device.type == "cuda":  # what the engine left behind (HF runs in the same process next)
+            record["gpu_memory_after_engine_gib"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+
         for hf_n, batch in [] if args.skip_hf else hf_runs:
-            theirs = run_hf_static(model_dir, dtype, device, prompts[:hf_n], outs[:hf_n], batch)
             hf_tokens = sum(outs[:hf_n])
+            try:
+                theirs = run_hf_static(model_dir, dtype, device, prompts[:hf_n], outs[:hf_n], batch)
+            except Exception as exc:  # e.g. out of memory at a large batch: report it, run the next one
+                record.setdefault("hf_static", []).append({
+                    "requests": hf_n, "batch_size": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                print(f"HF static {hf_n}x{batch} failed: {type(exc).__name__}: {exc}"[:500], flush=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                save()
+                continue
             record.setdefault("hf_static", []).append({
                 "requests": hf_n, "batch_size": batch, "output_tokens": hf_tokens,
                 "seconds": round(theirs, 2), "output_tok_s": round(hf_tokens / theirs, 1),
                 "ratio": round(record["vllmini"]["output_tok_s"] / (hf_tokens / theirs), 2),
                 "note": f"first {hf_n} of the {n} requests" if hf_n < n else "the whole workload",
             })  # fmt: skip
-            record["ratio"] = min(h["ratio"] for h in record["hf_static"])  # against the fastest HF run
+            record["ratio"] = min(h["ratio"] for h in record["hf_static"] if "ratio" in h)  # vs the fastest HF run
             save()
 
     v = record["vllmini"]
@@ -244,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'vllmini':<12}{v['requests']:>10}{v['output_tokens']:>12}{v['seconds']:>10}{v['output_tok_s']:>12}")
     for h in record.get("hf_static", []):
         name = f"HF static-{h['batch_size']}"
+        if "error" in h:
+            print(f"{name:<12}{h['requests']:>10}   failed: {h['error'][:200]}")
+            continue
         print(f"{name:<12}{h['requests']:>10}{h['output_tokens']:>12}{h['seconds']:>10}{h['output_tok_s']:>12}"
               f"   vllmini is {h['ratio']}x ({h['note']})")  # fmt: skip
     if "ratio" in record:

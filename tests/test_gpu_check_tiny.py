@@ -35,3 +35,23 @@ def test_hf_runs_argument_is_checked(capsys):
         with pytest.raises(SystemExit):
             main(["--tiny", "--device", "cpu", "--hf-runs", bad])
         assert "expected REQUESTSxBATCH" in capsys.readouterr().err
+
+
+def test_a_failing_hf_run_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    import bench.gpu_offline as gpu_offline
+
+    real = gpu_offline.run_hf_static
+
+    def run_hf_static(model_dir, dtype, device, prompts, outs, batch_size):
+        if batch_size == 4:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(model_dir, dtype, device, prompts, outs, batch_size)
+
+    monkeypatch.setattr(gpu_offline, "run_hf_static", run_hf_static)
+    out = tmp_path / "r.json"
+    record = main(["--tiny", "--device", "cpu", "--num-requests", "4", "--hf-runs", "4x4,2x2",
+                   "--timing-batch", "4", "--out", str(out)])  # fmt: skip
+    failed, ok = record["hf_static"]
+    assert (failed["batch_size"], failed["error"]) == (4, "RuntimeError: CUDA out of memory (simulated)")
+    assert "ratio" not in failed and ok["batch_size"] == 2 and record["ratio"] == ok["ratio"] > 0
+    assert json.loads(out.read_text()) == record
