@@ -4,12 +4,16 @@
 #         (tiny random Llama and Qwen3, bf16), CUDA-graph replay == eager, decode-step timing;
 #   (ii)  nano-vllm's offline workload on Qwen3-0.6B-shaped random weights: vllmini output tok/s
 #         and HF transformers static batches in the same run, with the ratio;
-#   (iii) peak GPU memory and KV blocks.
-# Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json, gpu_tests.log/.xml.
+#   (iii) peak GPU memory and KV blocks;
+#   (iv)  only with MICRO=1 (about a minute more): decode attention alone, the Triton kernel vs
+#         the torch backend, and a sweep of its tile settings (bench/attention_micro.py).
+# Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json, gpu_tests.log/.xml,
+# attention_micro.json (MICRO=1).
 # Wheels the machine lacks (msgspec) come from a local folder only: fill it here with
 # bench/fetch_gpu_wheels.sh, carry it (default .gpu-wheels, or $WHEELS).
 #   bash bench/gpu_check.sh                 # from the repo root
 #   bash bench/gpu_check.sh --tiny          # CPU smoke run of the benchmark part (tests skip without CUDA)
+#   MICRO=1 bash bench/gpu_check.sh         # plus the attention micro-benchmark
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${WHEELS:-.gpu-wheels}"
@@ -49,11 +53,22 @@ timeout 240 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@"
 bench_rc=$?
 echo "benchmark: rc=$bench_rc in $(( $(date +%s) - start ))s"
 
-"$PY" - "$RESULTS" "$tests_rc" "$bench_rc" <<'PYEOF'
+micro_rc=""
+if [ "${MICRO:-0}" = 1 ]; then
+    start=$(date +%s)
+    tiny=""; for a in "$@"; do [ "$a" = --tiny ] && tiny="--tiny"; done
+    timeout 120 "$PY" -m bench.attention_micro $tiny --out "$RESULTS/attention_micro.json"
+    micro_rc=$?
+    echo "attention micro-benchmark: rc=$micro_rc in $(( $(date +%s) - start ))s"
+fi
+
+"$PY" - "$RESULTS" "$tests_rc" "$bench_rc" "$micro_rc" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
 results, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 summary = {"tests_rc": tests_rc, "benchmark_rc": bench_rc}
+if sys.argv[4]:  # MICRO=1; rc 1: some kernel setting computed a wrong result (see its JSON)
+    summary["attention_micro_rc"] = int(sys.argv[4])
 try:
     suite = ET.parse(results / "gpu_tests.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
@@ -64,8 +79,13 @@ try:
     summary["gpu_offline"] = json.loads((results / "gpu_offline.json").read_text())
 except (OSError, ValueError) as exc:
     summary["gpu_offline"] = f"no benchmark record: {exc}"
+if sys.argv[4]:
+    try:
+        summary["attention_micro"] = json.loads((results / "attention_micro.json").read_text())
+    except (OSError, ValueError) as exc:
+        summary["attention_micro"] = f"no micro-benchmark record: {exc}"
 (results / "gpu_check.json").write_text(json.dumps(summary, indent=2))
-print(json.dumps({k: v for k, v in summary.items() if k != "gpu_offline"}))
+print(json.dumps({k: v for k, v in summary.items() if k not in ("gpu_offline", "attention_micro")}))
 print(f"wrote {results / 'gpu_check.json'}")
 PYEOF
 exit $(( tests_rc != 0 || bench_rc != 0 ))

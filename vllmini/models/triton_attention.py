@@ -203,14 +203,23 @@ def triton_attention(
     if plan is None:
         plan = meta.backend_plan = _plan(meta, keys.dtype, head_dim, group, block_size, paged=kv_cache is not None)
     for launch in plan:
-        # without a tile map the kernel never reads these pointers (TILE_IS_SEQ): any int tensor
-        tile_seq, tile_start = (meta.seq_lens,) * 2 if launch.tiles is None else launch.tiles.unbind(0)
-        _paged_attention_kernel[(launch.num_tiles, num_kv_heads)](
-            out, q, keys, vals,
-            block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
-            scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-            **launch.constants,
-        )  # fmt: skip
+        run_launch(launch, out, q, keys, vals, block_tables, meta, scale)
     return out
+
+
+def run_launch(
+    launch: _Launch, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+    block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, **overrides: int,
+) -> None:  # fmt: skip
+    """One kernel launch of a plan. ``overrides`` replace compile-time constants or launch
+    options (``BLOCK_N``, ``num_warps``, ``num_stages``): bench/attention_micro.py sweeps them."""
+    # without a tile map the kernel never reads these pointers (TILE_IS_SEQ): any int tensor
+    tile_seq, tile_start = (meta.seq_lens,) * 2 if launch.tiles is None else launch.tiles.unbind(0)
+    _paged_attention_kernel[(launch.num_tiles, keys.shape[2])](
+        out, q, keys, vals,
+        block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
+        scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
+        **{**launch.constants, **overrides},
+    )  # fmt: skip
