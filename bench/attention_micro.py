@@ -13,6 +13,7 @@ of K/V read is its figure of merit (an H200's HBM peak is ~4.8 TB/s).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -100,21 +101,28 @@ def run(args: argparse.Namespace) -> dict:
         c = build_case(batch, context, heads, kv_heads, head_dim, block_size, dtype, device)
         q, meta, (keys, vals) = c["q"], c["meta"], c["cache"]
         ref = torch_attention(q, c["k"], c["v"], meta, c["cache"], scale)  # also writes the new K/V
-        (launch,) = _plan(meta, dtype, head_dim, heads // kv_heads, block_size, paged=True)
+        (launch,) = _plan(meta, dtype, head_dim, heads // kv_heads, kv_heads, block_size, paged=True)
         out = torch.empty_like(q)
 
-        def kernel(**overrides) -> None:
-            run_launch(launch, out, q, keys, vals, meta.block_tables, meta, scale, **overrides)
+        def kernel(plan=launch, **overrides) -> None:
+            run_launch(plan, out, q, keys, vals, meta.block_tables, meta, scale, **overrides)
 
         def gbps(ms: float) -> float:
             return round(c["kv_bytes"] / (ms * 1e-3) / 1e9, 1)
 
-        row: dict = {"batch": batch, "context": context, "kv_mib": round(c["kv_bytes"] / 2**20, 1)}
+        row: dict = {"batch": batch, "context": context, "kv_mib": round(c["kv_bytes"] / 2**20, 1),
+                     "num_splits": launch.num_splits}  # fmt: skip
         torch_ms = time_ms(lambda: torch_attention(q, c["k"], c["v"], meta, c["cache"], scale))
         kernel()
         row["triton_default"] = {"ms": round(time_ms(kernel), 4), "max_err": (out - ref).abs().max().item()}
         row["triton_default"]["gb_s"] = gbps(row["triton_default"]["ms"])
         row["torch"] = {"ms": round(torch_ms, 4), "gb_s": gbps(torch_ms)}
+        if launch.num_splits > 1:  # what split-KV buys: the same launch with one share per row
+            whole = dataclasses.replace(launch, num_splits=1, constants={**launch.constants, "SPLIT": False})
+            out.zero_()
+            kernel(whole)
+            ms = time_ms(lambda: kernel(whole))
+            row["triton_no_split"] = {"ms": round(ms, 4), "gb_s": gbps(ms), "max_err": (out - ref).abs().max().item()}
         configs = []
         for values in itertools.product(*sweep.values()):
             cfg = dict(zip(sweep, values))
@@ -137,7 +145,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"batch {batch:>4} context {context:>5} ({row['kv_mib']} MiB K/V): "
               f"torch {row['torch']['ms']:.3f} ms ({row['torch']['gb_s']} GB/s), "
               f"triton {row['triton_default']['ms']:.3f} ms ({row['triton_default']['gb_s']} GB/s, "
-              f"err {row['triton_default']['max_err']:.1e}), best {best.get('ms')} ms "
+              f"err {row['triton_default']['max_err']:.1e}, {launch.num_splits} split(s)), best {best.get('ms')} ms "
               f"({best.get('gb_s')} GB/s) with {({k: best.get(k) for k in sweep})}; "
               f"{len(good)}/{len(configs)} configs ran correctly", flush=True)  # fmt: skip
     return record

@@ -36,26 +36,32 @@ SHAPES = {
 SIZE_LIMITS = {"registers": 255, "shared_bytes": 227 * 1024}  # per thread / per block on sm_80 and sm_90
 
 
-def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> dict[str, dict]:
-    """The constants of every launch the backend makes for this shape (see triton_attention)."""
-    from vllmini.models.triton_attention import kernel_constants, prefill_block_q
+def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> dict[str, tuple[str, dict]]:
+    """(kernel, constants) of every launch the backend makes for this shape (see triton_attention)."""
+    from vllmini.models.triton_attention import SPLIT_MAX, _next_pow2, kernel_constants, prefill_block_q
 
     prefill_q = prefill_block_q(dtype, group)
+    decode = kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True)
+    attention = "_paged_attention_kernel"
     return {
-        "decode": kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True),
-        "decode-in-mixed-step": kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=False, paged=True),
-        "prefill-paged": kernel_constants(dtype, head_dim, group, prefill_q, block_size, tile_is_seq=False, paged=True),
-        "prefill-no-cache": kernel_constants(dtype, head_dim, group, prefill_q, 1, tile_is_seq=False, paged=False),
-    }
+        "decode": (attention, decode),
+        "decode-split": (attention, {**decode, "SPLIT": True}),
+        "merge-splits": ("_merge_splits_kernel", {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": decode["HEAD_DIM_PAD"],
+                                                  "SPLITS_PAD": _next_pow2(SPLIT_MAX)}),  # fmt: skip
+        "decode-in-mixed-step": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=False, paged=True)),
+        "prefill-paged": (attention, kernel_constants(dtype, head_dim, group, prefill_q, block_size, tile_is_seq=False, paged=True)),
+        "prefill-no-cache": (attention, kernel_constants(dtype, head_dim, group, prefill_q, 1, tile_is_seq=False, paged=False)),
+    }  # fmt: skip
 
 
-def compile_one(constants: dict, dtype: torch.dtype, arch: int) -> dict:
+def compile_one(kernel_name: str, constants: dict, dtype: torch.dtype, arch: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllmini.models.triton_attention import _paged_attention_kernel as kernel
+    import vllmini.models.triton_attention as module
 
+    kernel = getattr(module, kernel_name)
     names = kernel.arg_names
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     signature = {}
@@ -64,13 +70,16 @@ def compile_one(constants: dict, dtype: torch.dtype, arch: int) -> dict:
             signature[name] = "constexpr"
         elif name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr"):
             signature[name] = ty
+        elif name in ("part_ptr", "ml_ptr"):  # split-KV partials are fp32
+            signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
         elif name == "scale":
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    unhinted = ("stride_bt", "tile_seq_ptr", "tile_start_ptr")  # never specialized (see the kernel)
+    # never specialized (see the kernels): the launcher gives these no divisibility hint
+    unhinted = ("stride_bt", "tile_seq_ptr", "tile_start_ptr")
     hinted = [i for i, n in enumerate(names) if (n.endswith("_ptr") or n.startswith("stride")) and n not in unhinted]
     src = ASTSource(
         fn=kernel, signature=signature, constexprs={(names.index(n),): v for n, v in constants.items()},
@@ -112,10 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for shape in args.shapes.split(","):
         dtype, head_dim, group, block_size = SHAPES[shape]
-        for launch, constants in launches(dtype, head_dim, group, block_size).items():
+        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size).items():
             key = f"{shape}/{launch}"
             try:
-                row = compile_one(constants, dtype, args.arch)
+                row = compile_one(kernel_name, constants, dtype, args.arch)
                 row["within_limits"] = all(row[k] <= v for k, v in SIZE_LIMITS.items())
             except Exception as exc:  # a compile error is the finding: report it, go on
                 row, failed = {"error": f"{type(exc).__name__}: {exc}"[:500]}, True

@@ -301,15 +301,29 @@ def _decode_state(model, batch: int, block_size: int, max_model_len: int, seed: 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-@pytest.mark.parametrize("backend", ["torch", "torch_varlen", pytest.param("triton", marks=pytest.mark.skipif(
-    triton_skip_reason(cpu_tensors=True) is not None, reason=str(triton_skip_reason(cpu_tensors=True))))])  # fmt: skip
-def test_padded_static_decode_equals_eager(arch, backend):
+@pytest.mark.parametrize("backend", ["torch", "torch_varlen"] + [pytest.param(name, marks=pytest.mark.skipif(
+    triton_skip_reason(cpu_tensors=True) is not None, reason=str(triton_skip_reason(cpu_tensors=True))))
+    for name in ("triton", "triton-split")])  # fmt: skip
+def test_padded_static_decode_equals_eager(arch, backend, monkeypatch):
     """What a CUDA graph replays (rows padded to the captured size, block tables as wide as
-    max_model_len, padding rows in the pad block) == the eager step, for every backend."""
+    max_model_len, padding rows in the pad block) == the eager step, for every backend.
+    ``triton-split``: the static step splits each row's keys (as it would on a GPU with idle
+    SMs; a graph does not know the contexts, so most shares are empty here), the eager one not."""
     block_size, max_model_len = 4, 40
     config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
+    if backend == "triton-split":
+        import vllmini.models.triton_attention as ta
+
+        monkeypatch.setattr(ta, "_num_sms", lambda device: 256)  # > rows x KV heads at every padded size
+        splits, real_run_launch = [], ta.run_launch
+
+        def run_launch(launch, *args, **kw):
+            splits.append(launch.num_splits)
+            return real_run_launch(launch, *args, **kw)
+
+        monkeypatch.setattr(ta, "run_launch", run_launch)
     fn = {"torch": lambda: torch_attention, "torch_varlen": lambda: torch_varlen_backend(fake_varlen_attn),
-          "triton": lambda: get_backend("triton")}[backend]()  # fmt: skip
+          "triton": lambda: get_backend("triton"), "triton-split": lambda: get_backend("triton")}[backend]()  # fmt: skip
     model = _random_model(config, fn)
     for batch in (3, 5, 17):
         caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
@@ -323,6 +337,9 @@ def test_padded_static_decode_equals_eager(arch, backend):
         assert out.shape == ref.shape
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         assert torch.equal(out.argmax(-1), ref.argmax(-1))
+        if backend == "triton-split":  # eager steps: one share (short contexts); padded static ones: split
+            assert 1 in splits and max(splits) > 1
+            splits.clear()
         for (k, v), (sk, sv) in zip(caches, static_caches):  # same K/V written; padding only in the pad block
             torch.testing.assert_close(sk[:num_blocks], k[:num_blocks])
             torch.testing.assert_close(sv[:num_blocks], v[:num_blocks])

@@ -70,13 +70,48 @@ def test_kernel_matches_torch_backend_and_dense_reference(ta, mix):
 def test_plan_splits_mixed_steps_into_decode_and_prefill_launches(ta):
     *_, meta = build_batch([1, 70, 1, 3], [9, 70, 17, 12])[:5]
     assert ta.prefill_block_q(torch.float32, 2) == 16 and ta.prefill_block_q(torch.bfloat16, 3) == 21
-    launches = ta._plan(meta, torch.bfloat16, head_dim=D, group=2, block_size=BS, paged=True)  # 32 queries a tile
+    launches = ta._plan(meta, torch.bfloat16, head_dim=D, group=2, num_kv_heads=2, block_size=BS, paged=True)
     assert [(x.block_q, x.num_tiles) for x in launches] == [(1, 2), (32, 4)]  # 70 tokens: 3 tiles of 32
     assert launches[0].tiles.tolist() == [[0, 2], [0, 0]]
     assert launches[1].tiles.tolist() == [[1, 1, 1, 3], [0, 32, 64, 0]]
     assert launches[1].constants == ta.kernel_constants(torch.bfloat16, D, 2, 32, BS, tile_is_seq=False, paged=True)
     *_, decode_meta = build_batch([1, 1], [4, 9])[:5]
-    assert [(x.block_q, x.num_tiles, x.tiles) for x in ta._plan(decode_meta, torch.bfloat16, D, 3, BS, True)] == [(1, 2, None)]
+    decode = ta._plan(decode_meta, torch.bfloat16, D, 3, 2, BS, True)
+    assert [(x.block_q, x.num_tiles, x.tiles, x.num_splits) for x in decode] == [(1, 2, None, 1)]  # short contexts
+
+
+def test_decode_splits(ta):
+    assert ta.decode_splits(num_programs=132, max_context=4096, num_sms=132) == 1  # every SM busy already
+    assert ta.decode_splits(8, None, 132) == ta.SPLIT_MAX  # one stream in a graph: context unknown
+    assert ta.decode_splits(8, 4096, 132) == ta.SPLIT_MAX and ta.decode_splits(8, 600, 132) == 3  # shares >= 256 keys
+    assert ta.decode_splits(8, 100, 132) == 1
+    assert ta.decode_splits(128, None, 132) == 3  # ~2 programs per SM
+    assert ta.decode_splits(1, None, 1) == 1  # the interpreter: one "SM"
+
+
+@pytest.mark.parametrize("heads,kv_heads,dtype", [(4, 2, torch.float32), (6, 2, torch.float32), (4, 4, torch.float16)])
+def test_split_kv_decode_matches_torch_backend(ta, monkeypatch, heads, kv_heads, dtype):
+    """Decode rows whose keys are split into shares and merged: contexts shorter than the
+    number of shares (empty shares), one block, many blocks."""
+    monkeypatch.setattr(ta, "_num_sms", lambda device: 64)
+    monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    head_dim, block_size, seq_lens = 32, 16, [1, 5, 70, 130, 33]
+    tables = [list(range(i * 9, i * 9 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
+    cache = tuple(torch.randn(45, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, seq_lens)]
+    meta = AttentionMetadata.paged([1] * len(seq_lens), seq_lens, slots, tables)
+    (launch,) = ta._plan(_plain_meta(meta, DEVICE), dtype, head_dim, heads // kv_heads, kv_heads, block_size, True)
+    # 5 rows x kv_heads programs for 64 "SMs": 13 (or 7) shares, most of them empty for short rows
+    assert launch.num_splits == {2: 13, 4: 7}[kv_heads] and launch.constants["SPLIT"]
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g)
+    k, v = (torch.randn(len(seq_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    cast = [x.to(dtype) for x in (q, k, v)]
+    out, _ = run_kernel(ta, *cast, meta, tuple(c.to(dtype) for c in cache), head_dim**-0.5)
+    ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -134,9 +169,14 @@ def test_model_greedy_tokens_equal_torch_backend(ta, arch):
 
 
 @on_interpreter
-def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path):
+@pytest.mark.parametrize("split", [False, True])
+def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path, monkeypatch, split):
     """The whole engine (chunked prefill, prefix-cache hits, mixed steps, decode steps through
-    the static graph path) with the kernel swapped in: the same greedy tokens."""
+    the static graph path) with the kernel swapped in: the same greedy tokens. ``split``: every
+    decode launch splits its rows' keys (as on a GPU with idle SMs)."""
+    if split:
+        monkeypatch.setattr(ta, "_num_sms", lambda device: 256)
+        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 4)
     from bench.random_model import save_random_model, tiny_qwen3_bench_config
     from test_cuda_path import route_decodes_through_graph_runner
     from vllmini import LLM, SamplingParams

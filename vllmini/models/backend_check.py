@@ -44,7 +44,8 @@ def start_backend(
 
 def _steps(block_size: int) -> list[tuple[list[int], list[int]]]:
     """(query lengths, context lengths) per step: a mixed step (decode rows, a chunk after
-    cached tokens, a fresh prompt), then a decode-only step over a context longer than one block."""
+    cached tokens, a fresh prompt), then a decode-only step over a context longer than one block
+    (two rows over 2 blocks + 1 token: on a GPU the Triton backend splits their keys)."""
     return [([1, 5, 3, 1], [block_size + 3, 9, 3, 1]), ([1, 1], [2 * block_size + 1, 7])]
 
 

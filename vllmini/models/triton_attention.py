@@ -18,11 +18,19 @@ Launches:
   built once per step from the host lists and shared by every layer (``meta.backend_plan``);
 - no cache (whole prompts, e.g. the warm-up forward): K/V read from the flat ``k``/``v``.
 
+Split-KV decode: when a decode launch has fewer programs (rows x KV heads) than the GPU has
+SMs (one stream, a few), each row's keys are cut into ``num_splits`` shares, one program per
+share (a third grid axis); each writes its unnormalised output with its (max, sum), and a
+second small kernel merges the shares. A share's bounds come from the row's context length
+on the device, so a graph (captured with a fixed number of shares) stays correct for any
+context; shares past a short context are empty and cost one early exit.
+
 Importing this module needs triton; ``attention.select_backend`` only picks it when triton
 imports. Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,22 +46,27 @@ from vllmini.models.base import AttentionMetadata
 BLOCK_N = 64  # keys per inner-loop iteration
 PREFILL_ROWS = 64  # tile rows (queries x group heads) of a prefill launch
 MIN_DOT = 16  # tl.dot needs every dimension >= 16
+SPLIT_MAX = 16  # split-KV decode: at most this many shares per row (more only adds merging)
+SPLIT_MIN_KEYS = 256  # ... and none shorter than this when the step's longest context is known
 
 
 # Each distinct specialization of an argument is a compile (seconds) in the middle of serving.
 # The block-table width changes from step to step (Triton would specialize it on == 1 and on
 # divisibility by 16), and a tile map's second row starts at 4 x (number of tiles) bytes (its
 # alignment would vary); neither value helps the generated code, so neither is specialized.
-@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"])
+@triton.jit(
+    do_not_specialize=["stride_bt", "num_tokens"], do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"]
+)
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tile_seq_ptr, tile_start_ptr,
-    scale,
+    part_ptr, ml_ptr,
+    scale, num_tokens,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    TILE_IS_SEQ: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_IS_SEQ: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -81,11 +94,17 @@ def _paged_attention_kernel(
     )  # fmt: skip
     last_pos = cached + qi  # each row attends to keys at positions <= its own
     kv_end = tl.minimum(seq_len, cached + first_q + BLOCK_Q)
+    if SPLIT:  # split-KV: this program takes share program_id(2) of the keys (BLOCK_N-aligned)
+        share = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_begin = tl.program_id(2) * share
+        kv_end = tl.minimum(kv_end, kv_begin + share)
+    else:
+        kv_begin = 0
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk adds 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
+    for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         if PAGED:
@@ -105,23 +124,56 @@ def _paged_attention_kernel(
         v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if SPLIT:  # unnormalised share of row (token, head): acc [S, T, H, D], (max, sum) [S, T, H, 2]
+        part = (tl.program_id(2) * num_tokens + q_rows) * (GROUP * tl.num_programs(1)) + head
+        tl.store(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
+        )  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+def _merge_splits_kernel(
+    out_ptr, part_ptr, ml_ptr, num_tokens, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
+    """One (token, head) per program: rescale each share's sums to the row's overall max and
+    add them up (a share with no keys has max -1e30 and sum 0: weight 0)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < num_splits
+    part = (splits * num_tokens + token).to(tl.int64) * tl.num_programs(1) + head
+    m = tl.load(ml_ptr + part * 2, mask=ok, other=-1.0e30)
+    l = tl.load(ml_ptr + part * 2 + 1, mask=ok, other=0.0)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
+    w = tl.exp(m - tl.max(m, 0))
+    total = tl.sum(w * l, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
-        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
-    )  # fmt: skip
+        out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok
+    )
 
 
 @dataclass
 class _Launch:
     """One kernel launch: ``num_tiles`` tiles of ``block_q`` queries; ``tiles`` is ``[2, n]``
     int32 (sequence, first query) or None when tile i is sequence i; ``constants`` are its
-    compile-time constants (``kernel_constants``), worked out once per step, not per layer."""
+    compile-time constants (``kernel_constants``), worked out once per step, not per layer;
+    ``num_splits`` > 1: split-KV decode (each row's keys in that many shares, then merged)."""
 
     block_q: int
     num_tiles: int
     tiles: torch.Tensor | None
     constants: dict
+    num_splits: int = 1
 
 
 def _next_pow2(n: int) -> int:
@@ -138,33 +190,62 @@ def prefill_block_q(dtype: torch.dtype, group: int) -> int:
 
 
 def kernel_constants(
-    dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool
-) -> dict:
+    dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool,
+    split: bool = False,
+) -> dict:  # fmt: skip
     """The compile-time constants of one launch: what the launcher passes, and what
     bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have."""
     return {
         "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
         "BLOCK_N": BLOCK_N // _shrink(dtype), "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split,
     }  # fmt: skip
 
 
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 1 elsewhere (Triton's interpreter), so
+    that decode never splits there unless a test asks for it."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_programs: int, max_context: int | None, num_sms: int) -> int:
+    """Shares per row for a decode launch of ``num_programs`` (rows x KV heads) programs.
+    Few rows leave most SMs idle while each program walks a whole context (one stream, long
+    context): then each row's keys are split so that there are about two programs per SM.
+    ``max_context`` (None for a graph, whose contexts are not known at capture) caps the
+    split so that no share is shorter than ``SPLIT_MIN_KEYS``."""
+    if num_programs >= num_sms:
+        return 1
+    splits = min(SPLIT_MAX, -(-2 * num_sms // num_programs))
+    if max_context is not None:
+        splits = min(splits, -(-max_context // SPLIT_MIN_KEYS))
+    return max(splits, 1)
+
+
 def _plan(
-    meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, block_size: int, paged: bool
-) -> list[_Launch]:
+    meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
+    paged: bool,
+) -> list[_Launch]:  # fmt: skip
     """Split the step into launches (see the module docstring), once per step."""
 
-    def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None) -> _Launch:
-        constants = kernel_constants(dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged)
-        return _Launch(block_q, num_tiles, tiles, constants)
+    def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None, splits: int = 1) -> _Launch:
+        constants = kernel_constants(
+            dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged, split=splits > 1
+        )
+        return _Launch(block_q, num_tiles, tiles, constants, splits)
 
+    device = meta.seq_lens.device
     if meta.static_decode or meta.max_seqlen_q == 1:
-        return [launch(1, meta.num_seqs, None)]
+        max_context = None if meta.static_decode else meta.max_seqlen_k
+        splits = decode_splits(meta.num_seqs * num_kv_heads, max_context, _num_sms(device)) if paged else 1
+        return [launch(1, meta.num_seqs, None, splits)]
     prefill_q = prefill_block_q(dtype, group)
     decode_seqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     chunks = [(i, s) for i, q in enumerate(meta.query_lens_cpu) if q > 1 for s in range(0, q, prefill_q)]
-    device = meta.seq_lens.device
     launches = []
     for block_q, seqs, starts in (
         (1, decode_seqs, [0] * len(decode_seqs)),
@@ -201,7 +282,9 @@ def triton_attention(
         block_tables, block_size = meta.seq_lens, 1  # unused (PAGED=False); any int tensor will do
     plan = meta.backend_plan
     if plan is None:
-        plan = meta.backend_plan = _plan(meta, keys.dtype, head_dim, group, block_size, paged=kv_cache is not None)
+        plan = meta.backend_plan = _plan(
+            meta, keys.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None
+        )
     for launch in plan:
         run_launch(launch, out, q, keys, vals, block_tables, meta, scale)
     return out
@@ -215,11 +298,24 @@ def run_launch(
     options (``BLOCK_N``, ``num_warps``, ``num_stages``): bench/attention_micro.py sweeps them."""
     # without a tile map the kernel never reads these pointers (TILE_IS_SEQ): any int tensor
     tile_seq, tile_start = (meta.seq_lens,) * 2 if launch.tiles is None else launch.tiles.unbind(0)
-    _paged_attention_kernel[(launch.num_tiles, keys.shape[2])](
+    splits = launch.num_splits
+    if splits > 1:  # each share's unnormalised output and (max, sum), merged below
+        part = torch.empty((splits, *q.shape), dtype=torch.float32, device=q.device)
+        ml = torch.empty((splits, *q.shape[:2], 2), dtype=torch.float32, device=q.device)
+    else:
+        part, ml = out, meta.seq_lens  # not read (SPLIT is False)
+    constants = {**launch.constants, **overrides}
+    _paged_attention_kernel[(launch.num_tiles, keys.shape[2], splits)](
         out, q, keys, vals,
         block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
-        scale,
+        part, ml,
+        scale, q.shape[0],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
-        **{**launch.constants, **overrides},
+        **constants,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(q.shape[0], q.shape[1])](
+            out, part, ml, q.shape[0], splits, out.stride(0), out.stride(1),
+            HEAD_DIM=constants["HEAD_DIM"], HEAD_DIM_PAD=constants["HEAD_DIM_PAD"], SPLITS_PAD=_next_pow2(splits),
+        )  # fmt: skip
