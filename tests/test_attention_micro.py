@@ -46,3 +46,17 @@ def test_a_config_with_wrong_output_is_flagged(tmp_path, monkeypatch):
         bad = [c for c in case["sweep"] if c["BLOCK_N"] == 16]
         assert bad and not any(c["ok"] for c in bad) and not case["all_configs_correct"]
         assert case["best"]["BLOCK_N"] == 32 and case["triton_default"]["ok"]
+
+
+def test_split_decode_is_timed_with_and_without_its_split(tmp_path, monkeypatch):
+    import bench.attention_micro  # noqa: F401  (sets up the interpreter on CPU first)
+    import vllmini.models.triton_attention as ta
+
+    monkeypatch.setattr(ta, "_num_sms", lambda device: 64)  # rows x KV heads leave "SMs" idle
+    monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
+    from bench.attention_micro import main
+
+    record = main(["--tiny", "--device", DEVICE, "--out", str(tmp_path / "m.json")])
+    for case in record["cases"]:
+        assert case["num_splits"] > 1 and case["triton_default"]["ok"] and case["all_configs_correct"]
+        assert case["triton_no_split"]["max_err"] <= 1e-4 and case["triton_no_split"]["ms"] > 0
