@@ -207,3 +207,18 @@ def test_work_per_step_is_bounded(tok, kind, skip):
         assert FFFD not in detok.text
     assert max(rec.lengths) <= 24, max(rec.lengths)  # _MAX_WINDOW + a few
     assert sum(rec.lengths) <= 64 * len(out)
+
+
+def test_fast_and_plain_decode_paths_agree(tok):
+    """A fast tokenizer is decoded through its Rust backend directly; any other tokenizer through
+    ``decode``. Both give the same stream (the backend path is what the default model uses)."""
+
+    class Plain(Tok):
+        is_fast = False
+
+    assert IncrementalDetokenizer(tok, [1])._backend is not None
+    assert IncrementalDetokenizer(Plain(tok.t), [1])._backend is None
+    prompt = tok.encode("Say something:", add_special_tokens=False)
+    out = tok.encode(" héllo wörld 🙂 <|im_end|> done", add_special_tokens=False) + [0, 200, 195]
+    for skip in (True, False):
+        assert check_stream(tok, prompt, out, skip) == check_stream(Plain(tok.t), prompt, out, skip)
