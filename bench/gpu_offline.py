@@ -113,7 +113,7 @@ def run_hf_static(model_dir: Path, dtype: torch.dtype, device: torch.device, pro
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad = 0
 
-    def generate(batch_prompts: list[list[int]], max_new: int) -> None:
+    def generate(model, batch_prompts: list[list[int]], max_new: int) -> None:
         width = max(map(len, batch_prompts))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch_prompts], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts], device=device)
@@ -122,11 +122,11 @@ def run_hf_static(model_dir: Path, dtype: torch.dtype, device: torch.device, pro
                                  do_sample=False, eos_token_id=None, pad_token_id=pad)  # fmt: skip
         assert res.shape[1] == width + max_new
 
-    generate([p[:8] for p in prompts[:2]], 2)  # warm-up, not counted
+    generate(model, [p[:8] for p in prompts[:2]], 2)  # warm-up, not counted
     sync(device)
     start = time.perf_counter()
     for b in range(0, len(prompts), batch_size):
-        generate(prompts[b : b + batch_size], max(outs[b : b + batch_size]))
+        generate(model, prompts[b : b + batch_size], max(outs[b : b + batch_size]))
     sync(device)
     elapsed = time.perf_counter() - start
     del model

@@ -59,7 +59,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_sharded_equals_unsharded(tiny_dirs) -> None:
-    (single, hf), (sharded, hf2) = tiny_dirs["single"], tiny_dirs["sharded"]
+    (single, hf), (sharded, _) = tiny_dirs["single"], tiny_dirs["sharded"]
     assert len(json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]) > 1
     a, _ = load_model(single, torch.float32, CPU)
     b, config = load_model(sharded, torch.float32, CPU)
