@@ -396,7 +396,7 @@ def route_decodes_through_graph_runner(llm, max_num_seqs: int, max_model_len: in
                                              max_model_len, eng.num_blocks, runner.device, use_graphs=False)  # fmt: skip
     calls: list[int] = []
     original = runner.decode_graphs.run
-    runner.decode_graphs.run = lambda flat: calls.append(flat.num_seqs) or original(flat)
+    runner.decode_graphs.run = lambda flat, token_ids=None: calls.append(flat.num_seqs) or original(flat, token_ids)
     return calls
 
 

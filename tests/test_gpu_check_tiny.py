@@ -26,6 +26,7 @@ def test_gpu_offline_tiny_on_cpu(tmp_path):
     assert (subset["requests"], subset["batch_size"], subset["note"]) == (2, 2, "first 2 of the 4 requests")
     assert record["ratio"] == min(whole["ratio"], subset["ratio"]) > 0
     assert record["decode_step"]["batch"] == 4 and "static_padded_eager_ms" in record["decode_step"]
+    assert record["vllmini_async_scheduling"]["output_tok_s"] > 0  # the same workload, async scheduling on
 
 
 def test_hf_runs_argument_is_checked(capsys):

@@ -482,3 +482,15 @@ def test_empirical_distribution_matches_softmax(temp, k, p, min_p):
     plain = ref_dist(LOGITS, 1.0, 0, 1.0, 0.0)
     if plain != want:
         assert chi2(counts, plain) > 100
+
+
+def test_min_p_below_float32_range_still_filters():
+    """min_p = 5e-324 (hypothesis found it) rounds to 0 in float32, which would switch the filter
+    off; its log is taken in double instead, so tokens below it stay out of the support."""
+    logits = torch.tensor([[0.0, 17.375, -20.0, 0.0]])
+    p = SamplingParams(temperature=0.05, min_p=5e-324, seed=0, logprobs=4)
+    out = run(logits, [p], mode="processed")
+    vals, ids = out.top_logprobs
+    support = set(ids[0][vals[0] > -INF].tolist())
+    z = ((logits[0].double() - logits[0].double().max()) / p.temperature).tolist()
+    assert support == ref_keep(z, 0, 1.0, 5e-324) == {0, 1, 3}  # z(token 2) = -747.5 < log(5e-324) = -744.4

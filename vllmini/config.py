@@ -75,6 +75,8 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    # launch the next decode step before this one's tokens reach the host (engine/async_scheduling.py)
+    async_scheduling: bool = False
     attention_backend: str | None = None
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
 
@@ -96,6 +98,9 @@ class EngineArgs:
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("block_size", self.block_size, allow_none=True)
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

@@ -176,10 +176,13 @@ class DecodeGraphRunner:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def run(self, flat: FlatBatch) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` for a decode-only step (rows in ``flat`` order)."""
+    def run(self, flat: FlatBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` for a decode-only step (rows in ``flat`` order);
+        ``token_ids`` (on the device) replace ``flat.ids`` as the input ids."""
         batch = self.padded_size(flat.num_seqs)
         self.buffers.fill(flat, batch, self.pad_block, self.block_size)
+        if token_ids is not None:
+            self.buffers.input_ids[: flat.num_seqs].copy_(token_ids)
         if not self.use_graphs:
             return self._forward(batch)[: flat.num_seqs]
         self.graphs[batch].replay()

@@ -3,6 +3,9 @@
 One ``step()`` = schedule, one batched forward, sample, append tokens, check stop
 conditions, free finished sequences, and report a ``RequestOutput`` for every
 request that changed. The async engine drives this same loop from a worker thread.
+With ``EngineArgs.async_scheduling``, a step first launches the next decode step (when it
+does not depend on the tokens just sampled) and then processes those tokens, so that host
+and device work overlap (engine/async_scheduling.py); the outputs are the same.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
+from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.kv_budget import kv_cache_budget
@@ -28,7 +32,7 @@ from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budg
 from vllmini.models.backend_check import start_backend
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_model, resolve_model_dir
-from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
+from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("vllmini")
@@ -99,6 +103,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.sampler = Sampler()
+        self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
@@ -234,9 +239,33 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.args.async_scheduling:
+            return self._step_async()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        launched = self._launch(sched)
+        return [] if launched is None else self._complete(launched)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Launch the continuation of the step in flight (if it has one) before processing that
+        step's tokens, so the host works while the device computes (engine/async_scheduling.py).
+        The scheduler only runs when no step is in flight."""
+        prev, self._in_flight = self._in_flight, None
+        if prev is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            prev = self._launch(sched)
+            if prev is None:
+                return []
+        nxt = self._launch_continuation(prev)
+        outputs = self._complete(prev)
+        self._in_flight = nxt
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
+        """The step's forward and sampler, launched; None when no sequence samples a token."""
         try:
             logits, sample_idx = self.runner.execute(sched, self.block_manager)
         except Exception as exc:  # the step's requests fail; the engine stays up for the others
@@ -244,9 +273,8 @@ class LLMEngine:
             self.abort_request(failed)
             raise StepError(failed, exc) from exc
         self.scheduler.update_computed(sched)
-        touched: dict[str, RequestState] = {}
         if not sample_idx:
-            return []
+            return None
         seqs = [sched.scheduled[i].seq for i in sample_idx]
         logit_rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
@@ -256,11 +284,48 @@ class LLMEngine:
         if len(logit_rows) > logits.shape[0]:
             logits = logits[torch.tensor(logit_rows, device=logits.device)]
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_token_ids, s.index) for s in seqs]
-        out = self.sampler(logits, SamplingTensors.from_rows(rows, logits.shape[-1], logits.device))
-        tokens, invalid = out.token_ids.tolist(), out.invalid.tolist()
+        return LaunchedStep(seqs, self._sample(logits, rows), forked=len(seqs) > len(sample_idx))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+        tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
+        # async on a GPU: no host sync inside the sampler, so the next step can be launched first
+        sync_free = self.args.async_scheduling and logits.is_cuda
+        return SampledTokens(self.sampler(logits, tensors, sync_free=sync_free))
+
+    def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
+        plan = plan_continuation(
+            prev, self.scheduler.running, len(self.scheduler.waiting), self.block_manager,
+            self.max_model_len, self.args.max_num_batched_tokens,
+        )  # fmt: skip
+        if plan is None:
+            return None
+        for seq in plan.seqs:  # their input (the token in flight) is computed by this launch
+            seq.num_computed_tokens += 1
+        tokens = prev.sampled.out.token_ids
+        if plan.source_rows == list(range(len(plan.source_rows))):
+            token_ids = tokens[: len(plan.source_rows)]
+        else:
+            token_ids = tokens[torch.tensor(plan.source_rows).to(tokens.device, non_blocking=True)]
+        try:
+            logits = self.runner.run_flat(plan.flat, token_ids)
+            # the token in flight counts for min_tokens and seeds; its value is not read
+            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + [-1], self.eos_token_ids, s.index)
+                    for s in plan.seqs]  # fmt: skip
+            return LaunchedStep(plan.seqs, self._sample(logits, rows))
+        except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
+            for rid in dict.fromkeys(s.request_id for s in plan.seqs):
+                self.abort_request(rid)
+                self.failed[rid] = StepError([rid], exc)
+            return None
+
+    def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for the step's tokens, append them, check stops and report the requests."""
+        touched: dict[str, RequestState] = {}
+        seqs, out = launched.seqs, launched.sampled.out
+        tokens, invalid = launched.sampled.wait()
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
             state = self.requests.get(seq.request_id)
-            if state is None:  # failed earlier in this loop
+            if state is None or seq.status.finished:  # failed earlier in this loop, or (async) stopped already
                 continue
             touched[seq.request_id] = state
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on

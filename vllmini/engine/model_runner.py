@@ -116,8 +116,15 @@ class ModelRunner:
         """Run the step's forward; returns logits for the sequences that completed their
         scheduled chunk (row order = the returned indices into ``sched.scheduled``)."""
         flat = flatten_step(sched, block_manager, self.block_size)
+        return self.run_flat(flat), flat.sample_indices
+
+    @torch.inference_mode()
+    def run_flat(self, flat: FlatBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for ``flat``'s logits rows. ``token_ids``: the input ids already on the device
+        (async scheduling: the previous step's samples), replacing ``flat.ids``."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(flat):
-            return self.decode_graphs.run(flat), flat.sample_indices
+            return self.decode_graphs.run(flat, token_ids)
         inp = flat.to_model_input(self.device)
-        logits = self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)
-        return logits, inp.sample_indices
+        if token_ids is not None:
+            inp.input_ids.copy_(token_ids)
+        return self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)

@@ -123,7 +123,7 @@ def top_p_threshold(z: Tensor, kth: Tensor | None, top_p: Tensor,
     return tau
 
 
-def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, t: SamplingTensors) -> Tensor:
+def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, log_min_p: Tensor, t: SamplingTensors) -> Tensor:
     """Per-row logit threshold: top-k, top-p and min-p keep exactly the tokens with z >= it.
 
     ``z`` is temperature-scaled with row max 0, so the max always survives. Top-k
@@ -144,7 +144,7 @@ def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
         tau_p = top_p_threshold(z[idx], None if kth is None else kth[idx], top_p[idx], prefix)
         tau = tau.index_copy(0, idx, torch.maximum(tau[idx], tau_p))
     if t.do_min_p:
-        tau = torch.maximum(tau, min_p.log())
+        tau = torch.maximum(tau, log_min_p)
     return tau
 
 
@@ -165,7 +165,10 @@ class Sampler:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
 
-    def __call__(self, logits: Tensor, t: SamplingTensors) -> SamplerOutput:
+    def __call__(self, logits: Tensor, t: SamplingTensors, sync_free: bool = False) -> SamplerOutput:
+        """``sync_free``: never wait for the device to decide whether to mask (NaN rows, rows
+        with every token masked): mask unconditionally instead, so that on a GPU the host can
+        return before the logits exist (async scheduling). Same result either way."""
         if logits.dim() != 2 or logits.shape != (t.batch_size, t.vocab_size):
             raise ValueError(
                 f"logits must be [{t.batch_size}, {t.vocab_size}] to match the SamplingTensors, "
@@ -173,7 +176,7 @@ class Sampler:
             )
         raw = logits.to(torch.float32)  # never modified in place: it may alias the caller's tensor
         invalid = ~torch.isfinite(raw.amax(-1))  # NaN, +inf, or no finite value
-        if bool(invalid.any()):
+        if sync_free or bool(invalid.any()):
             raw = raw.masked_fill(invalid[:, None], 0.0)
         x, owned = raw, False  # owned: x may be written in place
         if t.do_penalties:
@@ -183,7 +186,7 @@ class Sampler:
             x.index_put_((t.min_tokens_rows, t.min_tokens_ids), torch.tensor(_NEG_INF, device=x.device))
         if owned:
             dead = x.amax(-1) == _NEG_INF
-            if bool(dead.any()):
+            if sync_free or bool(dead.any()):
                 x = torch.where(dead[:, None], raw, x)
 
         B = x.shape[0]
@@ -202,7 +205,7 @@ class Sampler:
             if t.do_temperature:
                 z = z.div_(sub(t.temperature)[:, None])
             if t.max_top_k > 0 or t.top_p_rows or t.do_min_p:
-                tau = truncation_threshold(z, sub(t.top_k), sub(t.top_p), sub(t.min_p), t)
+                tau = truncation_threshold(z, sub(t.top_k), sub(t.top_p), sub(t.log_min_p), t)
                 z = z.masked_fill_(z < tau[:, None], _NEG_INF)
             processed_mode = t.num_logprobs is not None and self.logprobs_mode == "processed"
             cdf = (z.exp() if processed_mode else z.exp_()).cumsum_(-1)

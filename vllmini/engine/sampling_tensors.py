@@ -7,6 +7,7 @@ per-step seed (``row_seed``), so the tensors hold no generator state and can be 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class SamplingTensors:
     top_k: Tensor  # [B] long, 0 = off, else clamped to vocab_size
     top_p: Tensor  # [B] float32
     min_p: Tensor  # [B] float32
+    log_min_p: Tensor  # [B] float32, log(min_p) taken in double (a min_p that float32 rounds to 0 still filters); -inf = off
     repetition_penalty: Tensor  # [B] float32
     presence_penalty: Tensor  # [B] float32
     frequency_penalty: Tensor  # [B] float32
@@ -151,7 +153,10 @@ class SamplingTensors:
         asked = [p.logprobs for p in ps if p.logprobs is not None]
 
         # per-row parameters in two copies (one per dtype), not one per field
-        floats = _to_device(torch.tensor([temperature, top_p, min_p, rep, pres, freq], dtype=torch.float32), device)
+        log_min_p = [math.log(m) if m > 0 else -math.inf for m in min_p]
+        floats = _to_device(
+            torch.tensor([temperature, top_p, min_p, rep, pres, freq, log_min_p], dtype=torch.float32), device
+        )
         ints = _to_device(torch.tensor([top_k, greedy], dtype=torch.long), device)
         min_tokens = _to_device(torch.tensor([mt_rows, mt_ids], dtype=torch.long), device) if mt_rows else None
         return cls(
@@ -161,6 +166,7 @@ class SamplingTensors:
             top_k=ints[0],
             top_p=floats[1],
             min_p=floats[2],
+            log_min_p=floats[6],
             repetition_penalty=floats[3],
             presence_penalty=floats[4],
             frequency_penalty=floats[5],

@@ -1,0 +1,114 @@
+"""Async scheduling (vLLM's ``async_scheduling``): launch the next decode step before this
+step's sampled tokens reach the host.
+
+A synchronous step is: schedule, launch the forward and the sampler, wait for the tokens,
+then append them, check stops and build outputs. On a GPU the device idles during the
+host's part and the host idles during the device's. When every running sequence just
+sampled a token and nothing waits for admission, the next step is known without those
+tokens' values: each sequence decodes one more token at the next position. So the engine
+launches that *continuation* first (its input ids are the sampled tokens, copied on the
+device) and only then waits for and processes the previous tokens, which the host does
+while the GPU computes the continuation.
+
+What the continuation cannot know yet is handled after the fact: a sequence that stopped
+on the token it is continuing from (EOS, a stop id or string) had one extra token
+computed, which is discarded; its blocks were freed when it stopped, and any later step
+that reuses them runs after the continuation on the same stream. Sequences that will stop
+by length are left out. Anything that needs the host to see the tokens first (penalties,
+which count them; a queue to admit from; n > 1 forks; a sequence mid-prompt; no free block
+for a new slot) makes the step synchronous instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from vllmini.engine.model_runner import FlatBatch
+from vllmini.engine.sampler import SamplerOutput
+from vllmini.kv.block_manager import BlockManager
+from vllmini.scheduler.sequence import Sequence
+
+
+class SampledTokens:
+    """A step's sampled token ids on their way to the host. On CUDA the copy goes into pinned
+    memory without blocking, and ``wait`` waits for that step only (an event), not for work
+    launched after it; elsewhere the tensors are already computed."""
+
+    def __init__(self, out: SamplerOutput) -> None:
+        self.out = out
+        self.event: torch.cuda.Event | None = None
+        if out.token_ids.is_cuda:
+            self.tokens = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
+            self.invalid = torch.empty(out.invalid.shape, dtype=out.invalid.dtype, pin_memory=True)
+            self.tokens.copy_(out.token_ids, non_blocking=True)
+            self.invalid.copy_(out.invalid, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.tokens, self.invalid = out.token_ids, out.invalid
+
+    def wait(self) -> tuple[list[int], list[bool]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.tolist(), self.invalid.tolist()
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampler are launched: ``seqs`` in logits-row order."""
+
+    seqs: list[Sequence]
+    sampled: SampledTokens
+    forked: bool = False  # n > 1 siblings were forked in this step
+
+
+@dataclass
+class Continuation:
+    """The next decode step: ``flat`` (input ids are placeholders) and, for each of its rows,
+    the row of the previous step whose sampled token is its input."""
+
+    flat: FlatBatch
+    seqs: list[Sequence]
+    source_rows: list[int]
+
+
+def plan_continuation(
+    prev: LaunchedStep, running: Seq[Sequence], num_waiting: int, block_manager: BlockManager,
+    max_model_len: int, max_num_batched_tokens: int,
+) -> Continuation | None:  # fmt: skip
+    """The decode step that follows ``prev`` whatever its tokens are, or None when the next
+    step needs them (see the module docstring). Allocates the new slots only when it returns
+    a continuation (all or nothing)."""
+    if num_waiting or prev.forked or not prev.seqs or len(prev.seqs) != len(running):
+        return None
+    if {id(s) for s in prev.seqs} != {id(s) for s in running}:
+        return None  # a running sequence was not sampled last step (e.g. mid-prompt)
+    keep = []
+    for row, seq in enumerate(prev.seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+            return None  # penalties count the tokens on the host
+        # the token in flight is output number num_output_tokens + 1, at position num_tokens
+        if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= max_model_len:
+            continue  # stops by length on that token
+        keep.append(row)
+    if not keep or len(keep) > max_num_batched_tokens:
+        return None
+    bs = block_manager.block_size
+    seqs = [prev.seqs[row] for row in keep]
+    if sum(1 for s in seqs if s.num_tokens % bs == 0) > block_manager.num_free_blocks:
+        return None
+    for seq in seqs:  # slot for position num_tokens; only known tokens get hashed
+        assert block_manager.allocate(seq.seq_id, seq.token_ids, 1)
+    tables = [block_manager.block_table(s.seq_id) for s in seqs]
+    positions = [s.num_tokens for s in seqs]
+    n = len(seqs)
+    flat = FlatBatch(
+        ids=[0] * n, positions=positions,
+        slots=[t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
+        query_lens=[1] * n, seq_lens=[p + 1 for p in positions], block_tables=tables,
+        logits_rows=list(range(n)), sample_indices=list(range(n)),
+    )  # fmt: skip
+    return Continuation(flat, seqs, keep)
