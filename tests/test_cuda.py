@@ -171,6 +171,42 @@ def test_engine_graphs_match_eager_tokens(model_dir):
     assert same / total >= 0.8, f"graphs vs eager: only {same}/{total} greedy tokens equal"
 
 
+def test_async_scheduling_matches_sync_tokens(model_dir):
+    """Continuations launched before the previous tokens are read (pinned copies, an event, the
+    sampler without host syncs, input ids copied into the graph's buffer): the same tokens as
+    the synchronous engine, with graphs, seeded sampling, and stops that discard a token."""
+    from vllmini import LLM, SamplingParams
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (5, 300, 40, 1, 77, 9)]
+
+    def params(stop: list[int]) -> list[SamplingParams]:
+        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=stop) for m in (40, 20, 33, 50)]
+        seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True, stop_token_ids=stop)
+                  for s in (1, 2)]  # fmt: skip
+        return greedy + seeded
+
+    runs, continuations = {}, []
+    for flag in (False, True):
+        llm = LLM(model=str(model_dir), async_scheduling=flag, max_model_len=1024, max_num_seqs=8,
+                  gpu_memory_utilization=0.2)  # fmt: skip
+        eng = llm.llm_engine
+        real = eng._launch_continuation
+        eng._launch_continuation = lambda prev, real=real: (lambda nxt: continuations.append(nxt) or nxt)(real(prev))
+        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params([]), use_tqdm=False)]
+        # stop on tokens the sequences really produce (from the synchronous run): continuations get discarded
+        if not flag:
+            produced = torch.tensor([t for r in plain for t in r[3:]])
+            stop = torch.bincount(produced).topk(3).indices.tolist()
+        stopped = [o.outputs[0].token_ids for o in llm.generate(prompts, params(stop), use_tqdm=False)]
+        runs[flag] = (plain, stopped)
+        del llm, eng
+        torch.cuda.empty_cache()
+    assert any(c is not None for c in continuations)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1] == runs[False][1] and any(len(r) < 20 for r in runs[False][1])
+
+
 @pytest.mark.parametrize("backend", backends())
 def test_decode_step_timing_batch64(model_dir, backend, record_property):
     """Per-decode-step time, eager vs graph replay, at batch 64 (printed; the 0.6B-shaped
