@@ -4,8 +4,9 @@ step's sampled tokens reach the host.
 A synchronous step is: schedule, launch the forward and the sampler, wait for the tokens,
 then append them, check stops and build outputs. On a GPU the device idles during the
 host's part and the host idles during the device's. When every running sequence just
-sampled a token and nothing waits for admission, the next step is known without those
-tokens' values: each sequence decodes one more token at the next position. So the engine
+sampled a token and no request can be admitted (the queue is empty, or every slot stays
+taken), the next step is known without those tokens' values: each sequence decodes one
+more token at the next position. So the engine
 launches that *continuation* first (its input ids are the sampled tokens, copied on the
 device) and only then waits for and processes the previous tokens, which the host does
 while the GPU computes the continuation.
@@ -15,8 +16,9 @@ on the token it is continuing from (EOS, a stop id or string) had one extra toke
 computed, which is discarded; its blocks were freed when it stopped, and any later step
 that reuses them runs after the continuation on the same stream. Sequences that will stop
 by length are left out. Anything that needs the host to see the tokens first (penalties,
-which count them; a queue to admit from; n > 1 forks; a sequence mid-prompt; no free block
-for a new slot) makes the step synchronous instead.
+which count them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
+no free block for a new slot) makes the step synchronous instead. A sequence stopping on a
+token while others wait delays their admission by one step.
 """
 from __future__ import annotations
 
@@ -76,12 +78,12 @@ class Continuation:
 
 def plan_continuation(
     prev: LaunchedStep, running: Seq[Sequence], num_waiting: int, block_manager: BlockManager,
-    max_model_len: int, max_num_batched_tokens: int,
+    max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
 ) -> Continuation | None:  # fmt: skip
     """The decode step that follows ``prev`` whatever its tokens are, or None when the next
     step needs them (see the module docstring). Allocates the new slots only when it returns
     a continuation (all or nothing)."""
-    if num_waiting or prev.forked or not prev.seqs or len(prev.seqs) != len(running):
+    if prev.forked or not prev.seqs or len(prev.seqs) != len(running):
         return None
     if {id(s) for s in prev.seqs} != {id(s) for s in running}:
         return None  # a running sequence was not sampled last step (e.g. mid-prompt)
@@ -96,6 +98,8 @@ def plan_continuation(
         keep.append(row)
     if not keep or len(keep) > max_num_batched_tokens:
         return None
+    if num_waiting and len(keep) < max_num_seqs:
+        return None  # a slot is (or may be) free: the scheduler admits from the queue first
     bs = block_manager.block_size
     seqs = [prev.seqs[row] for row in keep]
     if sum(1 for s in seqs if s.num_tokens % bs == 0) > block_manager.num_free_blocks:

@@ -295,7 +295,7 @@ class LLMEngine:
     def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
         plan = plan_continuation(
             prev, self.scheduler.running, len(self.scheduler.waiting), self.block_manager,
-            self.max_model_len, self.args.max_num_batched_tokens,
+            self.max_model_len, self.args.max_num_batched_tokens, self.args.max_num_seqs,
         )  # fmt: skip
         if plan is None:
             return None
