@@ -26,6 +26,7 @@ from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
@@ -282,11 +283,16 @@ class LLMEngine:
                 seqs.append(child)
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
-            logits = logits[torch.tensor(logit_rows, device=logits.device)]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, self.eos_token_ids, s.index) for s in seqs]
-        return LaunchedStep(seqs, self._sample(logits, rows), forked=len(seqs) > len(sample_idx))
+            logits = logits[to_device(torch.tensor(logit_rows), logits.device)]
+        return LaunchedStep(seqs, self._sample(logits, seqs), forked=len(seqs) > len(sample_idx))
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTokens:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: bool = False) -> SampledTokens:
+        """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight``: each sequence
+        has one more token than it holds (async scheduling); it counts for min_tokens and seeds,
+        and its value is never read (penalties, which would, keep a step synchronous)."""
+        extra = [-1] if in_flight else []
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + extra, self.eos_token_ids, s.index)
+                for s in seqs]  # fmt: skip
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         # async on a GPU: no host sync inside the sampler, so the next step can be launched first
         sync_free = self.args.async_scheduling and logits.is_cuda
@@ -305,13 +311,10 @@ class LLMEngine:
         if plan.source_rows == list(range(len(plan.source_rows))):
             token_ids = tokens[: len(plan.source_rows)]
         else:
-            token_ids = tokens[torch.tensor(plan.source_rows).to(tokens.device, non_blocking=True)]
+            token_ids = tokens[to_device(torch.tensor(plan.source_rows), tokens.device)]
         try:
             logits = self.runner.run_flat(plan.flat, token_ids)
-            # the token in flight counts for min_tokens and seeds; its value is not read
-            rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + [-1], self.eos_token_ids, s.index)
-                    for s in plan.seqs]  # fmt: skip
-            return LaunchedStep(plan.seqs, self._sample(logits, rows))
+            return LaunchedStep(plan.seqs, self._sample(logits, plan.seqs, in_flight=True))
         except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
             for rid in dict.fromkeys(s.request_id for s in plan.seqs):
                 self.abort_request(rid)

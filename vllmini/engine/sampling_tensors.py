@@ -48,10 +48,11 @@ class SamplingRow:
     seed_offset: int = 0  # index of the sequence within its request when n > 1
 
 
-def _to_device(t: Tensor, device: torch.device | str) -> Tensor:
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A host tensor on ``device``. On CUDA the copy goes through pinned memory and does not
-    wait for the GPU: the step's forward may still be running while the sampler's inputs are
-    built, and a plain copy from pageable memory would stall the host until it ends."""
+    wait for the GPU: the step's forward may still be running while the sampler's inputs (and
+    the engine's row indices) are built, and a plain copy from pageable memory would stall the
+    host until it ends."""
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
@@ -61,7 +62,7 @@ def _padded(seqs: list[Sequence[int]], pad: int, device: torch.device | str) -> 
     """[B, L] long tensor padded with ``pad``; ids outside [0, pad) become ``pad``."""
     width = max(1, max(len(s) for s in seqs))
     t = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
-    return _to_device(torch.where((t < 0) | (t > pad), pad, t), device)
+    return to_device(torch.where((t < 0) | (t > pad), pad, t), device)
 
 
 @dataclass
@@ -81,7 +82,6 @@ class SamplingTensors:
     temperature: Tensor  # [B] float32
     top_k: Tensor  # [B] long, 0 = off, else clamped to vocab_size
     top_p: Tensor  # [B] float32
-    min_p: Tensor  # [B] float32
     log_min_p: Tensor  # [B] float32, log(min_p) taken in double (a min_p that float32 rounds to 0 still filters); -inf = off
     repetition_penalty: Tensor  # [B] float32
     presence_penalty: Tensor  # [B] float32
@@ -154,19 +154,18 @@ class SamplingTensors:
 
         # per-row parameters in two copies (one per dtype), not one per field
         log_min_p = [math.log(m) if m > 0 else -math.inf for m in min_p]
-        floats = _to_device(
-            torch.tensor([temperature, top_p, min_p, rep, pres, freq, log_min_p], dtype=torch.float32), device
+        floats = to_device(
+            torch.tensor([temperature, top_p, log_min_p, rep, pres, freq], dtype=torch.float32), device
         )
-        ints = _to_device(torch.tensor([top_k, greedy], dtype=torch.long), device)
-        min_tokens = _to_device(torch.tensor([mt_rows, mt_ids], dtype=torch.long), device) if mt_rows else None
+        ints = to_device(torch.tensor([top_k, greedy], dtype=torch.long), device)
+        min_tokens = to_device(torch.tensor([mt_rows, mt_ids], dtype=torch.long), device) if mt_rows else None
         return cls(
             vocab_size=V,
             greedy=ints[1].bool(),
             temperature=floats[0],
             top_k=ints[0],
             top_p=floats[1],
-            min_p=floats[2],
-            log_min_p=floats[6],
+            log_min_p=floats[2],
             repetition_penalty=floats[3],
             presence_penalty=floats[4],
             frequency_penalty=floats[5],
