@@ -126,8 +126,13 @@ def test_flash_glue_without_cache(monkeypatch):
 
 def test_backend_selection():
     cpu = torch.device("cpu")
-    assert select_backend(None, cpu, torch.float32, 16) == "torch"
+    assert select_backend(None, cpu, torch.float32, 16) == "cpu"  # the C decode kernel (models/cpu_attention.py)
+    assert select_backend(None, cpu, torch.bfloat16, 16) == "torch"  # the kernel is float32 only
     assert select_backend("torch", cpu, torch.float32, 16) == "torch"
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: .*float32 only"):
+        select_backend("cpu", cpu, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: it runs on the CPU"):
+        select_backend("cpu", torch.device("cuda"), torch.float32, 16)
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         select_backend("nope", cpu, torch.float32, 16)
     with pytest.raises(ValueError, match=f"flash_attn.*multiple of {FLASH_BLOCK_MULTIPLE}.*float16/bfloat16"):

@@ -20,7 +20,7 @@ def test_gpu_offline_tiny_on_cpu(tmp_path):
                    "--timing-batch", "4", "--out", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == record
     v = record["vllmini"]
-    assert v["requests"] == 4 and v["output_tok_s"] > 0 and v["attention_backend"] == "torch" and not v["cuda_graphs"]
+    assert v["requests"] == 4 and v["output_tok_s"] > 0 and v["attention_backend"] == "cpu" and not v["cuda_graphs"]
     whole, subset = record["hf_static"]
     assert (whole["requests"], whole["batch_size"], whole["note"]) == (4, 4, "the whole workload")  # 9 capped at 4
     assert (subset["requests"], subset["batch_size"], subset["note"]) == (2, 2, "first 2 of the 4 requests")

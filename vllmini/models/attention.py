@@ -41,7 +41,8 @@ class _DecodeGroup:
 
     rows: torch.Tensor  # [Bd] flat query rows
     block_tables: torch.Tensor  # [Bd, nb]
-    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] True = attend
+    seq_lens: torch.Tensor  # [Bd] int32
+    mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] True = attend (gather + SDPA only)
 
 
 @dataclass
@@ -89,7 +90,9 @@ def _decode_groups(num_blocks: list[int], group_cost: int = DECODE_GROUP_COST_BL
     return groups[::-1]
 
 
-def _plan(meta: AttentionMetadata, block_size: int | None) -> _TorchPlan:
+def _plan(meta: AttentionMetadata, block_size: int | None, grouped: bool = True) -> _TorchPlan:
+    """Decode rows in length groups for gather + SDPA (``grouped``), else all in one group
+    with int32 tables and no mask (a kernel that reads the paged cache needs no padding)."""
     q_starts = [0, *accumulate(meta.query_lens_cpu)]
     paged = block_size is not None and meta.block_tables is not None
     decode = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1 and paged]
@@ -97,15 +100,22 @@ def _plan(meta: AttentionMetadata, block_size: int | None) -> _TorchPlan:
     groups = []
     device = meta.seq_lens.device
     blocks_needed = [-(-meta.seq_lens_cpu[i] // block_size) for i in decode]
-    for members in _decode_groups(blocks_needed):
+    if grouped:
+        member_lists = _decode_groups(blocks_needed)
+    else:
+        member_lists = [list(range(len(decode)))] if decode else []
+    for members in member_lists:
         seqs = [decode[j] for j in members]
         idx = torch.tensor(seqs, dtype=torch.long, device=device)
         num_blocks = max(blocks_needed[j] for j in members)
-        tables = meta.block_tables.index_select(0, idx)[:, :num_blocks].long()
+        tables = meta.block_tables.index_select(0, idx)[:, :num_blocks]
         lens = meta.seq_lens.index_select(0, idx)
-        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
         rows = torch.tensor([q_starts[i] for i in seqs], dtype=torch.long, device=device)
-        groups.append(_DecodeGroup(rows, tables, mask[:, None, None, :]))
+        if not grouped:
+            groups.append(_DecodeGroup(rows, tables.contiguous(), lens, None))
+            continue
+        mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+        groups.append(_DecodeGroup(rows, tables.long(), lens, mask[:, None, None, :]))
     return _TorchPlan(q_starts, prefill, groups)
 
 
@@ -131,8 +141,11 @@ def torch_attention(
     meta: AttentionMetadata,
     kv_cache: KVCache | None,
     scale: float,
+    decode: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``."""
+    """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
+    decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale)`` (the cpu backend)."""
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -140,18 +153,20 @@ def torch_attention(
         return _static_decode(q, meta, kv_cache, scale)
     plan = meta.backend_plan
     if plan is None:
-        plan = meta.backend_plan = _plan(meta, block_size)
+        plan = meta.backend_plan = _plan(meta, block_size, grouped=decode is None)
     out = torch.empty_like(q)
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
 
     for group in plan.decode_groups:
         k_cache, v_cache = kv_cache
         bd = group.block_tables.shape[0]
-        # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
-        keys = gather_blocks(k_cache, group.block_tables).transpose(1, 2)
-        vals = gather_blocks(v_cache, group.block_tables).transpose(1, 2)
         qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=group.mask, scale=scale)
+        if decode is not None:
+            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale)
+        else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
+            keys = gather_blocks(k_cache, group.block_tables).transpose(1, 2)
+            vals = gather_blocks(v_cache, group.block_tables).transpose(1, 2)
+            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=group.mask, scale=scale)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
@@ -216,7 +231,7 @@ def flash_attention(
 
 
 AttentionBackend = Callable[..., torch.Tensor]
-BACKEND_NAMES = ("torch", "flash_attn", "torch_varlen", "triton")
+BACKEND_NAMES = ("torch", "cpu", "flash_attn", "torch_varlen", "triton")
 FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel (also vendored in torch): page size % 256 == 0
 _VARLEN_PAGED_ARGS = frozenset({"scale", "window_size", "enable_gqa", "seqused_k", "block_table"})
 
@@ -275,6 +290,10 @@ def get_backend(name: str) -> AttentionBackend:
         from vllmini.models.triton_attention import triton_attention
 
         return triton_attention
+    if name == "cpu":
+        from vllmini.models.cpu_attention import cpu_attention
+
+        return cpu_attention
     raise ValueError(f"attention_backend={name!r} is not one of {list(BACKEND_NAMES)}")
 
 
@@ -321,9 +340,19 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
     skipped with the reason logged), else our Triton kernel when triton imports, else the torch
-    backend (SDPA over gathered blocks). On CPU: the torch backend."""
+    backend (SDPA over gathered blocks). On CPU: the cpu backend (its C decode kernel) for
+    float32, else the torch backend."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
+    if requested == "cpu":
+        problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
+        if dtype != torch.float32:
+            problems.append(f"its decode kernel is float32 only (got {dtype}; use dtype='float32' or 'auto')")
+        if problems:
+            raise ValueError("attention_backend='cpu' cannot be used: " + "; ".join(problems))
+        return "cpu"
+    if requested is None and device.type == "cpu":
+        return "cpu" if dtype == torch.float32 else "torch"
     if requested == "torch" or (requested is None and device.type != "cuda"):
         return "torch"
     if requested == "triton":

@@ -1,0 +1,176 @@
+"""The cpu backend's C decode kernel (vllmini/kernels/paged_decode.c via models/cpu_attention.py):
+equal to a plain per-row SDPA over the same paged cache, inputs it cannot take refused by name,
+and a build that fails leaves the engine on the torch backend."""
+from __future__ import annotations
+
+import logging
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import tiny_llama_config
+from vllmini.models import backend_check, cpu_attention
+from vllmini.models.attention import torch_attention
+from vllmini.models.backend_check import check_backend, start_backend
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.cpu_attention import KernelBuildError, cpu_attention as cpu_backend, paged_decode
+
+CPU = torch.device("cpu")
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """One SDPA per row over its first ``len`` cached positions (query head h * G + g reads
+    KV head h, which is SDPA's GQA mapping)."""
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        keys = k_cache[tables[b].long()].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
+        vals = v_cache[tables[b].long()].flatten(0, 1)[:n].transpose(0, 1)
+        qb = q[b].flatten(0, 1)[:, None]  # [H, 1, D]
+        outs.append(F.scaled_dot_product_attention(qb, keys, vals, scale=scale, enable_gqa=True).view(q.shape[1:]))
+    return torch.stack(outs)
+
+
+def random_paged(batch, num_kv_heads, group, head_dim, block_size, lens, spare_columns=2, seed=0):
+    """Scattered block tables (wider than needed) over a cache with stale garbage in it."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in lens]
+    num_blocks = sum(widths) + 5
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(batch, max(widths) + spare_columns, dtype=torch.int32)
+    for b, w in enumerate(widths):
+        tables[b, :w] = torch.tensor(perm[:w], dtype=torch.int32)
+        perm = perm[w:]
+    q = torch.randn(batch, num_kv_heads, group, head_dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_dim,block_size,lens",
+    [
+        (3, 3, 64, 16, [1, 16, 17, 300, 33]),  # SmolLM2's shapes; one token, a block edge, long
+        (2, 1, 8, 4, [5, 1, 9]),  # no GQA, tiny head_dim
+        (1, 8, 128, 32, [64, 31]),  # one KV head, Qwen-sized head_dim
+        (4, 2, 16, 1, [3, 1, 7, 2]),  # block size 1: every token its own block
+        (2, 3, 24, 256, [600, 256]),  # CUDA's block size, head_dim not a multiple of 16
+    ],
+)
+def test_kernel_equals_per_row_sdpa(num_kv_heads, group, head_dim, block_size, lens):
+    q, k_cache, v_cache, tables, seq_lens = random_paged(len(lens), num_kv_heads, group, head_dim, block_size, lens)
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
+    want = reference(q, k_cache, v_cache, tables, seq_lens, head_dim**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_reads_only_the_rows_positions():
+    """NaN in every slot no row may read (past a row's end, other blocks) never reaches an output."""
+    q, k_cache, v_cache, tables, seq_lens = random_paged(3, 2, 2, 16, 4, [6, 3, 9])
+    want = reference(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens.tolist()):
+        for p in range(n):
+            readable[tables[b, p // 4], p % 4] = True
+    k_cache[~readable] = float("nan")
+    v_cache[~readable] = float("nan")
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    q, k_cache, v_cache, tables, seq_lens = random_paged(2, 2, 2, 16, 4, [6, 3])
+    with pytest.raises(ValueError, match="float32 only"):
+        paged_decode(q.double(), k_cache, v_cache, tables, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode(q, k_cache, v_cache, tables.long(), seq_lens, 0.25)
+    with pytest.raises(ValueError, match="cache shape"):
+        paged_decode(q, k_cache[:, :, :1], v_cache[:, :, :1], tables, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="one row per query row"):
+        paged_decode(q, k_cache, v_cache, tables[:1], seq_lens, 0.25)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_decode(q.transpose(2, 3).contiguous().transpose(2, 3), k_cache, v_cache, tables, seq_lens, 0.25)
+    big = torch.zeros(1, 1, 1, 512)
+    with pytest.raises(ValueError, match="head_dim=512 > 256"):
+        paged_decode(big, torch.zeros(2, 4, 1, 512), torch.zeros(2, 4, 1, 512), tables[:1], seq_lens[:1], 0.1)
+    assert paged_decode(q[:0], k_cache, v_cache, tables[:0], seq_lens[:0], 0.25).shape == q[:0].shape
+
+
+def test_backend_on_mixed_steps_equals_the_torch_backend():
+    """Decode rows next to a chunk after cached tokens and a fresh prompt, all on the paged
+    cache: the kernel takes the decode rows, the torch path the rest."""
+    assert check_backend(cpu_backend, CPU, torch.float32, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4) is None
+    q_lens, seq_lens = [1, 4, 1, 3, 1], [9, 11, 1, 3, 30]
+    block_size, tables = 4, [[0, 1, 2], [3, 4, 5], [6], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    slots = [t[p // block_size] * block_size + p % block_size for t, n, ql in zip(tables, seq_lens, q_lens)
+             for p in range(n - ql, n)]  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(sum(q_lens), h, 16, generator=g) for h in (6, 2, 2))
+    cache = [torch.randn(16, block_size, 2, 16, generator=g) for _ in range(2)]
+    outs = [
+        fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables), tuple(c.clone() for c in cache), 0.25)
+        for fn in (cpu_backend, torch_attention)
+    ]
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """The kernel rebuilt under the test's $CC, and rebuilt normally after it."""
+    cpu_attention.load_kernel.cache_clear()
+    cpu_attention.kernel_limits.cache_clear()
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)
+    yield monkeypatch
+    cpu_attention.load_kernel.cache_clear()
+    cpu_attention.kernel_limits.cache_clear()
+
+
+def test_no_compiler_falls_back_to_the_torch_backend(fresh_build, caplog):
+    fresh_build.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(KernelBuildError, match="/nonexistent/cc"):
+        cpu_attention.load_kernel()
+    caplog.set_level("WARNING", logger="vllmini")
+    name, fn = start_backend(None, CPU, torch.float32, 16, 6, 2, 16)
+    assert (name, fn) == ("torch", torch_attention)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "cpu failed its start-up check (KernelBuildError" in warnings[0]
+    with pytest.raises(ValueError, match="attention_backend='cpu' failed its start-up check: KernelBuildError"):
+        start_backend("cpu", CPU, torch.float32, 16, 6, 2, 16)
+
+
+def test_a_compiler_without_openmp_builds_a_serial_kernel(fresh_build, caplog, tmp_path):
+    real_cc = cpu_attention._compiler()
+    wrapper = tmp_path / "cc-without-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real_cc} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    fresh_build.setenv("CC", str(wrapper))
+    caplog.set_level("WARNING", logger="vllmini")
+    q, k_cache, v_cache, tables, seq_lens = random_paged(3, 2, 2, 16, 4, [6, 3, 13])
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.25)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.25), atol=2e-5, rtol=2e-5)
+    assert any("without OpenMP" in r.getMessage() for r in caplog.records)
+
+
+def test_engine_uses_the_kernel_on_cpu_with_the_torch_backends_tokens(tmp_path):
+    """Auto on a float32 CPU engine is the cpu backend; its greedy tokens equal the torch
+    backend's over prompts whose contexts cross many blocks (the HF-equality tests run on it too)."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.random_model import save_word_level_tokenizer
+    from vllmini import LLM, SamplingParams
+
+    hf = AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32)
+    hf.save_pretrained(tmp_path)
+    save_word_level_tokenizer(hf.config.vocab_size, tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()}
+               for n in (3, 40, 17, 90)]  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    tokens = {}
+    for backend in (None, "torch"):
+        llm = LLM(model=str(tmp_path), kv_cache_memory=2**22, block_size=8, attention_backend=backend)
+        tokens[llm.llm_engine.attention_backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.num_blocks
+    assert set(tokens) == {"cpu", "torch"}
+    assert tokens["cpu"] == tokens["torch"]
