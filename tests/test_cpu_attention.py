@@ -174,3 +174,13 @@ def test_engine_uses_the_kernel_on_cpu_with_the_torch_backends_tokens(tmp_path):
         assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.num_blocks
     assert set(tokens) == {"cpu", "torch"}
     assert tokens["cpu"] == tokens["torch"]
+
+
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """Built with -ffast-math but not linked with it: crtfastmath.o would set flush-to-zero for
+    the whole process when the library loads (hypothesis's float strategies then refuse to run)."""
+    import numpy as np
+
+    cpu_attention.load_kernel()
+    assert np.float32(1e-40) * np.float32(1.0) != 0
+    assert (torch.tensor([1e-40]) * 1.0).item() != 0

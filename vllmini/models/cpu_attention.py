@@ -33,7 +33,9 @@ from vllmini.models.base import AttentionMetadata
 
 logger = logging.getLogger("vllmini")
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "paged_decode.c"
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared")
+# -ffast-math when compiling only (it lets expf vectorise): linked with it, a shared library
+# pulls in crtfastmath.o, which flushes subnormals to zero for the whole process on load.
+_COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
 
 
 class KernelBuildError(RuntimeError):
@@ -47,6 +49,15 @@ def _compiler() -> str:
     return cc
 
 
+def _run(cmd: list[str]) -> str | None:
+    """None when ``cmd`` succeeds, else what went wrong (a missing compiler raises)."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # no such compiler, or it hangs
+        raise KernelBuildError(f"{' '.join(cmd)}: {exc}") from exc
+    return None if proc.returncode == 0 else f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}"
+
+
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
     """Build ``paged_decode.c`` and load it (once per process). With OpenMP if the compiler
@@ -54,16 +65,13 @@ def load_kernel() -> ctypes.CDLL:
     cc = _compiler()
     errors = []
     with tempfile.TemporaryDirectory(prefix="vllmini-kernel-") as tmp:
-        lib_path = Path(tmp) / "paged_decode.so"
+        obj, lib_path = Path(tmp) / "paged_decode.o", Path(tmp) / "paged_decode.so"
         for openmp in (["-fopenmp"], []):
-            cmd = [cc, *_FLAGS, *openmp, str(SOURCE), "-o", str(lib_path), "-lm"]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as exc:  # no such compiler, or it hangs
-                raise KernelBuildError(f"{' '.join(cmd)}: {exc}") from exc
-            if proc.returncode == 0:
+            compile_cmd = [cc, *_COMPILE_FLAGS, *openmp, str(SOURCE), "-o", str(obj)]
+            link_cmd = [cc, "-shared", *openmp, str(obj), "-o", str(lib_path), "-lm"]
+            if (error := _run(compile_cmd) or _run(link_cmd)) is None:
                 break
-            errors.append(f"{' '.join(cmd)}: {proc.stderr.strip()[-500:]}")
+            errors.append(error)
         else:
             raise KernelBuildError("; ".join(errors))
         if not openmp:

@@ -1,0 +1,91 @@
+"""Decode attention alone on the CPU: the torch backend (gather + SDPA per length group) vs the
+cpu backend's C kernel (models/cpu_attention.py), side by side on the same inputs.
+
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64), block size 16, and fresh
+blocks scattered over a cache far larger than the last-level cache on every call, so keys and
+values come from DRAM as they do in serving (there a layer's cache is read again only after
+the 29 other layers' have been). Each case's two outputs are checked equal as it is timed.
+
+    python -m bench.cpu_attention [--out bench/results/cpu-attention.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from vllmini.models.attention import torch_attention
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.cpu_attention import cpu_attention
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+CASES = [(1, 2048, 2048), (8, 100, 800), (32, 100, 800), (64, 300, 700)]  # rows, context range
+
+
+def _step(cache_blocks: int, rows: int, lo: int, hi: int, rng: random.Random) -> tuple:
+    """Metadata and inputs for one decode step over fresh, scattered blocks."""
+    lens = [rng.randint(lo, hi) for _ in range(rows)]
+    free = rng.sample(range(cache_blocks), sum(-(-n // BLOCK) for n in lens))
+    tables = []
+    for n in lens:
+        tables.append(free[: -(-n // BLOCK)])
+        free = free[-(-n // BLOCK) :]
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)]
+    meta = AttentionMetadata.paged([1] * rows, lens, slots, tables)
+    q = torch.randn(rows, HEADS, HEAD_DIM)
+    k, v = torch.randn(rows, KV_HEADS, HEAD_DIM), torch.randn(rows, KV_HEADS, HEAD_DIM)
+    return meta, q, k, v, sum(lens)
+
+
+def run_case(cache, rows: int, lo: int, hi: int, iters: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    times: dict[str, list[float]] = {"torch": [], "cpu": []}
+    tokens = 0
+    for it in range(iters + 2):  # two warm-up calls
+        meta, q, k, v, n = _step(cache[0].shape[0], rows, lo, hi, rng)
+        outs = {}
+        for name, fn in (("torch", torch_attention), ("cpu", cpu_attention)):
+            meta.backend_plan = None  # each backend plans its own step (the engine plans once per step)
+            t0 = time.perf_counter()
+            outs[name] = fn(q, k, v, meta, cache, HEAD_DIM**-0.5)
+            if it >= 2:
+                times[name].append(time.perf_counter() - t0)
+        torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-4, rtol=1e-4)
+        tokens = n if it >= 2 else tokens
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    kv_bytes = tokens * KV_HEADS * HEAD_DIM * 4 * 2
+    return {
+        "rows": rows, "context": [lo, hi], "torch_ms": med["torch"] * 1e3, "cpu_ms": med["cpu"] * 1e3,
+        "speedup": med["torch"] / med["cpu"], "cpu_kv_gb_s": kv_bytes / med["cpu"] / 1e9,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cache-mib", type=int, default=256, help="size of the K cache (and of the V cache)")
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    blocks = args.cache_mib * 2**20 // (BLOCK * KV_HEADS * HEAD_DIM * 4)
+    cache = tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2))
+    results = []
+    print(f"{'rows':>5} {'context':>10} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu K/V GB/s':>13}")
+    with torch.inference_mode():
+        for rows, lo, hi in CASES:
+            r = run_case(cache, rows, lo, hi, args.iters, seed=rows)
+            results.append(r)
+            ctx = f"{lo}..{hi}" if lo != hi else str(lo)
+            print(f"{rows:>5} {ctx:>10} {r['torch_ms']:>9.2f} {r['cpu_ms']:>8.2f} {r['speedup']:>7.2f}x {r['cpu_kv_gb_s']:>13.1f}")
+    if args.out:
+        record = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cases": results}
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
