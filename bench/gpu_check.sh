@@ -35,7 +35,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 "$PY" - <<'PYEOF'
 import torch
-from vllmini.models.attention import _flash_attn_importable, _triton_importable, torch_varlen_backend
+from vllmini.models.attention import torch_varlen_backend
+from vllmini.models.backend_select import _flash_attn_importable, _triton_importable
 gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA device"
 triton = __import__("triton").__version__ if _triton_importable() else "not importable"
 print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {torch_varlen_backend() is not None}; "

@@ -73,6 +73,7 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    ap.add_argument("--attention-backend", default=None, help="force vllmini's attention backend (default: auto)")
     ap.add_argument("--keep-prefix-cache", action="store_true",
                     help="do not reset the prefix cache before each run / sweep point (default: reset)")
     ap.add_argument("--no-progress", action="store_true")
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
     try:  # a model that does not load is reported as such, before any request is sent
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(
             model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory))  # fmt: skip
+            max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+            attention_backend=args.attention_backend))  # fmt: skip
     except (ValueError, OSError) as e:  # OSError covers FileNotFoundError and unreadable files
         ap.error(f"--model {args.model!r} could not be loaded: {e}")
     eng = engine.engine
@@ -161,6 +163,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
     bare_forward = engine.run_on_engine_thread(bare_decode_forward_s, eng, context)  # where the engine steps
 
     meta = dict(model=args.model, dtype=str(eng.dtype).removeprefix("torch."), device=str(eng.device),
+                attention_backend=eng.attention_backend,
                 torch=str(torch.__version__), threads=torch.get_num_threads(),
                 machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                 git=git_revision())  # fmt: skip

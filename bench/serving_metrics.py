@@ -151,6 +151,7 @@ class RunRecord(msgspec.Struct):
     bare_forward_s: float | None = None
     itl_over_forward: float | None = None
     interrupted: bool = False
+    attention_backend: str = ""  # the one the engine took (auto unless --attention-backend)
     args: dict = {}
     requests: list[RequestRecord] = []
 

@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from vllmini.models.attention import FLASH_BLOCK_MULTIPLE, flash_attention, select_backend, torch_attention
+from vllmini.models.attention import flash_attention, torch_attention
+from vllmini.models.backend_select import FLASH_BLOCK_MULTIPLE, select_backend
 from vllmini.models.base import AttentionMetadata, block_table_tensor
 
 H, HKV, D, BS = 6, 2, 8, 4

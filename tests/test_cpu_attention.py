@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import tiny_llama_config
-from vllmini.models import backend_check, cpu_attention
+from vllmini.models import cpu_attention
 from vllmini.models.attention import torch_attention
 from vllmini.models.backend_check import check_backend, start_backend
 from vllmini.models.base import AttentionMetadata

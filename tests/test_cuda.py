@@ -12,7 +12,8 @@ from bench.random_model import save_word_level_tokenizer
 from helpers import tiny_llama_config, tiny_qwen3_config
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
 from vllmini.engine.model_runner import FlatBatch
-from vllmini.models.attention import _flash_attn_importable, _triton_importable, get_backend, torch_varlen_backend
+from vllmini.models.attention import torch_varlen_backend
+from vllmini.models.backend_select import _flash_attn_importable, _triton_importable, get_backend
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.weight_loader import load_model
 

@@ -17,7 +17,8 @@ from test_attention import D, MIXES, build_batch, dense_reference
 from vllmini.config import resolve_dtype
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, StaticDecodeBuffers, capture_sizes
 from vllmini.engine.model_runner import FlatBatch
-from vllmini.models.attention import get_backend, select_backend, torch_attention, torch_varlen_backend
+from vllmini.models.attention import torch_attention, torch_varlen_backend
+from vllmini.models.backend_select import get_backend, select_backend
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.registry import get_model_class
 

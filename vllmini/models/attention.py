@@ -1,24 +1,24 @@
 """Attention over a varlen batch, with or without a paged KV cache.
 
 Backends share one signature ``(q, k, v, meta, kv_cache, scale) -> out`` and one
-metadata object; ``select_backend`` picks one at start-up: ``flash_attn`` (the flash-attn
-package), ``torch_varlen`` (torch's built-in FlashAttention, ``varlen_attn`` with a block
-table), ``triton`` (our paged kernel, models/triton_attention.py) or ``torch`` (below). The
-first three read K/V straight from the paged cache and are graph-safe as they are; the
-torch backend has a separate static-shape path for decode steps replayed from a CUDA graph
-(``meta.static_decode``).
+metadata object; models/backend_select.py picks one at start-up: ``flash_attn`` (the
+flash-attn package), ``torch_varlen`` (torch's built-in FlashAttention, ``varlen_attn`` with
+a block table), ``triton`` (our paged kernel, models/triton_attention.py), ``cpu`` (the torch
+backend with a C decode kernel, models/cpu_attention.py) or ``torch`` (below). The first three
+read K/V straight from the paged cache and are graph-safe as they are; the torch backend has
+a separate static-shape path for decode steps replayed from a CUDA graph (``meta.static_decode``).
 
-The pure-PyTorch backend (any device; the CPU default):
+The pure-PyTorch backend (any device):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
-- all single-token (decode) rows attend in ONE SDPA call over their gathered blocks
-  (one gather over the block tables, a padding mask, GQA by folding query heads into
-  the query-length axis so no K/V repeat is needed);
+- single-token (decode) rows attend in a few SDPA calls, one per group of similar context
+  lengths, over their gathered blocks (one gather per group, a padding mask, GQA by folding
+  query heads into the query-length axis so no K/V repeat is needed), or all in one call
+  of a ``decode`` kernel that reads the paged cache itself (the cpu backend's);
 - multi-token rows (prefill chunks) attend per sequence with a lower-right causal mask.
 """
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from dataclasses import dataclass
 from itertools import accumulate
@@ -30,7 +30,6 @@ from torch import nn
 
 from vllmini.models.base import AttentionMetadata
 
-logger = logging.getLogger("vllmini")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -231,8 +230,6 @@ def flash_attention(
 
 
 AttentionBackend = Callable[..., torch.Tensor]
-BACKEND_NAMES = ("torch", "cpu", "flash_attn", "torch_varlen", "triton")
-FLASH_BLOCK_MULTIPLE = 256  # flash-attn 2's paged kernel (also vendored in torch): page size % 256 == 0
 _VARLEN_PAGED_ARGS = frozenset({"scale", "window_size", "enable_gqa", "seqused_k", "block_table"})
 
 
@@ -273,122 +270,6 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         )  # fmt: skip
 
     return torch_varlen_attention
-
-
-def get_backend(name: str) -> AttentionBackend:
-    """The callable for a name that ``select_backend`` returned."""
-    if name == "torch":
-        return torch_attention
-    if name == "flash_attn":
-        return flash_attention
-    if name == "torch_varlen":
-        backend = torch_varlen_backend()
-        if backend is None:
-            raise ValueError("attention_backend='torch_varlen' needs torch.nn.attention.varlen.varlen_attn with block_table")
-        return backend
-    if name == "triton":
-        from vllmini.models.triton_attention import triton_attention
-
-        return triton_attention
-    if name == "cpu":
-        from vllmini.models.cpu_attention import cpu_attention
-
-        return cpu_attention
-    raise ValueError(f"attention_backend={name!r} is not one of {list(BACKEND_NAMES)}")
-
-
-def _triton_importable() -> bool:
-    """Triton (it ships with CUDA builds of torch; CPU builds lack it)."""
-    try:
-        import triton.language  # noqa: F401
-
-        return True
-    except Exception as exc:  # ImportError, or a broken install surfacing as anything else
-        logger.debug("triton not usable: %s", exc)
-        return False
-
-
-def _flash_attn_importable() -> bool:
-    """flash-attn with a paged varlen kernel. A wheel built for another torch fails at import
-    (undefined symbol) or at first attribute access: either way we fall back, never crash."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-
-        return "block_table" in inspect.signature(flash_attn_varlen_func).parameters
-    except Exception as exc:  # ImportError, OSError, an ABI error surfacing as anything else
-        logger.debug("flash-attn not usable: %s", exc)
-        return False
-
-
-def _fused_problems(name: str, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
-    """Why a FlashAttention backend cannot run this configuration (empty: it can)."""
-    problems = []
-    if device.type != "cuda":
-        problems.append("it needs a CUDA device")
-    if block_size % FLASH_BLOCK_MULTIPLE:
-        problems.append(
-            f"its paged kernel needs block_size to be a multiple of {FLASH_BLOCK_MULTIPLE} (got {block_size})"
-        )
-    if dtype not in (torch.float16, torch.bfloat16):
-        problems.append(f"it supports float16/bfloat16 only (got {dtype}; use dtype='bfloat16' or 'auto')")
-    return problems
-
-
-def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """The backend for this engine. ``requested`` (EngineArgs.attention_backend) is validated:
-    a configuration it cannot run is a ValueError naming the backend and the constraint.
-    Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
-    reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
-    skipped with the reason logged), else our Triton kernel when triton imports, else the torch
-    backend (SDPA over gathered blocks). On CPU: the cpu backend (its C decode kernel) for
-    float32, else the torch backend."""
-    if requested is not None and requested not in BACKEND_NAMES:
-        raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
-    if requested == "cpu":
-        problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
-        if dtype != torch.float32:
-            problems.append(f"its decode kernel is float32 only (got {dtype}; use dtype='float32' or 'auto')")
-        if problems:
-            raise ValueError("attention_backend='cpu' cannot be used: " + "; ".join(problems))
-        return "cpu"
-    if requested is None and device.type == "cpu":
-        return "cpu" if dtype == torch.float32 else "torch"
-    if requested == "torch" or (requested is None and device.type != "cuda"):
-        return "torch"
-    if requested == "triton":
-        if device.type != "cuda":
-            raise ValueError("attention_backend='triton' cannot be used: it needs a CUDA device")
-        if not _triton_importable():
-            raise ValueError("attention_backend='triton' but triton is not importable (pip install triton)")
-        return "triton"
-    if requested is not None:
-        problems = _fused_problems(requested, device, dtype, block_size)
-        if problems:
-            raise ValueError(f"attention_backend={requested!r} cannot be used: " + "; ".join(problems))
-        if requested == "flash_attn" and not _flash_attn_importable():
-            raise ValueError("attention_backend='flash_attn' but flash-attn (with block_table) is not importable")
-        if requested == "torch_varlen" and torch_varlen_backend() is None:
-            fallback = "triton" if _triton_importable() else "torch"
-            logger.warning("torch %s has no paged varlen_attn (block_table/seqused_k); using the %s backend",
-                           torch.__version__, fallback)  # fmt: skip
-            return fallback
-        return requested
-    problems = _fused_problems("flash_attn", device, dtype, block_size)
-    if problems:
-        logger.info("FlashAttention backends skipped: %s", "; ".join(problems))
-    elif _flash_attn_importable():
-        return "flash_attn"
-    elif torch_varlen_backend() is not None:
-        logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
-        return "torch_varlen"
-    else:
-        logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
-                       torch.__version__)  # fmt: skip
-    if _triton_importable():
-        logger.info("using the Triton paged-attention kernel")
-        return "triton"
-    logger.warning("triton is not importable; using the torch backend (SDPA over gathered blocks)")
-    return "torch"
 
 
 class Attention(nn.Module):

@@ -15,7 +15,8 @@ from typing import Callable
 
 import torch
 
-from vllmini.models.attention import get_backend, select_backend, torch_attention
+from vllmini.models.attention import torch_attention
+from vllmini.models.backend_select import get_backend, select_backend
 from vllmini.models.base import AttentionMetadata
 
 logger = logging.getLogger("vllmini")

@@ -25,7 +25,7 @@ second small kernel merges the shares. A share's bounds come from the row's cont
 on the device, so a graph (captured with a fixed number of shares) stays correct for any
 context; shares past a short context are empty and cost one early exit.
 
-Importing this module needs triton; ``attention.select_backend`` only picks it when triton
+Importing this module needs triton; ``backend_select.select_backend`` only picks it when triton
 imports. Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
