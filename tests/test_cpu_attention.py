@@ -184,3 +184,16 @@ def test_loading_the_kernel_keeps_subnormal_floats():
     cpu_attention.load_kernel()
     assert np.float32(1e-40) * np.float32(1.0) != 0
     assert (torch.tensor([1e-40]) * 1.0).item() != 0
+
+
+def test_cpu_attention_benchmark_runs_and_checks_its_outputs(tmp_path):
+    """``python -m bench.cpu_attention``: both backends on the same inputs, outputs compared
+    inside every timed call, a JSON record."""
+    import json
+
+    from bench import cpu_attention as bench
+
+    results = bench.main(["--cache-mib", "40", "--iters", "1", "--out", str(tmp_path / "r.json")])
+    assert [(r["rows"], tuple(r["context"])) for r in results] == [(n, (lo, hi)) for n, lo, hi in bench.CASES]
+    assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 and r["speedup"] > 0 for r in results)
+    assert json.loads((tmp_path / "r.json").read_text())["cases"] == results
