@@ -65,6 +65,27 @@ def test_kernel_equals_per_row_sdpa(num_kv_heads, group, head_dim, block_size, l
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 7])
+def test_split_rows_equal_unsplit(monkeypatch, splits):
+    """Rows cut into key ranges merged afterwards (fewer rows than threads); ranges past a
+    short row's end are empty and must not count."""
+    monkeypatch.setattr(cpu_attention, "num_splits", lambda *a: splits)
+    lens = [300, 5, 16, 33]
+    q, k_cache, v_cache, tables, seq_lens = random_paged(len(lens), 3, 3, 64, 16, lens)
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_num_splits_only_when_threads_would_idle():
+    from vllmini.models.cpu_attention import SPLIT_MIN_BLOCKS, num_splits
+
+    assert num_splits(batch=2, max_blocks=500, threads=2) == 1  # a row per thread already
+    assert num_splits(batch=1, max_blocks=500, threads=2) == 2
+    assert num_splits(batch=3, max_blocks=500, threads=16) == 6
+    assert num_splits(batch=1, max_blocks=SPLIT_MIN_BLOCKS - 1, threads=8) == 1  # too short to pay
+    assert num_splits(batch=1, max_blocks=3 * SPLIT_MIN_BLOCKS, threads=8) == 3
+
+
 def test_kernel_reads_only_the_rows_positions():
     """NaN in every slot no row may read (past a row's end, other blocks) never reaches an output."""
     q, k_cache, v_cache, tables, seq_lens = random_paged(3, 2, 2, 16, 4, [6, 3, 9])

@@ -83,7 +83,7 @@ def load_kernel() -> ctypes.CDLL:
     fn = lib.paged_decode_f32
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
-    fn.argtypes += [ctypes.c_float, ctypes.c_int]
+    fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.paged_decode_limits.restype = ctypes.c_int64
     lib.paged_decode_limits.argtypes = [ctypes.c_int64]
     return lib
@@ -126,12 +126,27 @@ def paged_decode(
         raise ValueError("the CPU attention kernel needs contiguous CPU tensors")
     out = torch.empty_like(q)
     if batch:
+        threads = torch.get_num_threads()
+        splits = num_splits(batch, -(-int(seq_lens.max()) // k_cache.shape[1]), threads)
         load_kernel().paged_decode_f32(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
             seq_lens.data_ptr(), out.data_ptr(), batch, num_kv_heads, group, head_dim, k_cache.shape[1], scale,
-            torch.get_num_threads(),
+            threads, splits,
         )  # fmt: skip
     return out
+
+
+# Fewest blocks a split of one row's keys takes: below it the merge costs more than a thread saves.
+SPLIT_MIN_BLOCKS = 8
+
+
+def num_splits(batch: int, max_blocks: int, threads: int) -> int:
+    """Ranges to cut each row's keys into: with fewer rows than threads (one long stream,
+    say) rows alone would leave threads idle, so each row is split until there is one work
+    item per thread, as long as every range keeps ``SPLIT_MIN_BLOCKS`` blocks."""
+    if batch >= threads:
+        return 1
+    return max(1, min(-(-threads // batch), max_blocks // SPLIT_MIN_BLOCKS))
 
 
 def cpu_attention(
