@@ -77,7 +77,7 @@ class EngineArgs:
     enforce_eager: bool = False
     # launch the next decode step before this one's tokens reach the host (engine/async_scheduling.py)
     async_scheduling: bool = False
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # None: auto (models/backend_select.py): cpu, torch, flash_attn, torch_varlen, triton
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
 
     @classmethod
