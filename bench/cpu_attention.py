@@ -6,7 +6,11 @@ blocks scattered over a cache far larger than the last-level cache on every call
 values come from DRAM as they do in serving (there a layer's cache is read again only after
 the 29 other layers' have been). Every timed call's output is checked against the other backend's.
 
-    python -m bench.cpu_attention [--out bench/results/cpu-attention.json]
+    python -m bench.cpu_attention [--dtype bfloat16] [--out bench/results/cpu-attention.json]
+
+With ``--dtype bfloat16`` the cache, q, k and v are bfloat16 (the kernel reads half the bytes
+and computes in float32; the torch backend's SDPA computes in bfloat16), and the outputs are
+compared to bfloat16's precision.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 CASES = [(1, 2048, 2048), (8, 100, 800), (32, 100, 800), (64, 300, 700)]  # rows, context range
 
 
-def _step(cache_blocks: int, rows: int, lo: int, hi: int, rng: random.Random) -> tuple:
+def _step(cache_blocks: int, rows: int, lo: int, hi: int, rng: random.Random, dtype: torch.dtype) -> tuple:
     """Metadata and inputs for one decode step over fresh, scattered blocks."""
     lens = [rng.randint(lo, hi) for _ in range(rows)]
     free = rng.sample(range(cache_blocks), sum(-(-n // BLOCK) for n in lens))
@@ -37,8 +41,8 @@ def _step(cache_blocks: int, rows: int, lo: int, hi: int, rng: random.Random) ->
         free = free[-(-n // BLOCK) :]
     slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)]
     meta = AttentionMetadata.paged([1] * rows, lens, slots, tables)
-    q = torch.randn(rows, HEADS, HEAD_DIM)
-    k, v = torch.randn(rows, KV_HEADS, HEAD_DIM), torch.randn(rows, KV_HEADS, HEAD_DIM)
+    q = torch.randn(rows, HEADS, HEAD_DIM, dtype=dtype)
+    k, v = torch.randn(rows, KV_HEADS, HEAD_DIM, dtype=dtype), torch.randn(rows, KV_HEADS, HEAD_DIM, dtype=dtype)
     return meta, q, k, v, sum(lens)
 
 
@@ -50,21 +54,22 @@ def run_case(cache, rows: int, lo: int, hi: int, iters: int, seed: int) -> dict:
     rng = random.Random(seed)
     backends = {"torch": torch_attention, "cpu": cpu_attention}
     times: dict[str, list[float]] = {name: [] for name in backends}
-    cpu_tokens = 0
+    cpu_tokens, dtype = 0, cache[0].dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
     for it in range(iters + 2):  # two warm-up rounds
         for name, fn in backends.items():
-            meta, q, k, v, tokens = _step(cache[0].shape[0], rows, lo, hi, rng)
+            meta, q, k, v, tokens = _step(cache[0].shape[0], rows, lo, hi, rng, dtype)
             t0 = time.perf_counter()
             out = fn(q, k, v, meta, cache, HEAD_DIM**-0.5)
             elapsed = time.perf_counter() - t0
             meta.backend_plan = None  # the other backend plans the step its own way
             other = next(f for n, f in backends.items() if n != name)
-            torch.testing.assert_close(out, other(q, k, v, meta, cache, HEAD_DIM**-0.5), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out, other(q, k, v, meta, cache, HEAD_DIM**-0.5), atol=tol, rtol=tol)
             if it >= 2:
                 times[name].append(elapsed)
                 cpu_tokens += tokens if name == "cpu" else 0
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    kv_bytes = cpu_tokens * KV_HEADS * HEAD_DIM * 4 * 2
+    kv_bytes = cpu_tokens * KV_HEADS * HEAD_DIM * dtype.itemsize * 2
     return {
         "rows": rows, "context": [lo, hi], "torch_ms": med["torch"] * 1e3, "cpu_ms": med["cpu"] * 1e3,
         "speedup": med["torch"] / med["cpu"], "cpu_kv_gb_s": kv_bytes / sum(times["cpu"]) / 1e9,
@@ -75,10 +80,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache-mib", type=int, default=256, help="size of the K cache (and of the V cache)")
     ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    blocks = args.cache_mib * 2**20 // (BLOCK * KV_HEADS * HEAD_DIM * 4)
-    cache = tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM) for _ in range(2))
+    dtype = getattr(torch, args.dtype)
+    blocks = args.cache_mib * 2**20 // (BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize)
+    cache = tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     results = []
     print(f"{'rows':>5} {'context':>10} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu K/V GB/s':>13}")
     with torch.inference_mode():
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             ctx = f"{lo}..{hi}" if lo != hi else str(lo)
             print(f"{rows:>5} {ctx:>10} {r['torch_ms']:>9.2f} {r['cpu_ms']:>8.2f} {r['speedup']:>7.2f}x {r['cpu_kv_gb_s']:>13.1f}")
     if args.out:
-        record = {"threads": torch.get_num_threads(), "torch": torch.__version__, "cases": results}
+        record = {"threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": args.dtype, "cases": results}
         Path(args.out).write_text(json.dumps(record, indent=1))
     return results
 

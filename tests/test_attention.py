@@ -128,10 +128,11 @@ def test_flash_glue_without_cache(monkeypatch):
 def test_backend_selection():
     cpu = torch.device("cpu")
     assert select_backend(None, cpu, torch.float32, 16) == "cpu"  # the C decode kernel (models/cpu_attention.py)
-    assert select_backend(None, cpu, torch.bfloat16, 16) == "torch"  # the kernel is float32 only
+    assert select_backend(None, cpu, torch.bfloat16, 16) == "cpu"  # a bfloat16 cache, float32 math
+    assert select_backend(None, cpu, torch.float16, 16) == "torch"  # the kernel reads no float16
     assert select_backend("torch", cpu, torch.float32, 16) == "torch"
-    with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: .*float32 only"):
-        select_backend("cpu", cpu, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: .*float32 or bfloat16 only"):
+        select_backend("cpu", cpu, torch.float16, 16)
     with pytest.raises(ValueError, match="attention_backend='cpu' cannot be used: it runs on the CPU"):
         select_backend("cpu", torch.device("cuda"), torch.float32, 16)
     with pytest.raises(ValueError, match="attention_backend='nope'"):

@@ -65,6 +65,24 @@ def test_kernel_equals_per_row_sdpa(num_kv_heads, group, head_dim, block_size, l
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_bfloat16_cache_is_widened_exactly(monkeypatch, splits):
+    """A bfloat16 cache (and q) is read as the float32 values it holds, the math is float32 and
+    only the output is rounded: the result is the float32 kernel's on the widened inputs,
+    rounded to bfloat16 (equal to within one rounding of an output element)."""
+    monkeypatch.setattr(cpu_attention, "num_splits", lambda *a: splits)
+    lens = [1, 16, 17, 300, 33]
+    q, k_cache, v_cache, tables, seq_lens = (
+        t.to(torch.bfloat16) if t.is_floating_point() else t for t in random_paged(len(lens), 3, 3, 64, 16, lens)
+    )
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125)
+    assert got.dtype == torch.bfloat16
+    wide = [t.float() if t.is_floating_point() else t for t in (q, k_cache, v_cache, tables, seq_lens)]
+    want = reference(*wide, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=1e-5, rtol=2**-8)
+    assert (got.float() - want).abs().max() > 0  # rounded to bfloat16, not kept float32
+
+
 @pytest.mark.parametrize("splits", [2, 3, 7])
 def test_split_rows_equal_unsplit(monkeypatch, splits):
     """Rows cut into key ranges merged afterwards (fewer rows than threads); ranges past a
@@ -102,8 +120,12 @@ def test_kernel_reads_only_the_rows_positions():
 
 def test_kernel_refuses_what_it_cannot_read():
     q, k_cache, v_cache, tables, seq_lens = random_paged(2, 2, 2, 16, 4, [6, 3])
-    with pytest.raises(ValueError, match="float32 only"):
-        paged_decode(q.double(), k_cache, v_cache, tables, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+        paged_decode(q, k_cache.double(), v_cache.double(), tables, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+        paged_decode(q, k_cache.half(), v_cache.half(), tables, seq_lens, 0.25)
+    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+        paged_decode(q, k_cache, v_cache.bfloat16(), tables, seq_lens, 0.25)
     with pytest.raises(ValueError, match="int32"):
         paged_decode(q, k_cache, v_cache, tables.long(), seq_lens, 0.25)
     with pytest.raises(ValueError, match="cache shape"):
@@ -118,22 +140,26 @@ def test_kernel_refuses_what_it_cannot_read():
     assert paged_decode(q[:0], k_cache, v_cache, tables[:0], seq_lens[:0], 0.25).shape == q[:0].shape
 
 
-def test_backend_on_mixed_steps_equals_the_torch_backend():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_on_mixed_steps_equals_the_torch_backend(dtype):
     """Decode rows next to a chunk after cached tokens and a fresh prompt, all on the paged
-    cache: the kernel takes the decode rows, the torch path the rest."""
-    assert check_backend(cpu_backend, CPU, torch.float32, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4) is None
+    cache: the kernel takes the decode rows, the torch path the rest. In bfloat16 the torch
+    path's SDPA rounds its own way, so the two agree to bfloat16's precision."""
+    assert check_backend(cpu_backend, CPU, dtype, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4) is None
     q_lens, seq_lens = [1, 4, 1, 3, 1], [9, 11, 1, 3, 30]
     block_size, tables = 4, [[0, 1, 2], [3, 4, 5], [6], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
     slots = [t[p // block_size] * block_size + p % block_size for t, n, ql in zip(tables, seq_lens, q_lens)
              for p in range(n - ql, n)]  # fmt: skip
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(sum(q_lens), h, 16, generator=g) for h in (6, 2, 2))
-    cache = [torch.randn(16, block_size, 2, 16, generator=g) for _ in range(2)]
+    q, k, v = (torch.randn(sum(q_lens), h, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    cache = [torch.randn(16, block_size, 2, 16, generator=g).to(dtype) for _ in range(2)]
     outs = [
         fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables), tuple(c.clone() for c in cache), 0.25)
         for fn in (cpu_backend, torch_attention)
     ]
-    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
+    assert outs[0].dtype == dtype
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2e-2}
+    torch.testing.assert_close(outs[0], outs[1], **tol)
 
 
 @pytest.fixture

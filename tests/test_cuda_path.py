@@ -128,7 +128,7 @@ def test_auto_order_on_cuda(monkeypatch, vllmini_log):
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", fake_varlen_module(fake_varlen_attn))
     assert select_backend(None, CUDA, torch.bfloat16, 16) == "torch"
     assert select_backend(None, CUDA, torch.float32, 256) == "torch"
-    assert select_backend(None, torch.device("cpu"), torch.bfloat16, 256) == "torch"
+    assert select_backend(None, torch.device("cpu"), torch.float16, 256) == "torch"
     # with triton: after the FlashAttention backends, before SDPA over gathered blocks
     set_triton(monkeypatch, present=True)
     assert select_backend(None, CUDA, torch.bfloat16, 256) == "torch_varlen"
@@ -138,7 +138,7 @@ def test_auto_order_on_cuda(monkeypatch, vllmini_log):
     vllmini_log.clear()
     assert select_backend(None, CUDA, torch.bfloat16, 256) == "triton"  # torch 2.11 without flash-attn
     assert [r.levelname for r in vllmini_log.records] == ["WARNING", "INFO"]  # one warning, then the choice
-    assert select_backend(None, torch.device("cpu"), torch.bfloat16, 256) == "torch"
+    assert select_backend(None, torch.device("cpu"), torch.float16, 256) == "torch"
 
 
 def test_forced_triton(monkeypatch):

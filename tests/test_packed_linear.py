@@ -1,5 +1,5 @@
 """oneDNN-prepacked CPU linears: same results as nn.Linear, swapped in by the engine on CPU
-fp32, tied embeddings untouched."""
+(float32, and bfloat16 where the CPU has native bf16 kernels), tied embeddings untouched."""
 from __future__ import annotations
 
 import pytest
@@ -11,17 +11,25 @@ from helpers import save_tiny_model, tiny_llama_config
 from vllmini.models.packed_linear import PackedLinear, packing_available, prepack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+BF16_PACKING = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+DTYPES = [
+    torch.float32,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not BF16_PACKING, reason="no native bf16 in oneDNN here")),
+]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
-def test_packed_linear_matches_nn_linear(bias, rows):
+def test_packed_linear_matches_nn_linear(bias, rows, dtype):
     torch.manual_seed(rows)
-    lin = nn.Linear(96, 200, bias=bias)
-    x = torch.randn(rows, 96)
+    lin = nn.Linear(96, 200, bias=bias).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
     packed = PackedLinear(lin)
-    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed(x.t().contiguous().t()), lin(x), rtol=1e-5, atol=1e-5)  # non-contiguous input
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    assert packed(x).dtype == dtype
+    torch.testing.assert_close(packed(x), lin(x), **tol)
+    torch.testing.assert_close(packed(x.t().contiguous().t()), lin(x), **tol)  # non-contiguous input
 
 
 def test_prepack_replaces_every_linear_and_keeps_tied_embedding():
@@ -38,10 +46,12 @@ def test_prepack_replaces_every_linear_and_keeps_tied_embedding():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packing_only_for_cpu_float32():
+def test_packing_only_on_cpu_for_float32_and_native_bfloat16():
     assert packing_available(torch.device("cpu"), torch.float32)
-    assert not packing_available(torch.device("cpu"), torch.bfloat16)
+    assert packing_available(torch.device("cpu"), torch.bfloat16) == BF16_PACKING
+    assert not packing_available(torch.device("cpu"), torch.float16)
     assert not packing_available(torch.device("cuda"), torch.float32)
+    assert not packing_available(torch.device("cuda"), torch.bfloat16)
 
 
 def test_engine_uses_packed_linears_and_matches_hf(tmp_path, default_model_dir):

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, for the CPU (float32).
+/* Decode attention over the paged KV cache, for the CPU (float32 math; float32 or bfloat16 cache).
 
    One query token per row attends to the first seq_lens[b] positions of its sequence, read
    straight from the cache through its block table: no gathered copy of K/V is made (the torch
@@ -10,8 +10,9 @@
    are scattered in memory, so the hardware prefetcher cannot guess them).
    Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN.
 
-   Layouts (all contiguous): q, out [batch, num_kv_heads, group, head_dim];
-   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim];
+   Layouts (all contiguous): q, out [batch, num_kv_heads, group, head_dim], float32;
+   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32 or, with
+   cache_bf16 = 1, bfloat16 (each element is widened to float32 as it is read, which is exact);
    block_tables int32 [batch, table_stride]; seq_lens int32 [batch], each >= 1.
    Limits (checked by the caller): num_kv_heads * group <= MAX_HEADS, head_dim <= MAX_HEAD_DIM,
    block_size <= MAX_BLOCK_SIZE. Built and loaded by vllmini/models/cpu_attention.py. */
@@ -19,6 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_HEADS 128
 #define MAX_HEAD_DIM 256
@@ -28,16 +30,29 @@ int64_t paged_decode_limits(int64_t which) {
     return which == 0 ? MAX_HEADS : which == 1 ? MAX_HEAD_DIM : MAX_BLOCK_SIZE;
 }
 
-static void prefetch(const float *p, int64_t floats) {
-    for (int64_t x = 0; x < floats; x += 16) __builtin_prefetch(p + x); /* 16 floats: one cache line */
+static void prefetch(const char *p, int64_t bytes) {
+    for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(p + x); /* one cache line */
+}
+
+/* Element i of a cache row as float32. bfloat16 is the top half of a float32, so widening it is
+   a 16-bit shift. ``bf16`` is a constant wherever this is inlined, so each loop is built twice,
+   one per cache type, with no branch inside. */
+static inline float load(const char *row, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)row)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 /* Positions [start, end) of one row (start a multiple of block_size) for all its query heads:
    m, l, acc hold that range's running max, sum and unnormalised output when it returns. */
-static void attend(const float *qb, const float *k_cache, const float *v_cache, const int32_t *table,
-                   int64_t start, int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-                   int64_t block_size, float scale, float *m, float *l, float *acc) {
-    const int64_t token_stride = num_kv_heads * head_dim;
+static inline __attribute__((always_inline)) void attend(
+    const float *qb, const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
+    int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
+    float scale, float *m, float *l, float *acc, int bf16) {
+    const int64_t elem = bf16 ? 2 : 4; /* bytes */
+    const int64_t token_stride = num_kv_heads * head_dim * elem;
     const int64_t block_stride = block_size * token_stride;
     const int64_t heads = num_kv_heads * group;
     float s[MAX_BLOCK_SIZE];
@@ -45,8 +60,8 @@ static void attend(const float *qb, const float *k_cache, const float *v_cache, 
     for (int64_t x = 0; x < heads * head_dim; x++) acc[x] = 0.f;
     for (int64_t pos = start; pos < end; pos += block_size) {
         const int64_t n = end - pos < block_size ? end - pos : block_size;
-        const float *kb = k_cache + table[pos / block_size] * block_stride;
-        const float *vb = v_cache + table[pos / block_size] * block_stride;
+        const char *kb = k_cache + table[pos / block_size] * block_stride;
+        const char *vb = v_cache + table[pos / block_size] * block_stride;
         if (pos + block_size < end) {
             const int64_t next = table[pos / block_size + 1] * block_stride;
             const int64_t rest = end - pos - block_size;
@@ -55,13 +70,13 @@ static void attend(const float *qb, const float *k_cache, const float *v_cache, 
         }
         for (int64_t i = 0; i < heads; i++) { /* query head i reads KV head i / group */
             const float *qi = qb + i * head_dim;
-            const float *kh = kb + (i / group) * head_dim, *vh = vb + (i / group) * head_dim;
+            const char *kh = kb + (i / group) * head_dim * elem, *vh = vb + (i / group) * head_dim * elem;
             float block_max = pos > start ? m[i] : -FLT_MAX;
             for (int64_t t = 0; t < n; t++) {
-                const float *kt = kh + t * token_stride;
+                const char *kt = kh + t * token_stride;
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * kt[d];
+                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * load(kt, d, bf16);
                 s[t] = dot * scale;
                 block_max = s[t] > block_max ? s[t] : block_max;
             }
@@ -78,10 +93,10 @@ static void attend(const float *qb, const float *k_cache, const float *v_cache, 
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) a[d] *= correction;
             for (int64_t t = 0; t < n; t++) {
-                const float *vt = vh + t * token_stride;
+                const char *vt = vh + t * token_stride;
                 const float p = s[t];
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * vt[d];
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(vt, d, bf16);
             }
         }
     }
@@ -90,11 +105,10 @@ static void attend(const float *qb, const float *k_cache, const float *v_cache, 
 /* Work items are (row, split): with num_splits > 1 each row's blocks are cut into that many
    ranges (so that fewer rows than threads still keep every thread busy), each range's m, l and
    acc go to a scratch buffer, and a second pass merges them per row. */
-void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                      const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                      float *out, int64_t batch, int64_t num_kv_heads, int64_t group,
-                      int64_t head_dim, int64_t block_size, float scale, int num_threads,
-                      int64_t num_splits) {
+void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
+                  const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                  float *out, int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                  int64_t block_size, float scale, int num_threads, int64_t num_splits) {
     const int64_t heads = num_kv_heads * group, part_size = heads * (head_dim + 2);
     float *parts = num_splits > 1 ? malloc(sizeof(float) * batch * num_splits * part_size) : NULL;
     if (num_splits > 1 && !parts) num_splits = 1; /* no scratch: one range per row */
@@ -105,8 +119,14 @@ void paged_decode_f32(const float *q, const float *k_cache, const float *v_cache
         const int64_t range = (per_split + block_size - 1) / block_size * block_size; /* whole blocks */
         const int64_t start = split * range, end = len < start + range ? len : start + range;
         float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_HEAD_DIM];
-        attend(q + b * heads * head_dim, k_cache, v_cache, block_tables + b * table_stride, start,
-               end, num_kv_heads, group, head_dim, block_size, scale, m, l, acc);
+        const float *qb = q + b * heads * head_dim;
+        const int32_t *table = block_tables + b * table_stride;
+        if (cache_bf16) /* two calls with constant flags: two specialised copies of attend */
+            attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, block_size,
+                   scale, m, l, acc, 1);
+        else
+            attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, block_size,
+                   scale, m, l, acc, 0);
         if (!parts) {
             float *o = out + b * heads * head_dim;
             for (int64_t i = 0; i < heads; i++)

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from vllmini.models.attention import AttentionBackend, flash_attention, torch_attention, torch_varlen_backend
+from vllmini.models.cpu_attention import CACHE_DTYPES, cpu_attention
 
 logger = logging.getLogger("vllmini")
 
@@ -33,8 +34,6 @@ def get_backend(name: str) -> AttentionBackend:
 
         return triton_attention
     if name == "cpu":
-        from vllmini.models.cpu_attention import cpu_attention
-
         return cpu_attention
     raise ValueError(f"attention_backend={name!r} is not one of {list(BACKEND_NAMES)}")
 
@@ -83,18 +82,18 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
     skipped with the reason logged), else our Triton kernel when triton imports, else the torch
     backend (SDPA over gathered blocks). On CPU: the cpu backend (its C decode kernel) for
-    float32, else the torch backend."""
+    float32 and bfloat16, else (float16) the torch backend."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
-        if dtype != torch.float32:
-            problems.append(f"its decode kernel is float32 only (got {dtype}; use dtype='float32' or 'auto')")
+        if dtype not in CACHE_DTYPES:
+            problems.append(f"its decode kernel takes float32 or bfloat16 only (got {dtype}; use dtype='auto')")
         if problems:
             raise ValueError("attention_backend='cpu' cannot be used: " + "; ".join(problems))
         return "cpu"
     if requested is None and device.type == "cpu":
-        return "cpu" if dtype == torch.float32 else "torch"
+        return "cpu" if dtype in CACHE_DTYPES else "torch"
     if requested == "torch" or (requested is None and device.type != "cuda"):
         return "torch"
     if requested == "triton":

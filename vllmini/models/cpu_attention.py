@@ -36,6 +36,8 @@ SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "paged_decode.c"
 # -ffast-math when compiling only (it lets expf vectorise): linked with it, a shared library
 # pulls in crtfastmath.o, which flushes subnormals to zero for the whole process on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
+# The cache dtypes the kernel reads (its math is float32 for both).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class KernelBuildError(RuntimeError):
@@ -80,10 +82,10 @@ def load_kernel() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(lib_path))  # mapped now: the file may go
         except OSError as exc:
             raise KernelBuildError(f"built {lib_path.name} but could not load it: {exc}") from exc
-    fn = lib.paged_decode_f32
+    fn = lib.paged_decode
     fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5
-    fn.argtypes += [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
+    fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
     lib.paged_decode_limits.restype = ctypes.c_int64
     lib.paged_decode_limits.argtypes = [ctypes.c_int64]
     return lib
@@ -105,13 +107,16 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """``q [B, Hkv, G, D]``, caches ``[num_blocks, bs, Hkv, D]``, ``block_tables [B, nb]`` int32,
-    ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]``; float32 CPU tensors. The kernel
-    trusts its inputs, so shapes, dtypes and layouts are checked here: a wrong one would
-    read out of bounds, not raise."""
+    ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]`` in q's dtype; CPU tensors, the
+    caches float32 or bfloat16 (``CACHE_DTYPES``). The math is float32 either way: a bfloat16 q
+    is widened (exact) and the output rounded back. The kernel trusts its inputs, so shapes,
+    dtypes and layouts are checked here: a wrong one would read out of bounds, not raise."""
     batch, num_kv_heads, group, head_dim = q.shape
     limits = kernel_limits()
-    if q.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32:
-        raise ValueError(f"the CPU attention kernel takes float32 only (q {q.dtype}, cache {k_cache.dtype})")
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype or not q.dtype.is_floating_point:
+        raise ValueError(
+            f"the CPU attention kernel takes a float32 or bfloat16 cache (q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype})"
+        )
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables and seq_lens must be int32")
     if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
@@ -124,16 +129,17 @@ def paged_decode(
     tensors = (q, k_cache, v_cache, block_tables, seq_lens)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("the CPU attention kernel needs contiguous CPU tensors")
-    out = torch.empty_like(q)
+    q32 = q.to(torch.float32)  # no copy when q is float32 already
+    out = torch.empty_like(q32)
     if batch:
         threads = torch.get_num_threads()
         splits = num_splits(batch, -(-int(seq_lens.max()) // k_cache.shape[1]), threads)
-        load_kernel().paged_decode_f32(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
-            seq_lens.data_ptr(), out.data_ptr(), batch, num_kv_heads, group, head_dim, k_cache.shape[1], scale,
-            threads, splits,
+        load_kernel().paged_decode(
+            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
+            block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+            batch, num_kv_heads, group, head_dim, k_cache.shape[1], scale, threads, splits,
         )  # fmt: skip
-    return out
+    return out.to(q.dtype)
 
 
 # Fewest blocks a split of one row's keys takes: below it the merge costs more than a thread saves.
