@@ -85,11 +85,16 @@ def run_hf_static(model, pad_id: int, wl: Workload, batch_size: int) -> float:
 
 
 def git_revision() -> str:
+    """HEAD's short hash, with "-dirty" when tracked vllmini/ or bench/ files differ from it (the
+    record then did not run the code that hash names)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=HERE, check=True).stdout.strip()  # fmt: skip
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=HERE, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "vllmini", "bench"],
+                               capture_output=True, text=True, cwd=HERE.parent, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return f"{rev}-dirty" if dirty else rev
 
 
 def main(argv: list[str] | None = None) -> dict:

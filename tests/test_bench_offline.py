@@ -28,3 +28,30 @@ def test_offline_bench_smoke(tmp_path, default_model_dir):
         assert r["vllmini_tok_s"] > 0 and r["hf_static_tok_s"] > 0 and r["ratio"] > 0
     written = list((tmp_path / "res").glob("offline-*.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["results"] == record["results"]
+
+
+def test_git_revision_says_when_the_code_differs_from_head(tmp_path, monkeypatch):
+    """A record's "git" names the code it ran: "-dirty" when tracked vllmini/ or bench/ files
+    were changed, not for untracked files or changes elsewhere."""
+    import subprocess
+
+    import bench.offline as offline
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+    for path in ("vllmini/a.py", "bench/b.py", "README.md"):
+        (tmp_path / path).parent.mkdir(exist_ok=True)
+        (tmp_path / path).write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    monkeypatch.setattr(offline, "HERE", tmp_path / "bench")
+    head = git("rev-parse", "--short", "HEAD")
+    assert offline.git_revision() == head
+    (tmp_path / "README.md").write_text("changed\n")
+    (tmp_path / "bench" / "new.py").write_text("untracked\n")
+    assert offline.git_revision() == head
+    (tmp_path / "vllmini" / "a.py").write_text("x = 2\n")
+    assert offline.git_revision() == f"{head}-dirty"
