@@ -6,7 +6,7 @@
    fewer rows than threads, key ranges of rows) are spread over num_threads OpenMP threads
    (torch's intra-op count). A row walks its blocks, each one contiguous keys (or values) of
    all KV heads, with an online softmax per query head (running max m, running sum l,
-   unnormalised output acc); before it works on a block it asks for the next one (the blocks
+   unnormalised output acc); while it works on a block it prefetches the next one (the blocks
    are scattered in memory, so the hardware prefetcher cannot guess them).
    Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN.
 
@@ -62,13 +62,19 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t n = end - pos < block_size ? end - pos : block_size;
         const char *kb = k_cache + table[pos / block_size] * block_stride;
         const char *vb = v_cache + table[pos / block_size] * block_stride;
-        if (pos + block_size < end) {
-            const int64_t next = table[pos / block_size + 1] * block_stride;
-            const int64_t rest = end - pos - block_size;
-            prefetch(k_cache + next, (rest < block_size ? rest : block_size) * token_stride);
-            prefetch(v_cache + next, (rest < block_size ? rest : block_size) * token_stride);
-        }
+        /* The next block (none at the range's end) is prefetched a slice per query head, so its
+           fetches spread over this block's work: asked for all at once before it, as first
+           written, decode attention was 1.15x (float32) to 1.3x (bfloat16) slower. */
+        const int64_t rest = end - pos - block_size; /* positions after this block */
+        const int64_t next_bytes = rest <= 0 ? 0 : (rest < block_size ? rest : block_size) * token_stride;
+        const int64_t next = next_bytes ? table[pos / block_size + 1] * block_stride : 0;
+        const int64_t slice = (next_bytes / heads + 63) / 64 * 64; /* whole cache lines */
         for (int64_t i = 0; i < heads; i++) { /* query head i reads KV head i / group */
+            if (i * slice < next_bytes) {
+                const int64_t len = next_bytes - i * slice < slice ? next_bytes - i * slice : slice;
+                prefetch(k_cache + next + i * slice, len);
+                prefetch(v_cache + next + i * slice, len);
+            }
             const float *qi = qb + i * head_dim;
             const char *kh = kb + (i / group) * head_dim * elem, *vh = vb + (i / group) * head_dim * elem;
             float block_max = pos > start ? m[i] : -FLT_MAX;
