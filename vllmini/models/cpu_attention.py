@@ -4,7 +4,8 @@ paged cache by a small C kernel (vllmini/kernels/paged_decode.c) instead of gath
 Why: decode attention is memory-bound, and the torch path first copies every row's blocks into
 a contiguous tensor that SDPA then reads again. On the 2-core CPU that copy made decode
 attention about 40% of a serving step; the kernel reads each key and value once, from its
-block, and is 1.4-2.8x faster per layer (``python -m bench.cpu_attention``).
+block, and is 1.5-4x faster per layer (``python -m bench.cpu_attention``; the range is mostly the
+torch backend's own run-to-run variation).
 torch.compile was tried first: inductor fuses the gather into the reductions, but its kernel
 ran at 2-3 us per row-block plus ~0.1 ms per call, no faster than gather + SDPA in the engine.
 
