@@ -6,15 +6,16 @@ the few-row inputs of decode steps that repacking dominates. Measured on the 2-c
 10 rows 25.2 -> 11.8, 64 rows 53.3 -> 33.5, 512 rows 311 -> 253. oneDNN's prepacked
 inner product is what inductor's CPU freezing pass uses for the same reason.
 
-bfloat16 gains more, where oneDNN has native bf16 kernels (AVX512-BF16 / AMX; checked with
-``torch.ops.mkldnn._is_mkldnn_bf16_supported``): prepacked bf16 is bit-identical to ``F.linear``
-and, on the 2-core Zen 4 CPU ([1536, 576] weights, out of cache), 142 -> 57 us per call for 1
-row, 454 -> 315 for 64, 2517 -> 2104 for 512: about twice as fast as prepacked float32.
+bfloat16 is packed where oneDNN has bf16 kernels (``torch.ops.mkldnn._is_mkldnn_bf16_supported``:
+any AVX-512 core x86 CPU; they are fast where the CPU has native bf16, AVX512-BF16 or AMX, and
+emulated otherwise). Prepacked bf16 is bit-identical to ``F.linear`` and, on the 2-core Zen 4
+CPU ([1536, 576] weights, out of cache), 142 -> 57 us per call for 1 row, 454 -> 315 for 64,
+2517 -> 2104 for 512: about twice as fast as prepacked float32.
 
 ``prepack_linears(model)`` swaps every ``nn.Linear`` for a ``PackedLinear`` after the weights
 are loaded (the original weight is dropped unless something else, e.g. a tied embedding,
-still holds it). CPU only, where torch was built with oneDNN: float32, and bfloat16 where the
-CPU has native bf16 kernels.
+still holds it). CPU only, where torch was built with oneDNN: float32, and bfloat16 where
+oneDNN has bf16 kernels.
 """
 from __future__ import annotations
 
