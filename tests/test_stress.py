@@ -72,7 +72,7 @@ async def test_everything_at_once(tiny, async_scheduling):
     async with AsyncLLMEngine.from_engine_args(args) as engine:
 
         async def consume(i: int) -> list:
-            await asyncio.sleep(rng.random() * 0.2)  # staggered arrivals
+            await asyncio.sleep(rng.random() * 0.05)  # staggered arrivals
             outs = []
             async for out in engine.generate(*requests[i], request_id=f"s{i}"):
                 outs.append(out)
