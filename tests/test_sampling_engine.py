@@ -134,12 +134,12 @@ def test_invalid_logits_fail_only_that_request(tiny_llm, monkeypatch):
     original = eng.runner.execute
 
     def execute(sched, bm):
-        logits, idx = original(sched, bm)
+        logits, flat = original(sched, bm)
         logits = logits.clone()
-        for row, i in enumerate(idx):
+        for row, i in enumerate(flat.sample_indices):
             if sched.scheduled[i].seq.request_id == poisoned.get("id"):
                 logits[row] = float("nan")
-        return logits, idx
+        return logits, flat
 
     monkeypatch.setattr(eng.runner, "execute", execute)
     poisoned["id"] = eng.add_request("bad", PROMPT, SamplingParams(max_tokens=8, temperature=0.7))

@@ -1,7 +1,7 @@
 """Everything at once on the async engine: concurrent streams with mixed sampling parameters
-(greedy, seeded, n > 1, stop strings and ids, penalties, min_tokens, logprobs, delta outputs),
-shared prompt prefixes, a KV cache tight enough to preempt, prefill chunks of 32 tokens, and
-consumers that leave early (break, task cancel, abort). Each feature has its own tests; this
+(greedy, seeded, n > 1, stop strings and ids, penalties, min_tokens, logprobs, prompt logprobs,
+delta outputs), shared prompt prefixes, a KV cache tight enough to preempt, prefill chunks of
+32 tokens, and consumers that leave early (break, task cancel, abort). Each feature has its own tests; this
 one checks that together they keep the invariants: every stream ends the way its consumer
 chose, finished outputs are well-formed, greedy rows equal transformers' tokens, nothing leaks."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from helpers import assert_greedy_matches, hf_greedy, save_tiny_model, tiny_llama_config
 from test_engine import assert_no_leaks, kv_bytes
+from test_prompt_logprobs import assert_prompt_logprobs, hf_logprobs
 from vllmini import EngineArgs, SamplingParams
 from vllmini.engine.async_engine import AsyncLLMEngine
 
@@ -51,6 +52,8 @@ def random_request(rng: random.Random, shared: list[int]) -> tuple[dict, Samplin
         kw["min_tokens"] = rng.randint(0, kw["max_tokens"])
     if rng.random() < 0.3:
         kw["output_kind"] = "delta"
+    if rng.random() < 0.15:
+        kw["prompt_logprobs"] = rng.randint(0, 2)
     return {"prompt_token_ids": tokens}, SamplingParams(**kw)
 
 
@@ -119,6 +122,11 @@ async def test_everything_at_once(tiny, async_scheduling):
             assert (c.finish_reason == "length") == (len(toks) == params.max_tokens and c.stop_reason is None)
             if params.logprobs is not None and params.output_kind != "delta":
                 assert len(c.logprobs) == len(toks)
+        if params.prompt_logprobs is not None:  # whole, once, and transformers' values
+            carried = [out.prompt_logprobs for out in res if out.prompt_logprobs is not None]
+            assert len(carried) == (1 if params.output_kind == "delta" else len(res)), f"request {i}"
+            ids = prompt["prompt_token_ids"]
+            assert_prompt_logprobs(carried[0], ids, hf_logprobs(hf, ids), params.prompt_logprobs)
         if is_plain_greedy(params):
             want, gaps = hf_greedy(hf, prompt["prompt_token_ids"], params.max_tokens)
             assert_greedy_matches(completions[0], want, gaps, f"request {i}")

@@ -80,6 +80,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # launch the next decode step before this one's tokens reach the host (engine/async_scheduling.py)
     async_scheduling: bool = False
+    # the largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary size), as in vLLM:
+    # one request's top-N is computed for every row of its step, so an unbounded N slows every request
+    max_logprobs: int = 20
     attention_backend: str | None = None  # None: auto (models/backend_select.py): cpu, torch, flash_attn, torch_varlen, triton
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
 
@@ -104,6 +107,8 @@ class EngineArgs:
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

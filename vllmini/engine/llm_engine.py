@@ -20,6 +20,7 @@ import torch
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
+from vllmini.engine import prompt_logprobs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
@@ -182,6 +183,10 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        max_logprobs = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (asked := getattr(params, name)) is not None and asked > max_logprobs:
+                raise ValueError(f"{name}={asked} exceeds max_logprobs={max_logprobs} (an EngineArgs field)")
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -210,6 +215,7 @@ class LLMEngine:
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
+        prompt_logprobs.start(state)
         return state
 
     def enqueue(self, state: RequestState) -> None:
@@ -268,7 +274,11 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         """The step's forward and sampler, launched; None when no sequence samples a token."""
         try:
-            logits, sample_idx = self.runner.execute(sched, self.block_manager)
+            logits, flat = self.runner.execute(sched, self.block_manager)
+            sample_idx = flat.sample_indices
+            if flat.prompt_rows:
+                prompt_logprobs.record(sched, flat.prompt_rows, logits[len(sample_idx) :], self.requests)
+                logits = logits[: len(sample_idx)]
         except Exception as exc:  # the step's requests fail; the engine stays up for the others
             failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
             self.abort_request(failed)

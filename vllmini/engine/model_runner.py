@@ -5,7 +5,7 @@ the scheduler's output (token ids, computed counts, block tables).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,8 +34,11 @@ class FlatBatch:
     query_lens: list[int]
     seq_lens: list[int]
     block_tables: list[list[int]]
-    logits_rows: list[int]
+    logits_rows: list[int]  # the sampled rows first, then the prompt-logprob rows
     sample_indices: list[int]
+    # prompt_logprobs: (index into scheduled, first position, count); their logits rows follow
+    # the sampled ones, in this order
+    prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -43,8 +46,8 @@ class FlatBatch:
 
     @property
     def is_decode_only(self) -> bool:
-        """Every row is one new token whose logits are wanted (what a decode graph computes)."""
-        return len(self.logits_rows) == len(self.query_lens) == len(self.ids)
+        """Every row is one new token whose logits are sampled (what a decode graph computes)."""
+        return not self.prompt_rows and len(self.logits_rows) == len(self.query_lens) == len(self.ids)
 
     def to_model_input(self, device: torch.device) -> ModelInput:
         meta = AttentionMetadata.paged(
@@ -59,10 +62,17 @@ class FlatBatch:
 def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> FlatBatch:
     """Lay the scheduled chunks end to end: token ids, positions, KV slots, block tables."""
     flat = FlatBatch([], [], [], [], [], [], [], [])
+    prompt_logits_rows: list[int] = []
     for i, s in enumerate(sched.scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = block_manager.block_table(seq.seq_id)
+        if seq.prompt_logits_from is not None:  # position p's logits give prompt token p + 1's logprob
+            first, last = max(start, seq.prompt_logits_from), min(end, seq.num_prompt_tokens - 1)
+            if first < last:
+                flat.prompt_rows.append((i, first, last - first))
+                row0 = len(flat.ids) - start
+                prompt_logits_rows.extend(range(row0 + first, row0 + last))
         flat.ids.extend(seq.token_ids[start:end])
         flat.positions.extend(range(start, end))
         flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -72,6 +82,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         if s.completes:
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
+    flat.logits_rows.extend(prompt_logits_rows)
     return flat
 
 
@@ -112,11 +123,12 @@ class ModelRunner:
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, list[int]]:
-        """Run the step's forward; returns logits for the sequences that completed their
-        scheduled chunk (row order = the returned indices into ``sched.scheduled``)."""
+    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, FlatBatch]:
+        """Run the step's forward; returns the logits of ``flat.logits_rows``: first one row per
+        sequence that completed its scheduled chunk (``flat.sample_indices`` into
+        ``sched.scheduled``), then the prompt-logprob rows (``flat.prompt_rows``)."""
         flat = flatten_step(sched, block_manager, self.block_size)
-        return self.run_flat(flat), flat.sample_indices
+        return self.run_flat(flat), flat
 
     @torch.inference_mode()
     def run_flat(self, flat: FlatBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:

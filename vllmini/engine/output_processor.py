@@ -16,6 +16,15 @@ from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 
+def logprob_entry(token: int, value: float, top_values: list[float], top_ids: list[int]) -> dict[int, float]:
+    """vLLM's shape of one position's logprobs: the actual token first, then the top-N
+    (the actual token appears once, so the dict has N or N + 1 entries)."""
+    entry = {token: value}
+    for v, t in zip(top_values, top_ids):
+        entry.setdefault(int(t), float(v))
+    return entry
+
+
 @dataclass
 class RequestState:
     """A request and its n sequences (one per completion)."""
@@ -31,6 +40,9 @@ class RequestState:
     sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
+    # prompt_logprobs: [None, entry for prompt token 1, ...], filled as the prompt is prefilled
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False  # delta outputs carry them once
 
     @property
     def finished(self) -> bool:
@@ -59,12 +71,12 @@ class OutputProcessor:
         state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
         if state.params.logprobs is None:
             return
-        entry = {token: float(out.logprobs[row])}
+        top_values: list[float] = []
+        top_ids: list[int] = []
         if out.top_logprobs is not None:
             values, ids = out.top_logprobs
-            for v, t in zip(values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()):
-                entry.setdefault(int(t), float(v))
-        state.logprobs[seq.index].append(entry)
+            top_values, top_ids = values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()
+        state.logprobs[seq.index].append(logprob_entry(token, float(out.logprobs[row]), top_values, top_ids))
 
     def check_stop(self, state: RequestState, seq: Sequence) -> None:
         params, token = state.params, seq.token_ids[-1]
@@ -140,8 +152,21 @@ class OutputProcessor:
                 )
             )
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, self._metrics(state)
+            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, self._metrics(state),
+            prompt_logprobs=self._prompt_logprobs(state),
         )
+
+    @staticmethod
+    def _prompt_logprobs(state: RequestState) -> list[dict[int, float] | None] | None:
+        """Once the whole prompt is scored: in every output, or only the first for "delta"."""
+        recorded = state.prompt_logprobs
+        if recorded is None or len(recorded) < len(state.prompt_token_ids):
+            return None
+        if state.params.output_kind == "delta":
+            if state.prompt_logprobs_sent:
+                return None
+            state.prompt_logprobs_sent = True
+        return recorded
 
     @staticmethod
     def _metrics(state: RequestState) -> RequestMetrics:

@@ -38,3 +38,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -48,7 +48,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 and ``min_p`` 0.0 disable
     theirs. ``max_tokens=None`` generates until the model's context is full.
     ``stop`` may be a string or a list of strings; it is stored as a list.
-    ``logprobs=N`` returns the chosen token's logprob plus the top-N per step.
+    ``logprobs=N`` returns the chosen token's logprob plus the top-N per step;
+    ``prompt_logprobs=N`` the same for every prompt token after the first
+    (``RequestOutput.prompt_logprobs``). Both are capped by ``EngineArgs.max_logprobs``.
     """
 
     n: int = 1
@@ -63,6 +65,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -118,8 +121,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise _bad(name, "a bool", getattr(self, name))
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings need detokenize=True (the text is matched), got stop={self.stop!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise _bad("logprobs", "an int >= 0 or None", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise _bad(name, "an int >= 0 or None", value)
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))

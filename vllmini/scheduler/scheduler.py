@@ -111,6 +111,10 @@ class Scheduler:
         while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids)
+            if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:
+                # a cache hit computes no logits: keep the hit below the positions still wanted
+                keep = seq.prompt_logits_from // self.block_manager.block_size
+                cached_blocks, num_cached = cached_blocks[:keep], keep * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks):
                 break

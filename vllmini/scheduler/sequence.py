@@ -39,6 +39,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     num_preemptions: int = 0
+    # prompt_logprobs: the first prompt position whose logits are still wanted (None: none are).
+    # Positions before it are recorded; the scheduler takes no prefix-cache hit past it.
+    prompt_logits_from: int | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
