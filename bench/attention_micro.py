@@ -75,7 +75,8 @@ def timer(device: torch.device, iters: int):
     return wall
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, save=lambda record: None) -> dict:
+    """The cases, one after the other; ``save(record)`` after each, so a run cut short keeps them."""
     from vllmini.models.attention import torch_attention
     from vllmini.models.triton_attention import _plan, kernel_constants, run_launch
 
@@ -141,6 +142,7 @@ def run(args: argparse.Namespace) -> dict:
         row["all_configs_correct"] = all(x["ok"] for x in configs if "error" not in x)
         row["triton_default"]["ok"] = row["triton_default"]["max_err"] <= tol
         record["cases"].append(row)
+        save(record)
         best = row["best"] or {}
         print(f"batch {batch:>4} context {context:>5} ({row['kv_mib']} MiB K/V): "
               f"torch {row['torch']['ms']:.3f} ms ({row['torch']['gb_s']} GB/s), "
@@ -164,8 +166,6 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.tiny:
             ap.error("on CPU the kernel runs in Triton's interpreter: use --tiny")
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is first imported
-    record = run(args)
-    record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     if args.out:
         path = Path(args.out)
     elif os.environ.get("OUT"):
@@ -173,7 +173,13 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         path = Path(__file__).resolve().parent / "results" / f"attention-micro-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2))
+
+    def save(record: dict) -> None:
+        record["time"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        path.write_text(json.dumps(record, indent=2))
+
+    record = run(args, save)
+    save(record)
     print(f"wrote {path}")
     return record
 

@@ -7,8 +7,9 @@
 #   (iii) peak GPU memory and KV blocks;
 #   (iv)  only with MICRO=1 (about a minute more): decode attention alone, the Triton kernel vs
 #         the torch backend, and a sweep of its tile settings (bench/attention_micro.py).
-# Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json, gpu_tests.log/.xml,
-# attention_micro.json (MICRO=1).
+# Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json/.log, gpu_tests.log/.xml,
+# attention_micro.json (MICRO=1). Each part writes what it measured as it goes, so a part cut short by
+# its time limit (150 + 240 + 100 s) still reports.
 # Wheels the machine lacks (msgspec) come from a local folder only: fill it here with
 # bench/fetch_gpu_wheels.sh, carry it (default .gpu-wheels, or $WHEELS).
 #   bash bench/gpu_check.sh                 # from the repo root
@@ -44,21 +45,21 @@ print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {t
 PYEOF
 
 start=$(date +%s)
-timeout 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
+timeout -k 5 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
     --junitxml "$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"
 
 start=$(date +%s)
-timeout 240 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@"
-bench_rc=$?
+timeout -k 5 240 "$PY" -m bench.gpu_offline --out "$RESULTS/gpu_offline.json" "$@" 2>&1 | tee "$RESULTS/gpu_offline.log"
+bench_rc=${PIPESTATUS[0]}
 echo "benchmark: rc=$bench_rc in $(( $(date +%s) - start ))s"
 
 micro_rc=""
 if [ "${MICRO:-0}" = 1 ]; then
     start=$(date +%s)
     tiny=""; for a in "$@"; do [ "$a" = --tiny ] && tiny="--tiny"; done
-    timeout 120 "$PY" -m bench.attention_micro $tiny --out "$RESULTS/attention_micro.json"
+    timeout -k 5 100 "$PY" -m bench.attention_micro $tiny --out "$RESULTS/attention_micro.json"
     micro_rc=$?
     echo "attention micro-benchmark: rc=$micro_rc in $(( $(date +%s) - start ))s"
 fi

@@ -20,6 +20,7 @@ from vllmini.models.weight_loader import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 CUDA = torch.device("cuda")
 BLOCK = 256
+KV_BYTES = 1 << 30  # a fixed KV cache per engine test: one test's leftovers cannot starve the next
 ARCHS = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config}
 
 
@@ -158,18 +159,16 @@ def test_engine_graphs_match_eager_tokens(model_dir):
     runs = {}
     for eager in (True, False):
         llm = LLM(model=str(model_dir), enforce_eager=eager, max_model_len=1024, max_num_seqs=8,
-                  gpu_memory_utilization=0.2)  # fmt: skip
+                  dtype="float32", kv_cache_memory=KV_BYTES)  # fmt: skip
         assert (llm.llm_engine.runner.decode_graphs is None) == eager
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs[eager] = [o.outputs[0].token_ids for o in outs]
         del llm
         torch.cuda.empty_cache()
-    # bf16 kernels may round a near tie differently (e.g. another split-KV count under the static
-    # max_seqlen_k), after which a greedy continuation diverges: first tokens must agree, and most
-    assert [x[0] for x in runs[True]] == [x[0] for x in runs[False]]
-    same = sum(a == b for x, y in zip(runs[True], runs[False]) for a, b in zip(x, y))
-    total = sum(map(len, runs[True]))
-    assert same / total >= 0.8, f"graphs vs eager: only {same}/{total} greedy tokens equal"
+    # float32: replay and eager split the keys differently (16 splits under the static max_seqlen_k,
+    # fewer eagerly), which moves logits by ~1e-6; these models' smallest fp32 top-2 gap is ~4e-3,
+    # while in bf16 (one step ~0.03 here) a tenth of the steps are near ties and greedy may fork
+    assert runs[True] == runs[False]
 
 
 def test_async_scheduling_matches_sync_tokens(model_dir):
@@ -190,7 +189,7 @@ def test_async_scheduling_matches_sync_tokens(model_dir):
     runs, continuations = {}, []
     for flag in (False, True):
         llm = LLM(model=str(model_dir), async_scheduling=flag, max_model_len=1024, max_num_seqs=8,
-                  gpu_memory_utilization=0.2)  # fmt: skip
+                  dtype="float32", kv_cache_memory=KV_BYTES)  # fmt: skip
         eng = llm.llm_engine
         real = eng._launch_continuation
         eng._launch_continuation = lambda prev, real=real: (lambda nxt: continuations.append(nxt) or nxt)(real(prev))
@@ -201,7 +200,9 @@ def test_async_scheduling_matches_sync_tokens(model_dir):
             stop = torch.bincount(produced).topk(3).indices.tolist()
         stopped = [o.outputs[0].token_ids for o in llm.generate(prompts, params(stop), use_tqdm=False)]
         runs[flag] = (plain, stopped)
-        del llm, eng
+        # the patched attribute closes a cycle through the engine, which from_engine_args moved out
+        # of the collector's reach (gc.freeze): break it, or this engine's KV cache outlives the test
+        del eng._launch_continuation, real, llm, eng
         torch.cuda.empty_cache()
     assert any(c is not None for c in continuations)
     assert runs[True][0] == runs[False][0]

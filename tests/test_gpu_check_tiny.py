@@ -56,3 +56,16 @@ def test_a_failing_hf_run_is_recorded_and_the_next_still_runs(tmp_path, monkeypa
     assert (failed["batch_size"], failed["error"]) == (4, "RuntimeError: CUDA out of memory (simulated)")
     assert "ratio" not in failed and ok["batch_size"] == 2 and record["ratio"] == ok["ratio"] > 0
     assert json.loads(out.read_text()) == record
+
+
+def test_a_failing_engine_is_recorded_and_hf_still_runs(tmp_path):
+    """On the GPU machine a failure of the vllmini phase (e.g. at engine start) must still leave a
+    record with its traceback and the HF baseline's numbers (the run is too scarce to lose)."""
+    out = tmp_path / "r.json"
+    record = main(["--tiny", "--device", "cpu", "--num-requests", "4", "--hf-runs", "2x2",
+                   "--attention-backend", "triton", "--out", str(out)])  # fmt: skip  (triton needs CUDA)
+    assert "attention_backend='triton' cannot be used" in record["vllmini_error"]
+    assert "vllmini" not in record and "ratio" not in record
+    (hf,) = record["hf_static"]
+    assert hf["output_tok_s"] > 0 and "ratio" not in hf
+    assert json.loads(out.read_text()) == record
