@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, Qwen3Config
+from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from vllmini.models.base import AttentionMetadata
 
@@ -130,6 +130,39 @@ def tiny_qwen3_config(**overrides) -> Qwen3Config:
     )  # fmt: skip
     kw.update(overrides)
     return Qwen3Config(**kw)
+
+
+def tiny_qwen2_config(**overrides) -> Qwen2Config:
+    """Bias on q/k/v (not o_proj), tied embeddings, a sliding window configured but off."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3,
+        use_sliding_window=False, sliding_window=32, architectures=["Qwen2ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Qwen2Config(**kw)
+
+
+def tiny_mistral_config(**overrides) -> MistralConfig:
+    """Mistral-Nemo-like: head_dim set apart from hidden/heads; no sliding window unless given."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3, sliding_window=None,
+        architectures=["MistralForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return MistralConfig(**kw)
+
+
+def randomize_biases(hf_model, std: float = 0.5):
+    """transformers initialises biases to zero, which would let a bias that is never loaded pass."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+    return hf_model
 
 
 def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:

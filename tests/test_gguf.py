@@ -32,11 +32,11 @@ _GGUF_NAMES = {
 
 
 def _gguf_name(hf: str) -> str:
-    stem = hf.removesuffix(".weight")
+    stem, _, leaf = hf.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, sub = stem.split(".", 3)
-        return f"blk.{layer}.{_GGUF_NAMES[sub]}.weight"
-    return f"{_GGUF_NAMES[stem]}.weight"
+        return f"blk.{layer}.{_GGUF_NAMES[sub]}.{leaf}"
+    return f"{_GGUF_NAMES[stem]}.{leaf}"
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -91,6 +91,9 @@ def write_tiny_gguf(
         }
         if arch == "qwen3":
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+        if arch == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv_heads * hd,),
+                       p + "self_attn.v_proj.bias": (kv_heads * hd,)}  # fmt: skip
 
     w = GGUFWriter(str(path), arch)
     w.add_block_count(layers)
@@ -172,7 +175,7 @@ def test_tensor_names_and_unpermute() -> None:
         unpermute_rotary(np.zeros((10, 4), np.float32), 3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_converts(tmp_path: Path, arch: str) -> None:
     from transformers import AutoTokenizer
 
@@ -235,6 +238,16 @@ def test_converted_tiny_gguf_loads_into_model(tmp_path: Path) -> None:
     assert config.tie_word_embeddings
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(expected["model.embed_tokens.weight"]))
+
+
+def test_converted_qwen2_gguf_loads_its_qkv_biases(tmp_path: Path) -> None:
+    gguf_path = tmp_path / "tiny-qwen2.gguf"
+    expected = write_tiny_gguf(gguf_path, "qwen2", tied=False)
+    model, config = load_model(resolve_model_dir(str(gguf_path), tmp_path / "cache"), torch.float32, torch.device("cpu"))
+    assert config.architectures == ["Qwen2ForCausalLM"] and type(model).__name__ == "Qwen2ForCausalLM"
+    attn = model.model.layers[1].self_attn
+    want = np.concatenate([expected[f"model.layers.1.self_attn.{x}_proj.bias"] for x in "qkv"])
+    assert torch.equal(attn.qkv_proj.bias, torch.from_numpy(want)) and attn.o_proj.bias is None
 
 
 def test_unsupported_architecture_refused(tmp_path: Path) -> None:

@@ -5,10 +5,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 from transformers import LlamaForCausalLM as HFLlama
+from transformers import MistralForCausalLM as HFMistral
+from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
 
-from helpers import assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, tiny_llama_config, tiny_qwen3_config
+from helpers import (assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, randomize_biases,
+                     tiny_llama_config, tiny_mistral_config, tiny_qwen2_config, tiny_qwen3_config)  # fmt: skip
 from vllmini.models.llama import LlamaForCausalLM
+from vllmini.models.qwen2 import Qwen2ForCausalLM
 from vllmini.models.qwen3 import Qwen3ForCausalLM
 from vllmini.models.weight_loader import load_model
 
@@ -18,6 +22,8 @@ LENGTHS = [1, 5, 17, 40, 77]
 CASES = {
     "llama3-rope-gqa-untied": (tiny_llama_config, HFLlama, LlamaForCausalLM),
     "qwen3-headdim-tied": (tiny_qwen3_config, HFQwen3, Qwen3ForCausalLM),
+    "qwen2-qkvbias-tied": (tiny_qwen2_config, HFQwen2, Qwen2ForCausalLM),
+    "mistral-headdim": (tiny_mistral_config, HFMistral, LlamaForCausalLM),
 }
 
 
@@ -26,7 +32,7 @@ def tiny_pair(request):
     make_config, hf_cls, our_cls = CASES[request.param]
     torch.manual_seed(0)
     config = make_config()
-    hf = hf_cls(config).eval()
+    hf = randomize_biases(hf_cls(config)).eval()
     ours = our_cls(config)
     loaded = ours.load_weights(hf.state_dict().items())
     assert loaded == {n for n, _ in ours.named_parameters()}
@@ -42,13 +48,18 @@ def test_tiny_configs_exercise_the_features(tiny_pair):
     name, hf, ours = tiny_pair
     attn = ours.model.layers[0].self_attn
     assert attn.num_kv_heads < attn.num_heads  # GQA
+    tied = ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    assert tied == name.endswith("-tied")
     if name.startswith("llama"):
         assert ours.model.rotary_emb.params["rope_type"] == "llama3"
-        assert ours.lm_head.weight.data_ptr() != ours.model.embed_tokens.weight.data_ptr()
-    else:
+    if name.startswith(("qwen3", "mistral")):
         assert attn.head_dim != hf.config.hidden_size // hf.config.num_attention_heads
-        assert attn.q_norm is not None
-        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    assert (attn.q_norm is not None) == name.startswith("qwen3")
+    # Qwen2: bias on q/k/v, none on o_proj
+    assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == (name.startswith("qwen2"), False)
+    if attn.qkv_proj.bias is not None:
+        assert attn.qkv_proj.bias.abs().min() > 0  # loaded from the (randomised) checkpoint
+    assert ours.sliding_window is None
 
 
 def test_tiny_logits_match_in_one_flat_batch(tiny_pair):

@@ -69,8 +69,13 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
 
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        limit = f"the model's max_position_embeddings={model_max}"
+        window = getattr(self.model, "sliding_window", None)
+        if window is not None and window < model_max:  # no sliding-window attention: exact up to the window
+            model_max, limit = window, f"the model's sliding_window={window} (sliding-window attention is not implemented)"
+            logger.info("max_model_len capped at the model's sliding window (%d tokens)", window)
         if args.max_model_len is not None and args.max_model_len > model_max:
-            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds {limit}")
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()

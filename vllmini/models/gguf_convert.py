@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 CONVERTER_VERSION = 2  # 2: special tokens pinned to the GGUF metadata
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py).
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}  # fmt: skip
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {

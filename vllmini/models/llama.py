@@ -1,10 +1,11 @@
-"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2), also the body of Qwen3.
+"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2, Mistral), also the body of Qwen2 and Qwen3.
 
 q/k/v and gate/up are fused into one matmul each at load time; ``load_weights``
 maps HF checkpoint names onto the fused parameters.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -20,20 +21,29 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What a Llama-family architecture changes in the shared decoder."""
+
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qkv_bias: bool | None = None  # bias on q/k/v only (Qwen2); None: config.attention_bias, as for o_proj
+
+
 class DecoderAttention(nn.Module):
     """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the attention core."""
 
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(
@@ -54,10 +64,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, qk_norm)
+        self.self_attn = DecoderAttention(config, variant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(
             config.hidden_size,
@@ -74,14 +84,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, qk_norm: bool) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant) -> None:
         super().__init__()
         # uninitialised (_weight): the checkpoint fills it, and a random init on the meta device
         # (weight_loader) imports torch._dynamo, and with it triton, for nothing
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, qk_norm) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))
@@ -90,13 +100,12 @@ class DecoderModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Flat varlen batch in, logits of each sequence's last scheduled token out."""
 
-    qk_norm = False
+    variant = DecoderVariant()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.check_config(config)
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm)
+        self.model = DecoderModel(config, self.variant)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -105,11 +114,18 @@ class LlamaForCausalLM(nn.Module):
     def tied(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
-    @classmethod
-    def check_config(cls, config: Any) -> None:
-        """Refuse settings this implementation would silently get wrong."""
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise ValueError("sliding-window attention is not supported (config.use_sliding_window is set)")
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window when the config turns one on (Mistral v0.1; Qwen2/3 with
+        use_sliding_window). Sliding-window attention is not implemented: within the window it
+        equals full attention, so the engine caps max_model_len at it instead."""
+        window = getattr(self.config, "sliding_window", None)
+        if not window or getattr(self.config, "use_sliding_window", None) is False:
+            return None
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types is not None and "sliding_attention" not in layer_types:
+            return None
+        return int(window)
 
     @property
     def num_kv_heads(self) -> int:

@@ -5,8 +5,8 @@ shared decoder already reads it.
 """
 from __future__ import annotations
 
-from vllmini.models.llama import LlamaForCausalLM
+from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    variant = DecoderVariant(qk_norm=True)

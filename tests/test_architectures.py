@@ -1,0 +1,66 @@
+"""Qwen2 and Mistral checkpoints through the whole engine (config.json -> registry -> weights ->
+paged forward), greedy equal to transformers'; and sliding windows: vllmini has no
+sliding-window attention, so it caps max_model_len at the window, where full attention is
+exactly what the model computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_mistral_config,
+                     tiny_qwen2_config)  # fmt: skip
+from test_engine import assert_no_leaks
+from vllmini import LLM, SamplingParams
+
+MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config}
+
+
+def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
+    torch.manual_seed(0)
+    config = MAKERS[arch](vocab_size=49152, initializer_range=0.05, **overrides)
+    hf = randomize_biases(AutoModelForCausalLM.from_config(config), std=0.1).eval()
+    return str(save_tiny_model(hf, tmp_path_factory.mktemp(arch), default_model_dir)), hf
+
+
+@pytest.mark.parametrize("arch", sorted(MAKERS))
+def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir, arch):
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch)
+    llm = LLM(model=model_dir, max_num_batched_tokens=32)  # chunked prefill too
+    assert type(llm.llm_engine.model).__name__ == ("Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (1, 9, 50)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False)  # fmt: skip
+    for p, out in zip(prompts, outs):
+        want, gaps = hf_greedy(hf, p, 12)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch}, prompt of {len(p)}")
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "window"),
+    [
+        ("mistral", {"sliding_window": 48}, 48),  # Mistral 7B v0.1 style: the window is on when set
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}, 48),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 28}, None),  # no layer slides
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 48}, None),
+    ],
+)
+def test_sliding_window_caps_max_model_len(tmp_path_factory, default_model_dir, arch, overrides, window):
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, **overrides)
+    llm = LLM(model=model_dir)
+    assert llm.llm_engine.model.sliding_window == window
+    assert llm.llm_engine.max_model_len == (window or 1024)
+    if window is None:
+        return
+    with pytest.raises(ValueError, match=f"max_model_len=64 exceeds the model's sliding_window={window}"):
+        LLM(model=model_dir, max_model_len=64)
+    # a sequence that fills the window: transformers (with its sliding-window mask) agrees
+    prompt = torch.randint(100, 4000, (window - 10,), generator=torch.Generator().manual_seed(6)).tolist()
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    want, gaps = hf_greedy(hf, prompt, 10)
+    assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} within its window")
+    with pytest.raises(ValueError, match="exceeds max_model_len=48"):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=11), use_tqdm=False)
