@@ -1,9 +1,10 @@
 """Everything at once on the async engine: concurrent streams with mixed sampling parameters
 (greedy, seeded, n > 1, stop strings and ids, penalties, min_tokens, logprobs, prompt logprobs,
-delta outputs), shared prompt prefixes, a KV cache tight enough to preempt, prefill chunks of
-32 tokens, and consumers that leave early (break, task cancel, abort). Each feature has its own tests; this
-one checks that together they keep the invariants: every stream ends the way its consumer
-chose, finished outputs are well-formed, greedy rows equal transformers' tokens, nothing leaks."""
+logit bias, allowed tokens, bad words, delta outputs), shared prompt prefixes, a KV cache tight
+enough to preempt, prefill chunks of 32 tokens, and consumers that leave early (break, task
+cancel, abort). Each feature has its own tests; this one checks that together they keep the
+invariants: every stream ends the way its consumer chose, finished outputs are well-formed,
+greedy rows equal transformers' tokens, nothing leaks."""
 from __future__ import annotations
 
 import asyncio
@@ -54,13 +55,20 @@ def random_request(rng: random.Random, shared: list[int]) -> tuple[dict, Samplin
         kw["output_kind"] = "delta"
     if rng.random() < 0.15:
         kw["prompt_logprobs"] = rng.randint(0, 2)
+    if rng.random() < 0.1:
+        kw["allowed_token_ids"] = rng.sample(range(100, 4000), 40)
+    if rng.random() < 0.1:
+        kw["logit_bias"] = {rng.randint(100, 4000): rng.choice([-100.0, 5.0, 100.0])}
+    if rng.random() < 0.1:
+        kw["bad_words"] = ["e", "the cat"]
     return {"prompt_token_ids": tokens}, SamplingParams(**kw)
 
 
 def is_plain_greedy(p: SamplingParams) -> bool:
     """Rows transformers' greedy generate reproduces: no stops, penalties or min_tokens."""
     return (p.temperature == 0 and not p.stop and not p.stop_token_ids and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0 and p.frequency_penalty == 0)  # fmt: skip
+            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.logit_bias is None
+            and p.allowed_token_ids is None and p.bad_words is None)  # fmt: skip
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -122,6 +130,8 @@ async def test_everything_at_once(tiny, async_scheduling):
             assert (c.finish_reason == "length") == (len(toks) == params.max_tokens and c.stop_reason is None)
             if params.logprobs is not None and params.output_kind != "delta":
                 assert len(c.logprobs) == len(toks)
+        if params.allowed_token_ids is not None:
+            assert all(set(toks) <= set(params.allowed_token_ids) for toks in completions), f"request {i}"
         if params.prompt_logprobs is not None:  # whole, once, and transformers' values
             carried = [out.prompt_logprobs for out in res if out.prompt_logprobs is not None]
             assert len(carried) == (1 if params.output_kind == "delta" else len(res)), f"request {i}"

@@ -16,7 +16,7 @@ on the token it is continuing from (EOS, a stop id or string) had one extra toke
 computed, which is discarded; its blocks were freed when it stopped, and any later step
 that reuses them runs after the continuation on the same stream. Sequences that will stop
 by length are left out. Anything that needs the host to see the tokens first (penalties,
-which count them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
+which count them, and bad words, which match them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
 no free block for a new slot) makes the step synchronous instead. A sequence stopping on a
 token while others wait delays their admission by one step.
 """
@@ -90,8 +90,8 @@ def plan_continuation(
     keep = []
     for row, seq in enumerate(prev.seqs):
         p = seq.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            return None  # penalties count the tokens on the host
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_words:
+            return None  # penalties count the tokens on the host; bad words match them
         # the token in flight is output number num_output_tokens + 1, at position num_tokens
         if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= max_model_len:
             continue  # stops by length on that token

@@ -188,10 +188,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        max_logprobs = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            if (asked := getattr(params, name)) is not None and asked > max_logprobs:
-                raise ValueError(f"{name}={asked} exceeds max_logprobs={max_logprobs} (an EngineArgs field)")
+        self._check_against_model(params)
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, ids = self.tokenize(prompt)
         if len(ids) >= self.max_model_len:
@@ -220,8 +217,28 @@ class LLMEngine:
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
+        state.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         prompt_logprobs.start(state)
         return state
+
+    def _check_against_model(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary."""
+        max_logprobs = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            if (asked := getattr(params, name)) is not None and asked > max_logprobs:
+                raise ValueError(f"{name}={asked} exceeds max_logprobs={max_logprobs} (an EngineArgs field)")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """Each bad word as tokens, alone and after a space (how it reads mid-sentence), like vLLM."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                if ids := tuple(self.tokenizer.encode(text, add_special_tokens=False)):
+                    seqs[ids] = None
+        return list(seqs)
 
     def enqueue(self, state: RequestState) -> None:
         if state.request_id in self.requests:
@@ -306,7 +323,8 @@ class LLMEngine:
         has one more token than it holds (async scheduling); it counts for min_tokens and seeds,
         and its value is never read (penalties, which would, keep a step synchronous)."""
         extra = [-1] if in_flight else []
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + extra, self.eos_token_ids, s.index)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + extra, self.eos_token_ids, s.index,
+                            self.requests[s.request_id].bad_words_token_ids)
                 for s in seqs]  # fmt: skip
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         # async on a GPU: no host sync inside the sampler, so the next step can be launched first

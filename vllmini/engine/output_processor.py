@@ -43,6 +43,7 @@ class RequestState:
     # prompt_logprobs: [None, entry for prompt token 1, ...], filled as the prompt is prefilled
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
+    bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # params.bad_words, tokenized
 
     @property
     def finished(self) -> bool:

@@ -157,8 +157,8 @@ class Sampler:
     penalties, temperature and filtering; filtered tokens are -inf); for greedy
     rows that is ``log_softmax`` of the penalized logits at temperature 1.
 
-    Rows whose every token is masked after penalties / min_tokens fall back to
-    the raw logits (the min_tokens constraint then cannot hold)."""
+    Rows whose every token is masked (allowed_token_ids, bans, min_tokens) fall back
+    to the raw logits (those constraints then cannot all hold)."""
 
     def __init__(self, logprobs_mode: Literal["raw", "processed"] = "raw") -> None:
         if logprobs_mode not in ("raw", "processed"):
@@ -179,11 +179,15 @@ class Sampler:
         if sync_free or bool(invalid.any()):
             raw = raw.masked_fill(invalid[:, None], 0.0)
         x, owned = raw, False  # owned: x may be written in place
+        # vLLM's order: allowed_token_ids, then bans and logit_bias, then penalties
+        if t.disallowed is not None:
+            x, owned = x.masked_fill(t.disallowed, _NEG_INF), True
+        if t.edit_rows is not None:
+            x, owned = (x if owned else x.clone()), True
+            x.index_put_((t.edit_rows, t.edit_ids), t.edit_values, accumulate=True)
+            x.clamp_(max=_FMAX)  # a large bias must not make +inf (then NaN)
         if t.do_penalties:
             x, owned = apply_penalties(x, t), True
-        if t.min_tokens_rows is not None:
-            x, owned = (x if owned else x.clone()), True
-            x.index_put_((t.min_tokens_rows, t.min_tokens_ids), torch.tensor(_NEG_INF, device=x.device))
         if owned:
             dead = x.amax(-1) == _NEG_INF
             if sync_free or bool(dead.any()):

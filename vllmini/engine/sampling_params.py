@@ -48,6 +48,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 and ``min_p`` 0.0 disable
     theirs. ``max_tokens=None`` generates until the model's context is full.
     ``stop`` may be a string or a list of strings; it is stored as a list.
+    ``logit_bias`` adds {token id: bias} to the logits, ``allowed_token_ids`` keeps only those
+    tokens, ``bad_words`` bans each word's last token where the output already ends with the rest
+    of it (a one-token word is always banned), each word taken with and without a leading space.
     ``logprobs=N`` returns the chosen token's logprob plus the top-N per step;
     ``prompt_logprobs=N`` the same for every prompt token after the first
     (``RequestOutput.prompt_logprobs``). Both are capped by ``EngineArgs.max_logprobs``.
@@ -71,6 +74,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     detokenize: bool = True  # False: token ids only, text stays "" (saves the per-step decode)
     output_kind: OutputKind = "cumulative"
 
@@ -125,11 +131,33 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise _bad(name, "an int >= 0 or None", value)
+        self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
         if self.output_kind not in _OUTPUT_KINDS:
             raise _bad("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
+
+    def _validate_logit_controls(self) -> None:
+        """logit_bias / allowed_token_ids / bad_words; token ids are checked against the
+        vocabulary by the engine, which knows it."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad("logit_bias", "a dict {token id: bias} or None", self.logit_bias)
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0 or not _is_real(bias) or not math.isfinite(bias):
+                    raise _bad("logit_bias", "a dict of int token ids >= 0 to finite numbers", {token: bias})
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _bad("allowed_token_ids", "a non-empty list of ints >= 0 or None", ids)
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            words = self.bad_words
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise _bad("bad_words", "a list of strings that are not blank, or None", words)
+            self.bad_words = list(words)
 
     def _real(self, name: str, accepted: str, ok) -> float:
         """A finite real number for which ``ok`` holds, returned as float."""

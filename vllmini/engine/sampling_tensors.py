@@ -46,6 +46,28 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_id: int | Sequence[int] | None = None
     seed_offset: int = 0  # index of the sequence within its request when n > 1
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words, tokenized by the engine
+
+
+def logit_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float]]:
+    """(token, value) pairs added to one row's logits: -inf for the tokens min_tokens and
+    bad_words ban at this step, then params.logit_bias. Bans depend on the output so far."""
+    p, out = row.params, row.output_token_ids
+    if len(out) >= p.min_tokens and not row.bad_words_token_ids and not p.logit_bias:
+        return []  # the common row: nothing to edit
+    banned: set[int] = set()
+    if len(out) < p.min_tokens:
+        banned.update(p.stop_token_ids)
+        if not p.ignore_eos and row.eos_token_id is not None:
+            eos = row.eos_token_id
+            banned.update([eos] if isinstance(eos, int) else eos)
+    for word in row.bad_words_token_ids:
+        # the output ends with all of the word but its last token (nothing to match for one token)
+        head = len(word) - 1
+        if head == 0 or (len(out) >= head and list(out[len(out) - head :]) == list(word[:head])):
+            banned.add(word[-1])
+    edits = [(t, -math.inf) for t in sorted(banned) if 0 <= t < vocab_size]
+    return edits + [(t, b) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
 
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
@@ -63,6 +85,21 @@ def _padded(seqs: list[Sequence[int]], pad: int, device: torch.device | str) -> 
     width = max(1, max(len(s) for s in seqs))
     t = torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long)
     return to_device(torch.where((t < 0) | (t > pad), pad, t), device)
+
+
+def _disallowed(params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """[B, V] bool, True for the tokens a row's allowed_token_ids leave out (None: no row has them)."""
+    limited = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not limited:
+        return None
+    pairs = [(i, t) for i in limited for t in params[i].allowed_token_ids if 0 <= t < vocab_size]
+    # one copy: the limited rows, then the (row, token) pairs they keep
+    idx = to_device(torch.tensor(limited + [i for i, _ in pairs] + [t for _, t in pairs], dtype=torch.long), device)
+    rows, keep_rows, keep_ids = idx.split([len(limited), len(pairs), len(pairs)])
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
+    mask[rows] = True
+    mask[keep_rows, keep_ids] = False
+    return mask
 
 
 @dataclass
@@ -88,8 +125,11 @@ class SamplingTensors:
     frequency_penalty: Tensor  # [B] float32
     prompt_token_ids: Tensor | None  # [B, Lp] long; only when a row has repetition_penalty != 1
     output_token_ids: Tensor | None  # [B, Lo] long; only when a row has any penalty
-    min_tokens_rows: Tensor | None  # [K] long: (row, token) pairs masked to -inf ...
-    min_tokens_ids: Tensor | None  # [K] long: ... while a row is below its min_tokens
+    # logit_edits of every row: logits[rows[k], ids[k]] += values[k] (-inf bans: min_tokens, bad_words)
+    edit_rows: Tensor | None  # [K] long
+    edit_ids: Tensor | None  # [K] long
+    edit_values: Tensor | None  # [K] float32
+    disallowed: Tensor | None  # [B, V] bool: True where a row's allowed_token_ids leave a token out
     seeds: list[int | None]  # [B] per-step generator seeds (row_seed); seeded random rows only
     random_rows: list[int]  # indices of non-greedy rows
     top_p_rows: list[int]  # positions within random_rows whose top_p < 1
@@ -131,18 +171,12 @@ class SamplingTensors:
         do_repetition = any(r != 1.0 for r in rep)
         do_penalties = do_repetition or any(pres) or any(freq)
 
-        mt_rows: list[int] = []
-        mt_ids: list[int] = []
+        edit_rows: list[int] = []
+        edits: list[tuple[int, float]] = []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) >= r.params.min_tokens:
-                continue
-            ids = set(r.params.stop_token_ids)
-            if not r.params.ignore_eos and r.eos_token_id is not None:
-                eos = r.eos_token_id
-                ids.update([eos] if isinstance(eos, int) else eos)
-            ids = sorted(t for t in ids if 0 <= t < V)
-            mt_rows += [i] * len(ids)
-            mt_ids += ids
+            row_edits = logit_edits(r, V)
+            edit_rows += [i] * len(row_edits)
+            edits += row_edits
 
         seeds = [
             None if g or r.params.seed is None
@@ -158,7 +192,7 @@ class SamplingTensors:
             torch.tensor([temperature, top_p, log_min_p, rep, pres, freq], dtype=torch.float32), device
         )
         ints = to_device(torch.tensor([top_k, greedy], dtype=torch.long), device)
-        min_tokens = to_device(torch.tensor([mt_rows, mt_ids], dtype=torch.long), device) if mt_rows else None
+        edit_idx = to_device(torch.tensor([edit_rows, [t for t, _ in edits]], dtype=torch.long), device) if edits else None
         return cls(
             vocab_size=V,
             greedy=ints[1].bool(),
@@ -171,8 +205,10 @@ class SamplingTensors:
             frequency_penalty=floats[5],
             prompt_token_ids=_padded([r.prompt_token_ids for r in rows], V, device) if do_repetition else None,
             output_token_ids=_padded([r.output_token_ids for r in rows], V, device) if do_penalties else None,
-            min_tokens_rows=None if min_tokens is None else min_tokens[0],
-            min_tokens_ids=None if min_tokens is None else min_tokens[1],
+            edit_rows=None if edit_idx is None else edit_idx[0],
+            edit_ids=None if edit_idx is None else edit_idx[1],
+            edit_values=to_device(torch.tensor([v for _, v in edits], dtype=torch.float32), device) if edits else None,
+            disallowed=_disallowed(ps, V, device),
             seeds=seeds,
             random_rows=random_rows,
             top_p_rows=[j for j, i in enumerate(random_rows) if top_p[i] < 1.0],
