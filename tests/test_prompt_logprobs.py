@@ -47,6 +47,9 @@ def assert_prompt_logprobs(got, ids: list[int], ref: torch.Tensor, num_top: int)
         assert ids[pos] in entry and len(entry) in (num_top, num_top + 1), (pos, entry)
         for token, value in entry.items():
             assert abs(value - row[token].item()) < ATOL, (pos, token, value, row[token].item())
+            # vLLM's rank: how many tokens are at least as likely (near ties may count either way)
+            lo, hi = (int((row >= row[token] + d).sum()) for d in (ATOL, -ATOL))
+            assert lo <= value.rank <= hi, (pos, token, value.rank, lo, hi)
         if num_top:  # the entry's N largest are transformers' top N (compared by value: ties may swap ids)
             got_top = sorted(entry.values(), reverse=True)[:num_top]
             assert max(abs(a - b) for a, b in zip(got_top, row.topk(num_top).values.tolist())) < ATOL, pos

@@ -128,6 +128,30 @@ def test_logprobs_in_outputs(tiny_llm):
     assert gen(tiny_llm, PROMPT, max_tokens=3).outputs[0].logprobs is None
 
 
+def test_logprobs_are_vllm_logprob_objects(tiny_llm):
+    """vLLM code reads ``entry[token].logprob`` / ``.rank`` / ``.decoded_token``: each value is a
+    Logprob (also a plain float). Ranks count the tokens at least as likely, as vLLM's do."""
+    import pickle
+
+    from vllmini import Logprob
+
+    tok = tiny_llm.get_tokenizer()
+    out = gen(tiny_llm, PROMPT, temperature=1.0, seed=5, max_tokens=8, logprobs=2, ignore_eos=True).outputs[0]
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert all(isinstance(v, Logprob) and v.logprob == float(v) for v in entry.values())
+        by_rank = sorted(entry.values(), key=lambda v: v.rank)
+        assert [v.rank for v in by_rank][:2] == [1, 2] and by_rank == sorted(by_rank, reverse=True)
+        if len(entry) == 3:  # the sampled token is outside the top 2
+            assert entry[token].rank > 2
+        assert all(v.decoded_token == tok.decode([t]) for t, v in entry.items())
+    greedy = gen(tiny_llm, PROMPT, temperature=0, max_tokens=4, logprobs=0).outputs[0]
+    assert all(e[t].rank == 1 and len(e) == 1 for t, e in zip(greedy.token_ids, greedy.logprobs))
+    quiet = gen(tiny_llm, PROMPT, temperature=0, max_tokens=2, logprobs=1, detokenize=False).outputs[0]
+    assert all(v.decoded_token is None for e in quiet.logprobs for v in e.values())
+    v = out.logprobs[0][out.token_ids[0]]
+    assert pickle.loads(pickle.dumps(v)).rank == v.rank and "rank=" in repr(v)
+
+
 def test_invalid_logits_fail_only_that_request(tiny_llm, monkeypatch):
     eng = tiny_llm.llm_engine
     poisoned = {}

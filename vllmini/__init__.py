@@ -25,7 +25,7 @@ from vllmini.config import EngineArgs
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
-from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "RequestMetrics",
 ]
 __version__ = "0.1.0"

@@ -111,7 +111,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.sampler = Sampler()
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
-        self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
         self._seq_ids = itertools.count()
@@ -299,7 +299,9 @@ class LLMEngine:
             logits, flat = self.runner.execute(sched, self.block_manager)
             sample_idx = flat.sample_indices
             if flat.prompt_rows:
-                prompt_logprobs.record(sched, flat.prompt_rows, logits[len(sample_idx) :], self.requests)
+                prompt_logprobs.record(
+                    sched, flat.prompt_rows, logits[len(sample_idx) :], self.requests, self.output_processor
+                )
                 logits = logits[: len(sample_idx)]
         except Exception as exc:  # the step's requests fail; the engine stays up for the others
             failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))

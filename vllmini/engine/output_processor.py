@@ -8,21 +8,14 @@ lives here, so that ``llm_engine`` reads as schedule -> forward -> sample.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
 from vllmini.engine.detokenizer import IncrementalDetokenizer
-from vllmini.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllmini.engine.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import SamplerOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
-
-
-def logprob_entry(token: int, value: float, top_values: list[float], top_ids: list[int]) -> dict[int, float]:
-    """vLLM's shape of one position's logprobs: the actual token first, then the top-N
-    (the actual token appears once, so the dict has N or N + 1 entries)."""
-    entry = {token: value}
-    for v, t in zip(top_values, top_ids):
-        entry.setdefault(int(t), float(v))
-    return entry
 
 
 @dataclass
@@ -38,10 +31,10 @@ class RequestState:
     arrival_time: float
     pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
     sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
-    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    logprobs: list[list[LogprobsEntry]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
     # prompt_logprobs: [None, entry for prompt token 1, ...], filled as the prompt is prefilled
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
     bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # params.bad_words, tokenized
 
@@ -54,10 +47,30 @@ class OutputProcessor:
     """Applies one sampled token to a sequence and reports requests; finishing a sequence
     goes through the scheduler, which frees its blocks at once."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int, tokenizer: Any) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
+
+    def token_text(self, token: int) -> str:
+        """A token's text on its own (special tokens included), as logprobs' decoded_token."""
+        if (text := self._token_texts.get(token)) is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def logprob_entry(
+        self, state: RequestState, token: int, value: float, rank: int, top_values: list[float], top_ids: list[int]
+    ) -> LogprobsEntry:
+        """vLLM's shape of one position's logprobs: the actual token first, then the top-N
+        (the actual token appears once, so the dict has N or N + 1 entries)."""
+        text = self.token_text if state.params.detokenize else lambda t: None
+        entry = {token: Logprob(value, rank, text(token))}
+        for i, (v, t) in enumerate(zip(top_values, top_ids)):
+            if (t := int(t)) not in entry:
+                entry[t] = Logprob(float(v), i + 1, text(t))
+        return entry
 
     def append_token(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
         """The sequence's new token: logprobs first, then the stop checks."""
@@ -66,9 +79,8 @@ class OutputProcessor:
             self.record_logprobs(state, seq, row, token, out)
         self.check_stop(state, seq)
 
-    @staticmethod
-    def record_logprobs(state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
-        assert out.logprobs is not None
+    def record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
+        assert out.logprobs is not None and out.ranks is not None
         state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
         if state.params.logprobs is None:
             return
@@ -77,7 +89,8 @@ class OutputProcessor:
         if out.top_logprobs is not None:
             values, ids = out.top_logprobs
             top_values, top_ids = values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()
-        state.logprobs[seq.index].append(logprob_entry(token, float(out.logprobs[row]), top_values, top_ids))
+        entry = self.logprob_entry(state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids)
+        state.logprobs[seq.index].append(entry)
 
     def check_stop(self, state: RequestState, seq: Sequence) -> None:
         params, token = state.params, seq.token_ids[-1]
@@ -158,7 +171,7 @@ class OutputProcessor:
         )
 
     @staticmethod
-    def _prompt_logprobs(state: RequestState) -> list[dict[int, float] | None] | None:
+    def _prompt_logprobs(state: RequestState) -> list[LogprobsEntry | None] | None:
         """Once the whole prompt is scored: in every output, or only the first for "delta"."""
         recorded = state.prompt_logprobs
         if recorded is None or len(recorded) < len(state.prompt_token_ids):

@@ -4,13 +4,42 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """One token's logprob, as vLLM reports it: ``.logprob``, ``.rank`` (1-based, ties counted
+    as vLLM does: how many tokens have a logprob >= this one) and ``.decoded_token`` (None when
+    the request has detokenize=False). It is also the float itself, so ``entry[token]`` works
+    in arithmetic without ``.logprob``."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+# one position's logprobs: the actual token first, then the top-N (vLLM's shape)
+LogprobsEntry = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[LogprobsEntry] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -39,4 +68,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[LogprobsEntry | None] | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vllmini.engine.output_processor import RequestState, logprob_entry
+from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence
 
@@ -19,19 +19,23 @@ from vllmini.scheduler.sequence import Sequence
 ROWS_PER_SLICE = 512
 
 
-def score_rows(logits: torch.Tensor, targets: list[int], num_top: int) -> list[dict[int, float]]:
-    """One entry per row: ``targets[i]``'s raw logprob under ``logits[i]`` plus the top ``num_top``."""
-    entries: list[dict[int, float]] = []
+def score_rows(
+    logits: torch.Tensor, targets: list[int], num_top: int
+) -> list[tuple[float, int, list[float], list[int]]]:
+    """Per row: ``targets[i]``'s raw logprob under ``logits[i]``, its rank, and the top ``num_top``
+    (values, ids)."""
+    scored: list[tuple[float, int, list[float], list[int]]] = []
     for lo in range(0, len(targets), ROWS_PER_SLICE):
         lp = logits[lo : lo + ROWS_PER_SLICE].float().log_softmax(dim=-1)
         tgt = torch.tensor(targets[lo : lo + ROWS_PER_SLICE], dtype=torch.long, device=lp.device)
-        chosen = lp.gather(1, tgt[:, None]).squeeze(1).tolist()
+        chosen = lp.gather(1, tgt[:, None])
+        ranks = (lp >= chosen).sum(-1).tolist()
         if num_top > 0:
             values, ids = (x.tolist() for x in lp.topk(min(num_top, lp.shape[-1]), dim=-1))
         else:
-            values = ids = [[] for _ in chosen]
-        entries.extend(logprob_entry(t, c, v, i) for t, c, v, i in zip(tgt.tolist(), chosen, values, ids))
-    return entries
+            values = ids = [[] for _ in ranks]
+        scored.extend(zip(chosen.squeeze(1).tolist(), ranks, values, ids))
+    return scored
 
 
 def start(state: RequestState) -> None:
@@ -45,7 +49,7 @@ def start(state: RequestState) -> None:
 
 def record(
     sched: SchedulerOutput, prompt_rows: list[tuple[int, int, int]], logits: torch.Tensor,
-    requests: dict[str, RequestState],
+    requests: dict[str, RequestState], output_processor: OutputProcessor,
 ) -> None:  # fmt: skip
     """Append the entries of this step's prompt rows (``logits``: their logits, in order) to
     each request's ``prompt_logprobs`` and advance its sequence's ``prompt_logits_from``."""
@@ -60,6 +64,7 @@ def record(
         # rows start at prompt_logits_from (flatten_step), so a recomputed prompt scores nothing twice
         assert first == len(recorded) - 1, f"prompt logprobs at {first}, {len(recorded) - 1} recorded"
         targets = seq.prompt_token_ids[first + 1 : first + 1 + count]
-        recorded.extend(score_rows(rows, targets, state.params.prompt_logprobs))
+        for token, scored in zip(targets, score_rows(rows, targets, state.params.prompt_logprobs)):
+            recorded.append(output_processor.logprob_entry(state, token, *scored))
         end = first + count
         seq.prompt_logits_from = None if end >= seq.num_prompt_tokens - 1 else end

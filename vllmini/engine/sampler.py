@@ -56,6 +56,7 @@ class SamplerOutput:
     logprobs: Tensor | None  # [B] float32: the chosen token's logprob
     top_logprobs: tuple[Tensor, Tensor] | None  # (values [B, N], ids [B, N]), sorted descending
     invalid: Tensor  # [B] bool
+    ranks: Tensor | None = None  # [B] long: how many tokens have a logprob >= the chosen one's (vLLM's rank)
 
 
 def apply_penalties(x: Tensor, t: SamplingTensors) -> Tensor:
@@ -222,7 +223,7 @@ class Sampler:
                 processed = z - total.log()
         assert tokens is not None
 
-        logprobs = top = None
+        logprobs = top = ranks = None
         if t.num_logprobs is not None:
             if self.logprobs_mode == "raw":
                 lp = raw.log_softmax(-1)
@@ -232,10 +233,11 @@ class Sampler:
                     idx = torch.tensor(t.random_rows, device=x.device)
                     lp = processed if R == B else lp.index_copy(0, idx, processed)
             logprobs = lp.gather(1, tokens[:, None]).squeeze(1)
+            ranks = (lp >= logprobs[:, None]).sum(-1)
             if t.num_logprobs > 0:
                 v, i = lp.topk(t.num_logprobs, dim=-1)
                 top = (v, i)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top, invalid=invalid)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top, invalid=invalid, ranks=ranks)
 
     @staticmethod
     def _uniforms(t: SamplingTensors, n: int, device: torch.device) -> Tensor:
