@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
 from vllmini.models.base import AttentionMetadata
 
@@ -154,6 +154,18 @@ def tiny_mistral_config(**overrides) -> MistralConfig:
     )  # fmt: skip
     kw.update(overrides)
     return MistralConfig(**kw)
+
+
+def tiny_phi3_config(**overrides) -> Phi3Config:
+    """Phi-3: q/k/v and gate/up stored fused in the checkpoint; GQA."""
+    kw = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        max_position_embeddings=1024, original_max_position_embeddings=1024, initializer_range=0.3,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Phi3Config(**kw)
 
 
 def randomize_biases(hf_model, std: float = 0.5):

@@ -1,4 +1,4 @@
-"""Qwen2 and Mistral checkpoints through the whole engine (config.json -> registry -> weights ->
+"""Qwen2, Mistral and Phi-3 checkpoints through the whole engine (config.json -> registry -> weights ->
 paged forward), greedy equal to transformers'; and sliding windows: vllmini has no
 sliding-window attention, so it caps max_model_len at the window, where full attention is
 exactly what the model computes."""
@@ -9,11 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_mistral_config,
-                     tiny_qwen2_config)  # fmt: skip
+                     tiny_phi3_config, tiny_qwen2_config)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 
-MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config}
+MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config, "phi3": tiny_phi3_config}
 
 
 def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
@@ -42,6 +42,7 @@ def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir,
     ("arch", "overrides", "window"),
     [
         ("mistral", {"sliding_window": 48}, 48),  # Mistral 7B v0.1 style: the window is on when set
+        ("phi3", {"sliding_window": 48}, 48),  # Phi-3-mini-4k sets 2047
         ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}, 48),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 28}, None),  # no layer slides
         ("qwen2", {"use_sliding_window": False, "sliding_window": 48}, None),
@@ -64,3 +65,13 @@ def test_sliding_window_caps_max_model_len(tmp_path_factory, default_model_dir, 
     assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} within its window")
     with pytest.raises(ValueError, match="exceeds max_model_len=48"):
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=11), use_tqdm=False)
+
+
+def test_phi3_long_rope_is_refused(tmp_path_factory, default_model_dir):
+    """Phi-3-*-128k and Phi-3.5 scale RoPE with "longrope", which vllmini does not implement: a
+    clear error at load, not wrong tokens."""
+    long = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+            "original_max_position_embeddings": 256}  # fmt: skip
+    model_dir, _ = tiny_dir(tmp_path_factory, default_model_dir, "phi3", num_attention_heads=8, rope_scaling=long)
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        LLM(model=model_dir)

@@ -6,11 +6,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
+from transformers import Phi3ForCausalLM as HFPhi3
 from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
 
 from helpers import (assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, randomize_biases,
-                     tiny_llama_config, tiny_mistral_config, tiny_qwen2_config, tiny_qwen3_config)  # fmt: skip
+                     tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config,
+                     tiny_qwen3_config)  # fmt: skip
 from vllmini.models.llama import LlamaForCausalLM
 from vllmini.models.qwen2 import Qwen2ForCausalLM
 from vllmini.models.qwen3 import Qwen3ForCausalLM
@@ -24,6 +26,7 @@ CASES = {
     "qwen3-headdim-tied": (tiny_qwen3_config, HFQwen3, Qwen3ForCausalLM),
     "qwen2-qkvbias-tied": (tiny_qwen2_config, HFQwen2, Qwen2ForCausalLM),
     "mistral-headdim": (tiny_mistral_config, HFMistral, LlamaForCausalLM),
+    "phi3-fused": (tiny_phi3_config, HFPhi3, LlamaForCausalLM),
 }
 
 

@@ -9,6 +9,7 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers (window: sliding_window)
+    "Phi3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # checkpoints hold qkv_proj / gate_up_proj fused
     "Qwen2ForCausalLM": ("vllmini.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
 }
