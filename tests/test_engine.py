@@ -120,6 +120,7 @@ def small_llm(tiny_qwen3):
         ({"prompt_token_ids": list(range(300))}, SamplingParams(max_tokens=100), "whole KV cache"),
         ({"prompt_token_ids": [i % 500 for i in range(500)]}, SamplingParams(max_tokens=50), "max_model_len"),
         ({"prompt_token_ids": [1, 2]}, "greedy", "SamplingParams"),
+        ({"prompt_token_ids": [1, 2]}, SamplingParams(truncate_prompt_tokens=513), "truncate_prompt_tokens=513"),
     ],
 )
 def test_bad_requests_rejected_at_submit_without_side_effects(small_llm, prompt, params, match):
@@ -133,6 +134,24 @@ def test_bad_requests_rejected_at_submit_without_side_effects(small_llm, prompt,
         outs += eng.step()
     final = [o for o in outs if o.finished]
     assert [o.request_id for o in final] == ["ok"] and len(final[0].outputs[0].token_ids) == 5
+    assert_no_leaks(small_llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(small_llm, tiny_qwen3):
+    """vLLM's left truncation: the request runs on the last k prompt tokens, exactly as if only
+    those had been sent; -1 keeps max_model_len of them."""
+    long = [(7 * i) % 400 + 50 for i in range(700)]
+    greedy = {"max_tokens": 6, "temperature": 0}
+    cut = small_llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=40, **greedy), use_tqdm=False)[0]
+    alone = small_llm.generate({"prompt_token_ids": long[-40:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == long[-40:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
+    short = small_llm.generate({"prompt_token_ids": long[:5]}, SamplingParams(truncate_prompt_tokens=40, **greedy), use_tqdm=False)[0]
+    assert short.prompt_token_ids == long[:5]
+    with pytest.raises(ValueError, match="max_model_len"):  # -1 keeps 512 tokens: no room left for output
+        small_llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=-1, max_tokens=1), use_tqdm=False)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
     assert_no_leaks(small_llm)
 
 

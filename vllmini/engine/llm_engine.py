@@ -191,6 +191,10 @@ class LLMEngine:
         self._check_against_model(params)
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, ids = self.tokenize(prompt)
+        if (keep := params.truncate_prompt_tokens) is not None:  # left truncation, as vLLM
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
+            ids = ids[-(self.max_model_len if keep == -1 else keep) :]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"

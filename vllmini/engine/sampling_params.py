@@ -74,6 +74,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -131,6 +132,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise _bad(name, "an int >= 0 or None", value)
+        if self.truncate_prompt_tokens is not None and (
+            not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+        ):
+            raise _bad("truncate_prompt_tokens", "an int >= 1, -1 (max_model_len) or None", self.truncate_prompt_tokens)
         self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)
         for name in ("presence_penalty", "frequency_penalty"):
