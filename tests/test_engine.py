@@ -2,6 +2,8 @@
 (greedy tokens equal transformers' for each prompt alone), and no KV block leaks."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -186,3 +188,30 @@ def test_outputs_in_input_order_with_text(default_model_dir):
     chat = llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
     assert chat[0].outputs[0].text.strip()
     assert_no_leaks(llm)
+
+
+def test_chat_template_options(small_llm, monkeypatch):
+    """LLM.chat's vLLM options: a custom chat_template, chat_template_kwargs reaching it (as Qwen3's
+    enable_thinking does), continue_final_message leaving the assistant turn open. (The prompts
+    chat() builds are checked; this tiny model's vocabulary is smaller than the tokenizer's.)"""
+    tok = small_llm.get_tokenizer()
+    monkeypatch.setattr(small_llm, "generate", lambda prompts, *args, **kw: [
+        SimpleNamespace(prompt_token_ids=p["prompt_token_ids"]) for p in prompts])  # fmt: skip
+    template = ("{% for m in messages %}[{{ m['role'] }}{{ '|' + mood if mood is defined }}] {{ m['content'] }}"
+                "{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '\\n[assistant] ' }}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+
+    def prompt_text(**kw) -> str:
+        return tok.decode(small_llm.chat(msgs[:1] if kw.pop("one", False) else msgs, greedy, use_tqdm=False,
+                                         chat_template=template, **kw)[0].prompt_token_ids)  # fmt: skip
+
+    assert prompt_text(one=True) == "[user] hi\n[assistant] "
+    assert prompt_text(one=True, chat_template_kwargs={"mood": "glad"}) == "[user|glad] hi\n[assistant] "
+    continued = prompt_text(add_generation_prompt=False, continue_final_message=True)
+    assert continued == "[user] hi\n[assistant] Hello, I am"  # no end of turn: the model continues it
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
+        small_llm.chat(msgs, greedy, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        small_llm.chat(msgs, greedy, chat_template_kwargs=["mood"])

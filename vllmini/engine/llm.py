@@ -77,13 +77,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the chat template (the model's, or ``chat_template``) to each conversation, then
+        generate. As in vLLM: ``continue_final_message`` leaves the last (assistant) message open
+        for the model to continue, and ``chat_template_kwargs`` reach the template (e.g. Qwen3's
+        ``enable_thinking``)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = [
             {"prompt_token_ids": list(tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))}
+                conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                chat_template=chat_template, tokenize=True, return_dict=False, **(chat_template_kwargs or {})))}
             for conv in conversations
         ]  # fmt: skip
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
