@@ -106,66 +106,48 @@ def assert_greedy_matches(ours: list[int], theirs: list[int], gaps: list[float],
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs transformers' {len(theirs)}"
 
 
+# what every tiny test model shares: 3 layers, GQA, a large init so that logits are well separated
+_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_key_value_heads=2,
+             max_position_embeddings=1024, initializer_range=0.3)  # fmt: skip
+
+
+def _tiny(config_cls, arch: str, features: dict, overrides: dict):
+    return config_cls(**{**_TINY, **features, "architectures": [arch], **overrides})
+
+
 def tiny_llama_config(**overrides) -> LlamaConfig:
-    """GQA, untied embeddings, llama3 rope scaling; a large init so that logits are well separated."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_theta=500000.0, max_position_embeddings=1024, initializer_range=0.3,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        architectures=["LlamaForCausalLM"],
-    )  # fmt: skip
-    kw.update(overrides)
-    return LlamaConfig(**kw)
+    """GQA, untied embeddings, llama3 rope scaling."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}  # fmt: skip
+    features = dict(num_attention_heads=8, tie_word_embeddings=False, rope_theta=500000.0, rope_scaling=rope)
+    return _tiny(LlamaConfig, "LlamaForCausalLM", features, overrides)
 
 
 def tiny_qwen3_config(**overrides) -> Qwen3Config:
     """head_dim != hidden/heads, tied embeddings, q/k norms."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
-        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3,
-        architectures=["Qwen3ForCausalLM"],
-    )  # fmt: skip
-    kw.update(overrides)
-    return Qwen3Config(**kw)
+    features = dict(num_attention_heads=4, head_dim=24, tie_word_embeddings=True, rope_theta=1000000.0)
+    return _tiny(Qwen3Config, "Qwen3ForCausalLM", features, overrides)
 
 
 def tiny_qwen2_config(**overrides) -> Qwen2Config:
     """Bias on q/k/v (not o_proj), tied embeddings, a sliding window configured but off."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3,
-        use_sliding_window=False, sliding_window=32, architectures=["Qwen2ForCausalLM"],
-    )  # fmt: skip
-    kw.update(overrides)
-    return Qwen2Config(**kw)
+    features = dict(num_attention_heads=4, tie_word_embeddings=True, rope_theta=1000000.0,
+                    use_sliding_window=False, sliding_window=32)  # fmt: skip
+    return _tiny(Qwen2Config, "Qwen2ForCausalLM", features, overrides)
 
 
 def tiny_mistral_config(**overrides) -> MistralConfig:
     """Mistral-Nemo-like: head_dim set apart from hidden/heads; no sliding window unless given."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
-        rope_theta=1000000.0, max_position_embeddings=1024, initializer_range=0.3, sliding_window=None,
-        architectures=["MistralForCausalLM"],
-    )  # fmt: skip
-    kw.update(overrides)
-    return MistralConfig(**kw)
+    features = dict(num_attention_heads=8, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0,
+                    sliding_window=None)  # fmt: skip
+    return _tiny(MistralConfig, "MistralForCausalLM", features, overrides)
 
 
 def tiny_phi3_config(**overrides) -> Phi3Config:
-    """Phi-3: q/k/v and gate/up stored fused in the checkpoint; GQA."""
-    kw = dict(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        max_position_embeddings=1024, original_max_position_embeddings=1024, initializer_range=0.3,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=["Phi3ForCausalLM"],
-    )  # fmt: skip
-    kw.update(overrides)
-    return Phi3Config(**kw)
+    """Phi-3: q/k/v and gate/up stored fused in the checkpoint."""
+    features = dict(num_attention_heads=8, tie_word_embeddings=False, original_max_position_embeddings=1024,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return _tiny(Phi3Config, "Phi3ForCausalLM", features, overrides)
 
 
 def randomize_biases(hf_model, std: float = 0.5):
