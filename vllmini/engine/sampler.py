@@ -11,9 +11,10 @@ samples, in the order of the logits' rows, and calls the sampler::
 Every row may use different parameters; the whole batch goes through tensor
 ops, the only Python loop being the one-number draw of each seeded row.
 
-Order of operations (as vLLM): penalties on the raw logits (repetition over
-prompt + output tokens, presence/frequency over output tokens), min_tokens
-masking of EOS / stop ids, then greedy rows take the argmax; random rows go
+Order of operations (as vLLM): allowed_token_ids masking, then the sparse
+edits (bad_words and min_tokens bans, logit_bias), then penalties (repetition
+over prompt + output tokens, presence/frequency over output tokens), then
+greedy rows take the argmax; random rows go
 through temperature, top-k, top-p, min-p (each a per-row threshold on the
 logits) and are drawn by inverse CDF: one uniform per row against the row's
 cumulative sum. A seeded row draws its uniform from a generator seeded with a
