@@ -63,3 +63,14 @@ def test_chat_streams_replies_and_handles_commands(tiny_dir, monkeypatch, ending
 def test_bad_option_value_is_a_clear_error(capsys):
     assert main(["generate", "--dtype", "int3", "x"]) == 2
     assert "dtype='int3'" in capsys.readouterr().err
+
+
+def test_engine_options_parse_to_their_field_types():
+    """Every EngineArgs field is a flag whose value has the field's type (so it validates)."""
+    from vllmini.cli import _engine_args, build_parser
+
+    ns = build_parser().parse_args(["generate", "--max-logprobs", "5", "--kv-cache-memory", "1048576",
+                                    "--gpu-memory-utilization", "0.5", "--max-model-len", "64", "x"])  # fmt: skip
+    args = _engine_args(ns)
+    assert (args.max_logprobs, args.kv_cache_memory, args.gpu_memory_utilization, args.max_model_len) == (5, 2**20, 0.5, 64)
+    args.validate()

@@ -141,7 +141,7 @@ def test_bad_requests_rejected_at_submit_without_side_effects(small_llm, prompt,
 
 def test_truncate_prompt_tokens_keeps_the_prompts_end(small_llm, tiny_qwen3):
     """vLLM's left truncation: the request runs on the last k prompt tokens, exactly as if only
-    those had been sent; -1 keeps max_model_len of them."""
+    those had been sent; -1 keeps what max_model_len leaves beside max_tokens."""
     long = [(7 * i) % 400 + 50 for i in range(700)]
     greedy = {"max_tokens": 6, "temperature": 0}
     cut = small_llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=40, **greedy), use_tqdm=False)[0]
@@ -149,12 +149,39 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(small_llm, tiny_qwen3):
     assert cut.prompt_token_ids == long[-40:] and cut.outputs[0].token_ids == alone.outputs[0].token_ids
     short = small_llm.generate({"prompt_token_ids": long[:5]}, SamplingParams(truncate_prompt_tokens=40, **greedy), use_tqdm=False)[0]
     assert short.prompt_token_ids == long[:5]
-    with pytest.raises(ValueError, match="max_model_len"):  # -1 keeps 512 tokens: no room left for output
-        small_llm.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=-1, max_tokens=1), use_tqdm=False)
+    roomy = LLM(model=str(tiny_qwen3[0]), max_model_len=64)
+    fill = roomy.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=-1, **greedy), use_tqdm=False)[0]
+    assert fill.prompt_token_ids == long[-(64 - 6) :] and len(fill.outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        roomy.generate({"prompt_token_ids": long}, SamplingParams(truncate_prompt_tokens=-1, max_tokens=64), use_tqdm=False)
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
     assert_no_leaks(small_llm)
+
+
+def test_truncating_a_text_prompt_keeps_bos(default_model_dir, tmp_path):
+    """A text prompt is cut like the tokenizer's own left truncation: the special tokens it adds
+    around the text (here a BOS, as Llama's tokenizers add) stay."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    for f in default_model_dir.iterdir():  # the default model, with a tokenizer that adds a BOS
+        (tmp_path / f.name).symlink_to(f)
+    (tmp_path / "tokenizer.json").unlink()
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    tok.save_pretrained(tmp_path)
+    text = "one two three four five six seven eight nine ten"
+    want = AutoTokenizer.from_pretrained(tmp_path, truncation_side="left")(text, truncation=True, max_length=4).input_ids
+    assert want[0] == bos and len(want) == 4
+    llm = LLM(model=str(tmp_path))
+    out = llm.generate(text, SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)[0]
+    assert out.prompt_token_ids == want
+    ids = llm.generate({"prompt_token_ids": [bos, 5, 6, 7, 8]}, SamplingParams(max_tokens=1, truncate_prompt_tokens=2),
+                       use_tqdm=False)[0]  # fmt: skip
+    assert ids.prompt_token_ids == [7, 8]  # ids given by the caller are cut as they are
 
 
 def test_max_tokens_below_one_rejected():
@@ -211,6 +238,8 @@ def test_chat_template_options(small_llm, monkeypatch):
     assert prompt_text(one=True, chat_template_kwargs={"mood": "glad"}) == "[user|glad] hi\n[assistant] "
     continued = prompt_text(add_generation_prompt=False, continue_final_message=True)
     assert continued == "[user] hi\n[assistant] Hello, I am"  # no end of turn: the model continues it
+    # as vLLM, chat_template_kwargs may override the named options
+    assert prompt_text(one=True, chat_template_kwargs={"add_generation_prompt": False}) == "[user] hi"
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         small_llm.chat(msgs, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs"):

@@ -119,6 +119,33 @@ def test_multi_token_bad_words_under_async_scheduling(default_model_dir, smol, a
     assert got == want
 
 
+def test_a_huge_bias_cannot_lift_a_ban_or_break_the_batch(smol):
+    """A bias near float32's limit is added first and clamped; bans, min_tokens and the allowed
+    mask are written after it, so they hold, no NaN reaches the sampler, and the request next
+    to it is untouched. Beyond float32 (or not finite) it is refused up front."""
+    llm, _ = smol
+    eos = llm.get_tokenizer().eos_token_id
+    paris = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)[0]
+    alone = chat(llm, "What is the capital of France?").outputs[0].token_ids
+    huge = 3.3e38
+    cases = [
+        dict(min_tokens=4, logit_bias={eos: huge}, temperature=1.0, seed=0),
+        dict(allowed_token_ids=[100, 200], logit_bias={paris: huge}),
+        dict(bad_words=["Paris"], logit_bias={paris: huge}, temperature=1.0, seed=1),
+        {},  # a plain request in the same batch
+    ]
+    prompts = [[{"role": "user", "content": "What is the capital of France?"}]] * len(cases)
+    outs = llm.chat(prompts, [SamplingParams(**{"max_tokens": 16, "temperature": 0, **c}) for c in cases], use_tqdm=False)
+    first, allowed, banned, plain = (o.outputs[0].token_ids for o in outs)
+    assert eos not in first[:4] and first[4] == eos  # the bias wins once min_tokens allows EOS
+    assert set(allowed) <= {100, 200} and paris not in banned
+    assert plain == alone
+    for bad in (1e39, 10**400, float("inf")):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias={eos: bad})
+    assert_no_leaks(llm)
+
+
 def test_fields_are_validated(smol):
     llm, _ = smol
     bad = {

@@ -438,7 +438,7 @@ def test_from_rows_flags_and_clamps():
     assert t.random_rows == [1, 2] and t.greedy.tolist() == [True, False, False]
     assert t.top_k.tolist() == [0, 10, 0] and t.max_top_k == 10 and t.num_logprobs == 10
     assert not t.do_penalties and t.output_token_ids is None and t.top_p_rows == [] and not t.do_min_p
-    assert t.seeds == [None, None, None] and t.edit_rows is None and t.disallowed is None
+    assert t.seeds == [None, None, None] and t.bias_rows is None and t.ban_rows is None and t.disallowed is None
     t = SamplingTensors.from_rows(rows_for([SamplingParams(repetition_penalty=2.0, seed=4)], prompts=[[1, 99, -1]]), 10)
     assert t.prompt_token_ids.tolist() == [[1, 10, 10]] and t.seeds[0] is not None  # out-of-vocab ids dropped
     with pytest.raises(ValueError):

@@ -37,8 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
         else:
-            kind = int if f.name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                                     "kv_cache_memory", "seed") else float if isinstance(default, float) else str  # fmt: skip
+            annotated = {t.strip() for t in str(f.type).split("|")}  # e.g. "int | None"
+            kind = int if "int" in annotated else float if "float" in annotated else str
             p.add_argument(flag, type=kind, default=default, help=f"EngineArgs.{f.name} (default: {default})")
 
 

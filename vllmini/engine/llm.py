@@ -85,16 +85,14 @@ class LLM:
         generate. As in vLLM: ``continue_final_message`` leaves the last (assistant) message open
         for the model to continue, and ``chat_template_kwargs`` reach the template (e.g. Qwen3's
         ``enable_thinking``)."""
-        if continue_final_message and add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        # as vLLM: the template kwargs may override the named options
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                   "chat_template": chat_template, **(chat_template_kwargs or {}), "tokenize": True, "return_dict": False}
+        if options["continue_final_message"] and options["add_generation_prompt"]:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": list(tok.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                chat_template=chat_template, tokenize=True, return_dict=False, **(chat_template_kwargs or {})))}
-            for conv in conversations
-        ]  # fmt: skip
+        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(conv, **options))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

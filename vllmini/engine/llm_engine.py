@@ -191,10 +191,9 @@ class LLMEngine:
         self._check_against_model(params)
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         text, ids = self.tokenize(prompt)
-        if (keep := params.truncate_prompt_tokens) is not None:  # left truncation, as vLLM
-            if keep > self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
-            ids = ids[-(self.max_model_len if keep == -1 else keep) :]
+        if params.truncate_prompt_tokens is not None:
+            from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+            ids = self._truncate_prompt(ids, text if from_text else None, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
@@ -224,6 +223,29 @@ class LLMEngine:
         state.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         prompt_logprobs.start(state)
         return state
+
+    def _truncate_prompt(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
+        """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as
+        max_model_len leaves beside max_tokens). A prompt tokenized here from ``text`` keeps the
+        special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own left
+        truncation does; token ids given by the caller are cut as they are."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
+        if keep == -1:
+            keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
+            if keep < 1:
+                raise ValueError(f"truncate_prompt_tokens=-1 leaves no prompt: max_tokens={params.max_tokens} "
+                                 f"fills max_model_len={self.max_model_len}")  # fmt: skip
+        if keep is None or len(ids) <= keep:
+            return ids
+        if text is not None:
+            body = self.tokenizer(text, add_special_tokens=False).input_ids
+            added = len(ids) - len(body)  # special tokens around the text
+            start = next((i for i in range(added + 1) if ids[i : i + len(body)] == body), None)
+            if start is not None and 0 <= added < keep:
+                return ids[:start] + body[len(body) - (keep - added) :] + ids[start + len(body) :]
+        return ids[-keep:]
 
     def _check_against_model(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary."""

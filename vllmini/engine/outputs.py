@@ -8,7 +8,8 @@ class Logprob(float):
     """One token's logprob, as vLLM reports it: ``.logprob``, ``.rank`` (1-based, ties counted
     as vLLM does: how many tokens have a logprob >= this one) and ``.decoded_token`` (None when
     the request has detokenize=False). It is also the float itself, so ``entry[token]`` works
-    in arithmetic without ``.logprob``."""
+    in arithmetic without ``.logprob``; for the same reason it compares, hashes and JSON-encodes
+    as that float (``json.dumps`` writes the number; rank and decoded_token are attributes)."""
 
     __slots__ = ("rank", "decoded_token")
 

@@ -11,8 +11,8 @@ samples, in the order of the logits' rows, and calls the sampler::
 Every row may use different parameters; the whole batch goes through tensor
 ops, the only Python loop being the one-number draw of each seeded row.
 
-Order of operations (as vLLM): allowed_token_ids masking, then the sparse
-edits (bad_words and min_tokens bans, logit_bias), then penalties (repetition
+Order of operations (as vLLM): logit_bias, then allowed_token_ids and the
+bans (bad_words, min_tokens) set to -inf, then penalties (repetition
 over prompt + output tokens, presence/frequency over output tokens), then
 greedy rows take the argmax; random rows go
 through temperature, top-k, top-p, min-p (each a per-row threshold on the
@@ -181,17 +181,20 @@ class Sampler:
         if sync_free or bool(invalid.any()):
             raw = raw.masked_fill(invalid[:, None], 0.0)
         x, owned = raw, False  # owned: x may be written in place
-        # vLLM's order: allowed_token_ids, then bans and logit_bias, then penalties
+        # vLLM's order: logit_bias, allowed_token_ids and bans (min_tokens, bad_words), then penalties.
+        # Bans and the allowed mask are written after the bias, so no bias can lift them.
+        if t.bias_rows is not None:
+            x, owned = x.index_put((t.bias_rows, t.bias_ids), t.bias_values, accumulate=True), True
+            x.clamp_(max=_FMAX)  # a large bias must not make +inf (then NaN)
         if t.disallowed is not None:
             x, owned = x.masked_fill(t.disallowed, _NEG_INF), True
-        if t.edit_rows is not None:
+        if t.ban_rows is not None:
             x, owned = (x if owned else x.clone()), True
-            x.index_put_((t.edit_rows, t.edit_ids), t.edit_values, accumulate=True)
-            x.clamp_(max=_FMAX)  # a large bias must not make +inf (then NaN)
+            x.index_put_((t.ban_rows, t.ban_ids), torch.tensor(_NEG_INF, device=x.device))
         if t.do_penalties:
             x, owned = apply_penalties(x, t), True
         if owned:
-            dead = x.amax(-1) == _NEG_INF
+            dead = ~(x.amax(-1) > _NEG_INF)  # every token masked (or NaN, which must never be sampled)
             if sync_free or bool(dead.any()):
                 x = torch.where(dead[:, None], raw, x)
 

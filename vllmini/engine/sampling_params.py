@@ -33,6 +33,9 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _is_real(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -150,8 +153,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not isinstance(self.logit_bias, dict):
                 raise _bad("logit_bias", "a dict {token id: bias} or None", self.logit_bias)
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0 or not _is_real(bias) or not math.isfinite(bias):
-                    raise _bad("logit_bias", "a dict of int token ids >= 0 to finite numbers", {token: bias})
+                ok = _is_int(token) and token >= 0 and _is_real(bias) and abs(bias) <= _FLOAT32_MAX  # no overflow
+                if not ok or not math.isfinite(bias):
+                    raise _bad("logit_bias", "a dict of int token ids >= 0 to finite float32 numbers", {token: bias})
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids

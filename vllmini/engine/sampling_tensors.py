@@ -49,12 +49,12 @@ class SamplingRow:
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words, tokenized by the engine
 
 
-def logit_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float]]:
-    """(token, value) pairs added to one row's logits: -inf for the tokens min_tokens and
-    bad_words ban at this step, then params.logit_bias. Bans depend on the output so far."""
+def banned_tokens(row: SamplingRow, vocab_size: int) -> list[int]:
+    """The tokens min_tokens and bad_words ban for one row at this step (they depend on the
+    output so far)."""
     p, out = row.params, row.output_token_ids
-    if len(out) >= p.min_tokens and not row.bad_words_token_ids and not p.logit_bias:
-        return []  # the common row: nothing to edit
+    if len(out) >= p.min_tokens and not row.bad_words_token_ids:
+        return []  # the common row
     banned: set[int] = set()
     if len(out) < p.min_tokens:
         banned.update(p.stop_token_ids)
@@ -66,8 +66,7 @@ def logit_edits(row: SamplingRow, vocab_size: int) -> list[tuple[int, float]]:
         head = len(word) - 1
         if head == 0 or (len(out) >= head and list(out[len(out) - head :]) == list(word[:head])):
             banned.add(word[-1])
-    edits = [(t, -math.inf) for t in sorted(banned) if 0 <= t < vocab_size]
-    return edits + [(t, b) for t, b in (p.logit_bias or {}).items() if 0 <= t < vocab_size]
+    return sorted(t for t in banned if 0 <= t < vocab_size)
 
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
@@ -125,10 +124,11 @@ class SamplingTensors:
     frequency_penalty: Tensor  # [B] float32
     prompt_token_ids: Tensor | None  # [B, Lp] long; only when a row has repetition_penalty != 1
     output_token_ids: Tensor | None  # [B, Lo] long; only when a row has any penalty
-    # logit_edits of every row: logits[rows[k], ids[k]] += values[k] (-inf bans: min_tokens, bad_words)
-    edit_rows: Tensor | None  # [K] long
-    edit_ids: Tensor | None  # [K] long
-    edit_values: Tensor | None  # [K] float32
+    bias_rows: Tensor | None  # [K] long: logits[bias_rows[k], bias_ids[k]] += bias_values[k] (logit_bias)
+    bias_ids: Tensor | None  # [K] long
+    bias_values: Tensor | None  # [K] float32
+    ban_rows: Tensor | None  # [K'] long: logits[ban_rows[k], ban_ids[k]] = -inf (min_tokens, bad_words)
+    ban_ids: Tensor | None  # [K'] long
     disallowed: Tensor | None  # [B, V] bool: True where a row's allowed_token_ids leave a token out
     seeds: list[int | None]  # [B] per-step generator seeds (row_seed); seeded random rows only
     random_rows: list[int]  # indices of non-greedy rows
@@ -171,12 +171,17 @@ class SamplingTensors:
         do_repetition = any(r != 1.0 for r in rep)
         do_penalties = do_repetition or any(pres) or any(freq)
 
-        edit_rows: list[int] = []
-        edits: list[tuple[int, float]] = []
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        bias_rows: list[int] = []
+        biases: list[tuple[int, float]] = []
         for i, r in enumerate(rows):
-            row_edits = logit_edits(r, V)
-            edit_rows += [i] * len(row_edits)
-            edits += row_edits
+            banned = banned_tokens(r, V)
+            ban_rows += [i] * len(banned)
+            ban_ids += banned
+            row_bias = [(t, b) for t, b in (r.params.logit_bias or {}).items() if 0 <= t < V]
+            bias_rows += [i] * len(row_bias)
+            biases += row_bias
 
         seeds = [
             None if g or r.params.seed is None
@@ -192,7 +197,8 @@ class SamplingTensors:
             torch.tensor([temperature, top_p, log_min_p, rep, pres, freq], dtype=torch.float32), device
         )
         ints = to_device(torch.tensor([top_k, greedy], dtype=torch.long), device)
-        edit_idx = to_device(torch.tensor([edit_rows, [t for t, _ in edits]], dtype=torch.long), device) if edits else None
+        bans = to_device(torch.tensor([ban_rows, ban_ids], dtype=torch.long), device) if ban_rows else None
+        bias_idx = to_device(torch.tensor([bias_rows, [t for t, _ in biases]], dtype=torch.long), device) if biases else None
         return cls(
             vocab_size=V,
             greedy=ints[1].bool(),
@@ -205,9 +211,11 @@ class SamplingTensors:
             frequency_penalty=floats[5],
             prompt_token_ids=_padded([r.prompt_token_ids for r in rows], V, device) if do_repetition else None,
             output_token_ids=_padded([r.output_token_ids for r in rows], V, device) if do_penalties else None,
-            edit_rows=None if edit_idx is None else edit_idx[0],
-            edit_ids=None if edit_idx is None else edit_idx[1],
-            edit_values=to_device(torch.tensor([v for _, v in edits], dtype=torch.float32), device) if edits else None,
+            bias_rows=None if bias_idx is None else bias_idx[0],
+            bias_ids=None if bias_idx is None else bias_idx[1],
+            bias_values=to_device(torch.tensor([b for _, b in biases], dtype=torch.float32), device) if biases else None,
+            ban_rows=None if bans is None else bans[0],
+            ban_ids=None if bans is None else bans[1],
             disallowed=_disallowed(ps, V, device),
             seeds=seeds,
             random_rows=random_rows,
