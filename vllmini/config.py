@@ -83,6 +83,9 @@ class EngineArgs:
     # the largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary size), as in vLLM:
     # one request's top-N is computed for every row of its step, so an unbounded N slows every request
     max_logprobs: int = 20
+    # default sampling parameters for requests without any: "auto" (the model's generation_config.json,
+    # as vLLM), "vllm" (SamplingParams' own defaults) or a folder holding a generation_config.json
+    generation_config: str = "auto"
     attention_backend: str | None = None  # None: auto (models/backend_select.py): cpu, torch, flash_attn, torch_varlen, triton
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
 
@@ -107,6 +110,8 @@ class EngineArgs:
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

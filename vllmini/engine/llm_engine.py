@@ -13,7 +13,6 @@ import gc
 import itertools
 import logging
 import time
-from typing import Any
 
 import torch
 
@@ -22,6 +21,7 @@ from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_co
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
 from vllmini.engine import prompt_logprobs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.input_processor import InputProcessor, PromptType, generation_defaults, load_generation_config
 from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
@@ -38,8 +38,6 @@ from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOut
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("vllmini")
-
-PromptType = str | list[int] | dict[str, Any]
 
 
 class StepError(RuntimeError):
@@ -78,6 +76,7 @@ class LLMEngine:
             raise ValueError(f"max_model_len={args.max_model_len} exceeds {limit}")
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
+        self.generation_config = load_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
 
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
@@ -109,6 +108,10 @@ class LLMEngine:
                 self.model, kv_caches, block_size, args.max_num_seqs, self.max_model_len, num_blocks, self.device
             )
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
+            self._default_sampling_params(),
+        )  # fmt: skip
         self.sampler = Sampler()
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
@@ -131,14 +134,31 @@ class LLMEngine:
     def _eos_token_ids(self) -> tuple[int, ...]:
         """The tokenizer's EOS plus any the generation config lists (e.g. Llama 3's <|eot_id|>)."""
         ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        try:
-            from transformers import GenerationConfig
-
-            gen_eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-        except OSError:
-            gen_eos = None
+        gen_eos = getattr(self.generation_config, "eos_token_id", None)
         ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
         return tuple(sorted(ids))
+
+    def _default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() updated with what EngineArgs.generation_config points at ("auto": the
+        model's generation_config.json; "vllm": none; or a folder holding one), as vLLM does."""
+        source = self.args.generation_config
+        if source == "vllm":
+            return SamplingParams()
+        config = self.generation_config if source == "auto" else load_generation_config(source)
+        if config is None and source != "auto":
+            raise ValueError(f"generation_config={source!r}: no generation_config.json there")
+        defaults = generation_defaults(config)
+        try:
+            params = SamplingParams(**defaults)
+        except ValueError as exc:
+            raise ValueError(f"generation_config {defaults}: {exc}") from None
+        if defaults:
+            logger.info("default sampling parameters from the model's generation config: %s", defaults)
+        return params
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without SamplingParams gets (vLLM's name)."""
+        return self.input_processor.default_params
 
     @property
     def capacity_tokens(self) -> int:
@@ -147,27 +167,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            else:
-                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
-            text = prompt.get("prompt")
-        elif isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer(prompt).input_ids
-        elif isinstance(prompt, (list, tuple)):
-            text, ids = None, prompt
-        else:
-            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-        ids = list(ids)
-        if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        return text, ids
+        return self.input_processor.tokenize(prompt)
 
     def add_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
@@ -184,87 +184,25 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> RequestState:  # fmt: skip
         """Validate and tokenize without touching the scheduler, so that the async engine can
-        do it on the caller's thread and raise right at the call."""
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        self._check_against_model(params)
+        do it on the caller's thread and raise right at the call. ``params`` None: the model's
+        default sampling parameters (``get_default_sampling_params``)."""
+        inp = self.input_processor.process(prompt, params)
+        params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        text, ids = self.tokenize(prompt)
-        if params.truncate_prompt_tokens is not None:
-            from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-            ids = self._truncate_prompt(ids, text if from_text else None, params)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        total = len(ids) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len={self.max_model_len}"
-            )
-        if total > self.capacity_tokens:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "
-                f"({self.capacity_tokens} tokens); raise kv_cache_memory or lower max_tokens"
-            )
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
             for i in range(params.n)
         ]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        state = RequestState(request_id, text, ids, params, seqs, detoks, now)
+        state = RequestState(request_id, inp.text, ids, params, seqs, detoks, now)
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
-        state.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        state.bad_words_token_ids = inp.bad_words_token_ids
         prompt_logprobs.start(state)
         return state
-
-    def _truncate_prompt(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
-        """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as
-        max_model_len leaves beside max_tokens). A prompt tokenized here from ``text`` keeps the
-        special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own left
-        truncation does; token ids given by the caller are cut as they are."""
-        keep = params.truncate_prompt_tokens
-        if keep is not None and keep > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
-        if keep == -1:
-            keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
-            if keep < 1:
-                raise ValueError(f"truncate_prompt_tokens=-1 leaves no prompt: max_tokens={params.max_tokens} "
-                                 f"fills max_model_len={self.max_model_len}")  # fmt: skip
-        if keep is None or len(ids) <= keep:
-            return ids
-        if text is not None:
-            body = self.tokenizer(text, add_special_tokens=False).input_ids
-            added = len(ids) - len(body)  # special tokens around the text
-            start = next((i for i in range(added + 1) if ids[i : i + len(body)] == body), None)
-            if start is not None and 0 <= added < keep:
-                return ids[:start] + body[len(body) - (keep - added) :] + ids[start + len(body) :]
-        return ids[-keep:]
-
-    def _check_against_model(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary."""
-        max_logprobs = self.vocab_size if self.args.max_logprobs == -1 else self.args.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            if (asked := getattr(params, name)) is not None and asked > max_logprobs:
-                raise ValueError(f"{name}={asked} exceeds max_logprobs={max_logprobs} (an EngineArgs field)")
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
-            if bad := [t for t in ids if t >= self.vocab_size]:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-
-    def _bad_words_token_ids(self, words: list[str]) -> list[tuple[int, ...]]:
-        """Each bad word as tokens, alone and after a space (how it reads mid-sentence), like vLLM."""
-        seqs: dict[tuple[int, ...], None] = {}
-        for word in words:
-            for text in (word.lstrip(), " " + word.lstrip()):
-                if ids := tuple(self.tokenizer.encode(text, add_special_tokens=False)):
-                    seqs[ids] = None
-        return list(seqs)
 
     def enqueue(self, state: RequestState) -> None:
         if state.request_id in self.requests:

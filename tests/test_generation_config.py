@@ -1,0 +1,53 @@
+"""Default sampling parameters from the model's generation_config.json (vLLM's
+generation_config="auto"): they apply to requests that pass no SamplingParams, never to
+requests that pass their own."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from helpers import save_tiny_model, tiny_llama_config
+from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
+
+PROMPT = {"prompt_token_ids": [101, 202, 303, 404, 505]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_model_dir):
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    out = save_tiny_model(hf, tmp_path_factory.mktemp("genconfig"), default_model_dir)
+    config = json.loads((out / "generation_config.json").read_text())
+    config.update(temperature=0.7, top_k=1, max_new_tokens=5, do_sample=True)  # top_k=1: deterministic
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_model_defaults_apply_only_without_sampling_params(model_dir, default_model_dir, tmp_path):
+    llm = LLM(model=str(model_dir))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.7, 1, 5)
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)[0].outputs[0]
+    implicit = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0]
+    assert implicit.token_ids == greedy.token_ids  # top_k=1 from the model's config, 5 tokens
+    explicit = llm.generate(PROMPT, SamplingParams(seed=0, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert len(explicit.token_ids) == 16  # SamplingParams' own default max_tokens: nothing merged in
+
+    plain = LLM(model=str(model_dir), generation_config="vllm").get_default_sampling_params()
+    assert plain == SamplingParams()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 0.5, "repetition_penalty": 1.3}))
+    other = LLM(model=str(model_dir), generation_config=str(tmp_path)).get_default_sampling_params()
+    assert (other.top_p, other.repetition_penalty, other.top_k, other.max_tokens) == (0.5, 1.3, 0, 16)
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        LLM(model=str(model_dir), generation_config=str(tmp_path / "missing"))
+    # the bundled default model's config sets none of these: requests keep SamplingParams' defaults
+    assert LLM(model=str(default_model_dir)).get_default_sampling_params() == SamplingParams()
+
+
+async def test_async_engine_uses_the_defaults(model_dir):
+    async with AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir))) as engine:
+        outs = [o async for o in engine.generate(PROMPT, None, request_id="d")]
+    assert len(outs[-1].outputs[0].token_ids) == 5

@@ -1,0 +1,154 @@
+"""From what a caller submits to a checked request (vLLM v1's input processor).
+
+Everything here runs before the scheduler sees a request, on the caller's thread in the async
+engine, so bad input raises a ValueError naming the field right at the call and nothing is
+queued: tokenization, left truncation, the checks that need the model (vocabulary,
+max_model_len, KV capacity, max_logprobs), bad words as tokens, and the model's default
+sampling parameters (its generation_config.json, as vLLM's ``generation_config="auto"``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllmini.engine.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+# generation_config.json fields vLLM takes as default sampling parameters (max_new_tokens -> max_tokens)
+_GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def load_generation_config(path: str | Path) -> Any | None:
+    """The model's GenerationConfig, or None when it ships none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return None
+
+
+def generation_defaults(config: Any | None) -> dict[str, Any]:
+    """The sampling fields the generation config sets away from transformers' defaults."""
+    if config is None:
+        return {}
+    diff = config.to_diff_dict()
+    found = {k: diff[k] for k in _GENERATION_DEFAULTS if diff.get(k) is not None}
+    if "max_new_tokens" in found:
+        found["max_tokens"] = found.pop("max_new_tokens")
+    return found
+
+
+@dataclass
+class ProcessedInput:
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
+    bad_words_token_ids: list[tuple[int, ...]]
+
+
+class InputProcessor:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, max_model_len: int, capacity_tokens: int, max_logprobs: int,
+        default_params: SamplingParams,
+    ) -> None:  # fmt: skip
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.capacity_tokens = capacity_tokens
+        self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
+        self.default_params = default_params  # for requests that pass none
+
+    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedInput:
+        params = params if params is not None else self.default_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        self._check_params(params)
+        text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+            ids = self._truncate(ids, text if from_text else None, params)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        total = len(ids) + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len={self.max_model_len}"
+            )
+        if total > self.capacity_tokens:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "
+                f"({self.capacity_tokens} tokens); raise kv_cache_memory or lower max_tokens"
+            )
+        return ProcessedInput(text, ids, params, max_tokens, self._bad_words_token_ids(params.bad_words or []))
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                return self.tokenize(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
+            text = prompt.get("prompt")
+        elif isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt is empty: at least one token is needed")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        return text, ids
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary."""
+        for name in ("logprobs", "prompt_logprobs"):
+            if (asked := getattr(params, name)) is not None and asked > self.max_logprobs:
+                raise ValueError(f"{name}={asked} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if bad := [t for t in ids if t >= self.vocab_size]:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
+        """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as
+        max_model_len leaves beside max_tokens). A prompt tokenized here from ``text`` keeps the
+        special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own left
+        truncation does; token ids given by the caller are cut as they are."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
+        if keep == -1:
+            keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
+            if keep < 1:
+                raise ValueError(f"truncate_prompt_tokens=-1 leaves no prompt: max_tokens={params.max_tokens} "
+                                 f"fills max_model_len={self.max_model_len}")  # fmt: skip
+        if keep is None or len(ids) <= keep:
+            return ids
+        if text is not None:
+            body = self.tokenizer(text, add_special_tokens=False).input_ids
+            added = len(ids) - len(body)  # special tokens around the text
+            start = next((i for i in range(added + 1) if ids[i : i + len(body)] == body), None)
+            if start is not None and 0 <= added < keep:
+                return ids[:start] + body[len(body) - (keep - added) :] + ids[start + len(body) :]
+        return ids[-keep:]
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """Each bad word as tokens, alone and after a space (how it reads mid-sentence), like vLLM."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                if ids := tuple(self.tokenizer.encode(text, add_special_tokens=False)):
+                    seqs[ids] = None
+        return list(seqs)
