@@ -119,6 +119,22 @@ def test_multi_token_bad_words_under_async_scheduling(default_model_dir, smol, a
     assert got == want
 
 
+def test_one_token_bad_words_keep_async_continuations(default_model_dir, smol, monkeypatch):
+    """A one-token bad word is banned whatever came before, so it does not stop async scheduling
+    from launching the next step early; a bad word of several tokens does."""
+    import vllmini.engine.llm_engine as llm_engine
+
+    planned = []
+    real = llm_engine.plan_continuation
+    monkeypatch.setattr(llm_engine, "plan_continuation", lambda *a: planned.append(real(*a)) or planned[-1])
+    llm = LLM(model=str(default_model_dir), async_scheduling=True)
+    for words, launches_early in ((["Paris"], True), (["capital of France"], False)):
+        planned.clear()
+        want = chat(smol[0], "What is the capital of France?", bad_words=words).outputs[0].text
+        assert chat(llm, "What is the capital of France?", bad_words=words).outputs[0].text == want
+        assert any(p is not None for p in planned) == launches_early, words
+
+
 def test_a_huge_bias_cannot_lift_a_ban_or_break_the_batch(smol):
     """A bias near float32's limit is added first and clamped; bans, min_tokens and the allowed
     mask are written after it, so they hold, no NaN reaches the sampler, and the request next

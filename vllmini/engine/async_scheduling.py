@@ -16,12 +16,13 @@ on the token it is continuing from (EOS, a stop id or string) had one extra toke
 computed, which is discarded; its blocks were freed when it stopped, and any later step
 that reuses them runs after the continuation on the same stream. Sequences that will stop
 by length are left out. Anything that needs the host to see the tokens first (penalties,
-which count them, and bad words, which match them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
+which count them, and bad words of several tokens, which match them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
 no free block for a new slot) makes the step synchronous instead. A sequence stopping on a
 token while others wait delays their admission by one step.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -79,10 +80,12 @@ class Continuation:
 def plan_continuation(
     prev: LaunchedStep, running: Seq[Sequence], num_waiting: int, block_manager: BlockManager,
     max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+    matches_output: Callable[[Sequence], bool] = lambda seq: False,
 ) -> Continuation | None:  # fmt: skip
     """The decode step that follows ``prev`` whatever its tokens are, or None when the next
-    step needs them (see the module docstring). Allocates the new slots only when it returns
-    a continuation (all or nothing)."""
+    step needs them (see the module docstring). ``matches_output``: the sequence's sampling
+    depends on its last tokens' values (multi-token bad words). Allocates the new slots only
+    when it returns a continuation (all or nothing)."""
     if prev.forked or not prev.seqs or len(prev.seqs) != len(running):
         return None
     if {id(s) for s in prev.seqs} != {id(s) for s in running}:
@@ -90,8 +93,8 @@ def plan_continuation(
     keep = []
     for row, seq in enumerate(prev.seqs):
         p = seq.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.bad_words:
-            return None  # penalties count the tokens on the host; bad words match them
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or matches_output(seq):
+            return None  # penalties count the tokens on the host; multi-token bad words match them
         # the token in flight is output number num_output_tokens + 1, at position num_tokens
         if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= max_model_len:
             continue  # stops by length on that token

@@ -297,10 +297,16 @@ class LLMEngine:
         sync_free = self.args.async_scheduling and logits.is_cuda
         return SampledTokens(self.sampler(logits, tensors, sync_free=sync_free))
 
+    def _matches_output(self, seq: Sequence) -> bool:
+        """Whether sampling this sequence reads its last tokens' values (a bad word of several
+        tokens); a one-token bad word is banned whatever came before."""
+        state = self.requests.get(seq.request_id)
+        return state is not None and any(len(word) > 1 for word in state.bad_words_token_ids)
+
     def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
         plan = plan_continuation(
             prev, self.scheduler.running, len(self.scheduler.waiting), self.block_manager,
-            self.max_model_len, self.args.max_num_batched_tokens, self.args.max_num_seqs,
+            self.max_model_len, self.args.max_num_batched_tokens, self.args.max_num_seqs, self._matches_output,
         )  # fmt: skip
         if plan is None:
             return None
