@@ -26,6 +26,7 @@ _GGUF_NAMES = {
     "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }  # fmt: skip
@@ -78,13 +79,19 @@ def write_tiny_gguf(
         shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
+        if arch == "phi3":  # q/k/v and gate/up fused, as in Phi-3's own checkpoints
+            shapes |= {p + "self_attn.qkv_proj.weight": ((heads + 2 * kv_heads) * hd, hidden),
+                       p + "mlp.gate_up_proj.weight": (2 * inter, hidden)}  # fmt: skip
+        else:
+            shapes |= {
+                p + "self_attn.q_proj.weight": (heads * hd, hidden),
+                p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
+                p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
+                p + "mlp.gate_proj.weight": (inter, hidden),
+                p + "mlp.up_proj.weight": (inter, hidden),
+            }
         shapes |= {
-            p + "self_attn.q_proj.weight": (heads * hd, hidden),
-            p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
-            p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
             p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
@@ -105,6 +112,10 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_vocab_size(vocab)
+    if arch == "phi3":
+        w.add_sliding_window(200)
+        w.add_rope_dimension_count(hd)
+        w.add_pad_token_id(vocab - 1)  # else Phi3Config's default (32000) lies outside this vocabulary
     if head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -175,7 +186,7 @@ def test_tensor_names_and_unpermute() -> None:
         unpermute_rotary(np.zeros((10, 4), np.float32), 3)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "phi3", "qwen2", "qwen3"])
 def test_tiny_gguf_converts(tmp_path: Path, arch: str) -> None:
     from transformers import AutoTokenizer
 
@@ -191,6 +202,8 @@ def test_tiny_gguf_converts(tmp_path: Path, arch: str) -> None:
     assert config["num_key_value_heads"] == 2 and config["num_hidden_layers"] == 2
     if arch == "qwen3":
         assert config["head_dim"] == 24  # from attention.key_length, not Qwen3Config's default 128
+    if arch == "phi3":
+        assert config["sliding_window"] == 200  # transformers' GGUF reader drops it
 
     got = _read_all(out)
     assert set(got) == set(expected)
@@ -240,14 +253,26 @@ def test_converted_tiny_gguf_loads_into_model(tmp_path: Path) -> None:
     assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(expected["model.embed_tokens.weight"]))
 
 
-def test_converted_qwen2_gguf_loads_its_qkv_biases(tmp_path: Path) -> None:
-    gguf_path = tmp_path / "tiny-qwen2.gguf"
-    expected = write_tiny_gguf(gguf_path, "qwen2", tied=False)
-    model, config = load_model(resolve_model_dir(str(gguf_path), tmp_path / "cache"), torch.float32, torch.device("cpu"))
-    assert config.architectures == ["Qwen2ForCausalLM"] and type(model).__name__ == "Qwen2ForCausalLM"
+@pytest.mark.parametrize("arch", ["phi3", "qwen2"])
+def test_converted_gguf_runs_like_transformers(tmp_path: Path, arch: str) -> None:
+    """qwen2's q/k/v biases and phi3's fused qkv / gate_up tensors land where our model and
+    transformers' (loading the same converted directory) both read them: equal logits."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import prompt_forward
+
+    gguf_path = tmp_path / f"tiny-{arch}.gguf"
+    write_tiny_gguf(gguf_path, arch, tied=False)
+    model_dir = resolve_model_dir(str(gguf_path), tmp_path / "cache")
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert config.architectures == [gguf_convert.GGUF_ARCHITECTURES[arch]]
     attn = model.model.layers[1].self_attn
-    want = np.concatenate([expected[f"model.layers.1.self_attn.{x}_proj.bias"] for x in "qkv"])
-    assert torch.equal(attn.qkv_proj.bias, torch.from_numpy(want)) and attn.o_proj.bias is None
+    assert (attn.qkv_proj.bias is not None) == (arch == "qwen2") and attn.o_proj.bias is None
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [5, 17, 99, 3, 250, 42]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
 def test_unsupported_architecture_refused(tmp_path: Path) -> None:

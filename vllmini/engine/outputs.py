@@ -70,3 +70,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's RequestOutput field)."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens

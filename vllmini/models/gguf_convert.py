@@ -25,11 +25,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
-CONVERTER_VERSION = 2  # 2: special tokens pinned to the GGUF metadata
+CONVERTER_VERSION = 3  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py).
 GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
 }  # fmt: skip
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -38,6 +38,7 @@ _BLOCK_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v fused, as in its HF checkpoints
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",  # qwen3
     "ffn_gate": "mlp.gate_proj",
@@ -46,19 +47,20 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     if m := _BLOCK_RE.match(gguf_name):
         layer, kind, leaf = m.groups()
-        if kind in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{leaf}"
-        return None
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        return f"model.layers.{layer}.{names[kind]}.{leaf}" if kind in names else None
     if (m := _GLOBAL_RE.match(gguf_name)) and m.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[m.group(1)]}.{m.group(2)}"
     return None
@@ -163,7 +165,7 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
                 f"{gguf_path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling factors) is not supported "
                 "by the GGUF conversion; use the model's HF safetensors checkpoint instead"
             )
-        if hf_tensor_name(t.name) is None:
+        if hf_tensor_name(t.name, arch) is None:
             raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} has no known HF name for architecture {arch!r}")
         if t.tensor_type in probed:
             continue
@@ -185,6 +187,9 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path):
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers ignores it for qwen3 and falls back to Qwen3Config's default 128
         config.head_dim = int(key_length.contents())
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
+    if window is not None:  # transformers' GGUF config reader drops it (phi3 has one: 2047 for -mini-4k)
+        config.sliding_window = int(window.contents())
     config.dtype = "float32"
     config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
     config.save_pretrained(out)
@@ -269,7 +274,7 @@ def _dequantized(tensors: list, config, arch: str) -> Iterator[tuple[str, torch.
     from gguf.quants import dequantize
 
     for t in tensors:
-        name = hf_tensor_name(t.name)
+        name = hf_tensor_name(t.name, arch)
         assert name is not None  # checked in _check_supported
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
