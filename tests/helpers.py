@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
 
 from vllmini.models.base import AttentionMetadata
 
@@ -148,6 +148,13 @@ def tiny_phi3_config(**overrides) -> Phi3Config:
     features = dict(num_attention_heads=8, tie_word_embeddings=False, original_max_position_embeddings=1024,
                     pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return _tiny(Phi3Config, "Phi3ForCausalLM", features, overrides)
+
+
+def tiny_smollm3_config(**overrides) -> SmolLM3Config:
+    """SmolLM3: every 4th layer without RoPE (no_rope_layers), tied embeddings; 4 layers so one is NoPE."""
+    features = dict(num_attention_heads=4, num_hidden_layers=4, tie_word_embeddings=True, rope_theta=2000000.0,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return _tiny(SmolLM3Config, "SmolLM3ForCausalLM", features, overrides)
 
 
 def randomize_biases(hf_model, std: float = 0.5):

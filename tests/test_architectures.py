@@ -1,4 +1,4 @@
-"""Qwen2, Mistral and Phi-3 checkpoints through the whole engine (config.json -> registry -> weights ->
+"""Qwen2, Mistral, Phi-3 and SmolLM3 checkpoints through the whole engine (config.json -> registry -> weights ->
 paged forward), greedy equal to transformers'; and sliding windows: vllmini has no
 sliding-window attention, so it caps max_model_len at the window, where full attention is
 exactly what the model computes."""
@@ -9,11 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_mistral_config,
-                     tiny_phi3_config, tiny_qwen2_config)  # fmt: skip
+                     tiny_phi3_config, tiny_qwen2_config, tiny_smollm3_config)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 
-MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config, "phi3": tiny_phi3_config}
+MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config, "phi3": tiny_phi3_config,
+          "smollm3": tiny_smollm3_config}  # fmt: skip
 
 
 def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):

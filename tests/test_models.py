@@ -9,10 +9,11 @@ from transformers import MistralForCausalLM as HFMistral
 from transformers import Phi3ForCausalLM as HFPhi3
 from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
+from transformers import SmolLM3ForCausalLM as HFSmolLM3
 
 from helpers import (assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, randomize_biases,
                      tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config,
-                     tiny_qwen3_config)  # fmt: skip
+                     tiny_qwen3_config, tiny_smollm3_config)  # fmt: skip
 from vllmini.models.llama import LlamaForCausalLM
 from vllmini.models.qwen2 import Qwen2ForCausalLM
 from vllmini.models.qwen3 import Qwen3ForCausalLM
@@ -27,6 +28,7 @@ CASES = {
     "qwen2-qkvbias-tied": (tiny_qwen2_config, HFQwen2, Qwen2ForCausalLM),
     "mistral-headdim": (tiny_mistral_config, HFMistral, LlamaForCausalLM),
     "phi3-fused": (tiny_phi3_config, HFPhi3, LlamaForCausalLM),
+    "smollm3-nope-tied": (tiny_smollm3_config, HFSmolLM3, LlamaForCausalLM),
 }
 
 
@@ -63,6 +65,8 @@ def test_tiny_configs_exercise_the_features(tiny_pair):
     if attn.qkv_proj.bias is not None:
         assert attn.qkv_proj.bias.abs().min() > 0  # loaded from the (randomised) checkpoint
     assert ours.sliding_window is None
+    ropes = [layer.self_attn.use_rope for layer in ours.model.layers]
+    assert ropes == ([True, True, True, False] if name.startswith("smollm3") else [True] * len(ropes))
 
 
 def test_tiny_logits_match_in_one_flat_batch(tiny_pair):

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2, Mistral), also the body of Qwen2 and Qwen3.
+"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2/3, Mistral, Phi-3), also the body of Qwen2 and Qwen3.
 
 q/k/v and gate/up are fused into one matmul each at load time; ``load_weights``
 maps HF checkpoint names onto the fused parameters.
@@ -32,8 +32,9 @@ class DecoderVariant:
 class DecoderAttention(nn.Module):
     """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the attention core."""
 
-    def __init__(self, config: Any, variant: DecoderVariant) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True) -> None:
         super().__init__()
+        self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's no_rope_layers)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -59,15 +60,16 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        if self.use_rope:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
         return self.o_proj(self.attn(q, k, v, meta, kv_cache))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, variant)
+        self.self_attn = DecoderAttention(config, variant, use_rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(
             config.hidden_size,
@@ -91,7 +93,9 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, variant) for _ in range(config.num_hidden_layers))
+        # SmolLM3: no_rope_layers[i] == 0 marks a layer without rotary embedding
+        rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(config, variant, bool(rope[i])) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))

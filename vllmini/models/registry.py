@@ -11,6 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers (window: sliding_window)
     "Phi3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # checkpoints hold qkv_proj / gate_up_proj fused
     "Qwen2ForCausalLM": ("vllmini.models.qwen2", "Qwen2ForCausalLM"),
+    "SmolLM3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers, some without RoPE
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
 }
 
