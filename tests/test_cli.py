@@ -74,3 +74,20 @@ def test_engine_options_parse_to_their_field_types():
     args = _engine_args(ns)
     assert (args.max_logprobs, args.kv_cache_memory, args.gpu_memory_utilization, args.max_model_len) == (5, 2**20, 0.5, 64)
     args.validate()
+
+
+def test_sampling_flags_over_model_defaults_over_cli_defaults():
+    """An unset flag takes the model's generation config (as vLLM's CLI does), else the CLI's own
+    default (greedy, 64 tokens for generate); a flag given always wins."""
+    from vllmini import SamplingParams
+    from vllmini.cli import _sampling_params, build_parser
+
+    model = SamplingParams(temperature=0.7, top_k=20, max_tokens=5)
+    ns = build_parser().parse_args(["generate", "x"])
+    p = _sampling_params(ns, model)
+    assert (p.temperature, p.top_k, p.max_tokens, p.output_kind) == (0.7, 20, 5, "delta")
+    ns = build_parser().parse_args(["generate", "--temperature", "0", "--max-tokens", "9", "x"])
+    p = _sampling_params(ns, model)
+    assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 9)
+    p = _sampling_params(build_parser().parse_args(["generate", "x"]), SamplingParams())
+    assert (p.temperature, p.top_k, p.max_tokens, p.ignore_eos) == (0.0, 0, 64, False)

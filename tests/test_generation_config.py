@@ -51,3 +51,31 @@ async def test_async_engine_uses_the_defaults(model_dir):
     async with AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir))) as engine:
         outs = [o async for o in engine.generate(PROMPT, None, request_id="d")]
     assert len(outs[-1].outputs[0].token_ids) == 5
+
+
+def test_defaults_are_copies_clamped_and_lenient(model_dir, tmp_path):
+    llm = LLM(model=str(model_dir), max_model_len=64)
+    mine = llm.get_default_sampling_params()
+    mine.max_tokens = 2  # the caller's copy: the engine's defaults stay
+    assert llm.get_default_sampling_params().max_tokens == 5
+    assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 5
+
+    # the model's max_new_tokens beyond max_model_len: cut to what is left (vLLM stops there too)
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "generation_config.json").write_text(json.dumps({"max_new_tokens": 2048, "top_k": 1, "top_p": 0.0}))
+    roomy = LLM(model=str(model_dir), max_model_len=64, generation_config=str(big))
+    defaults = roomy.get_default_sampling_params()  # top_p 0 is refused by SamplingParams: dropped, logged
+    assert (defaults.top_p, defaults.top_k, defaults.max_tokens) == (1.0, 1, 2048)
+    out = roomy.generate({"prompt_token_ids": list(range(100, 160))}, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="exceeds max_model_len"):  # a caller's own max_tokens is still checked
+        roomy.generate({"prompt_token_ids": list(range(100, 160))}, SamplingParams(max_tokens=2048), use_tqdm=False)
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="generation_config.json cannot be read"):
+        LLM(model=str(model_dir), generation_config=str(broken))
+    with pytest.raises(ValueError, match="no generation_config.json in that folder"):
+        LLM(model=str(model_dir), generation_config="no-such-folder")  # a local folder, never a hub id

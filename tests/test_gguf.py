@@ -65,6 +65,7 @@ def write_tiny_gguf(
     extra_kv: dict | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
+    rope_dims: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model; returns the HF-layout fp32 tensors the converter must reproduce.
 
@@ -114,7 +115,7 @@ def write_tiny_gguf(
     w.add_vocab_size(vocab)
     if arch == "phi3":
         w.add_sliding_window(200)
-        w.add_rope_dimension_count(hd)
+        w.add_rope_dimension_count(rope_dims or hd)
         w.add_pad_token_id(vocab - 1)  # else Phi3Config's default (32000) lies outside this vocabulary
     if head_dim is not None:
         w.add_key_length(head_dim)
@@ -327,6 +328,14 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
     path = tmp_path / "yarn.gguf"
     write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match=r"yarn\.gguf.*rope scaling 'yarn'"):
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "phi35.gguf"  # Phi-3.5 / Phi-3-128k: LongRoPE factors
+    write_tiny_gguf(path, "phi3", extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(ValueError, match=r"phi35\.gguf: LongRoPE"):
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "partial.gguf"  # Phi-4-mini style: RoPE over part of each head
+    write_tiny_gguf(path, "phi3", rope_dims=12)
+    with pytest.raises(ValueError, match=r"partial rotary embedding \(12 of 16 dims\)"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 

@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 
 DEMO_PROMPTS = [
     "The three most important ideas in computer science are",
@@ -43,11 +42,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    # unset flags take the model's generation config (EngineArgs.generation_config), else these
+    p.set_defaults(cli_sampling_defaults={"max_tokens": max_tokens, "temperature": 0.0})
+    p.add_argument("--max-tokens", type=int, default=None, help=f"(default: the model's, else {max_tokens})")
+    p.add_argument("--temperature", type=float, default=None, help="(default: the model's, else 0: greedy)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
     p.add_argument("--ignore-eos", action="store_true")
 
@@ -58,13 +59,17 @@ def _engine_args(ns: argparse.Namespace):
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
-def _sampling_params(ns: argparse.Namespace):
+def _sampling_params(ns: argparse.Namespace, model_defaults):
+    """The flags given, over what the model's generation config sets, over the CLI's defaults."""
     from vllmini import SamplingParams
 
-    return SamplingParams(
-        max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-        min_p=ns.min_p, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos,
-    )  # fmt: skip
+    plain = SamplingParams()
+    from_model = {f: getattr(model_defaults, f) for f in model_defaults.__struct_fields__
+                  if getattr(model_defaults, f) != getattr(plain, f)}  # fmt: skip
+    given = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
+             "min_p": ns.min_p, "seed": ns.sampling_seed, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    return SamplingParams(**{**ns.cli_sampling_defaults, **from_model, **given, "output_kind": "delta"})
 
 
 class LiveLines:
@@ -117,8 +122,8 @@ def _chat_prompt(text: str, raw: bool) -> str | list[dict[str, str]]:
 async def _generate(ns: argparse.Namespace, prompts: list[str]) -> int:
     from vllmini import AsyncLLMEngine
 
-    params = msgspec.structs.replace(_sampling_params(ns), output_kind="delta")
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        params = _sampling_params(ns, engine.engine.get_default_sampling_params())
         live = LiveLines(len(prompts))
         texts = [""] * len(prompts)
         ttfts: list[float] = []
@@ -154,10 +159,10 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 async def _chat(ns: argparse.Namespace) -> int:
     from vllmini import AsyncLLMEngine
 
-    params = msgspec.structs.replace(_sampling_params(ns), output_kind="delta")
     loop = asyncio.get_running_loop()
     history: list[dict[str, str]] = []
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        params = _sampling_params(ns, engine.engine.get_default_sampling_params())
         print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
         while True:
             try:

@@ -8,11 +8,16 @@ sampling parameters (its generation_config.json, as vLLM's ``generation_config="
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from vllmini.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("vllmini")
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -20,24 +25,35 @@ PromptType = str | list[int] | dict[str, Any]
 _GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 
 
-def load_generation_config(path: str | Path) -> Any | None:
-    """The model's GenerationConfig, or None when it ships none."""
+def load_generation_config(folder: str | Path) -> Any | None:
+    """The generation_config.json in a local folder (never a hub lookup), or None when there is
+    none; a file transformers cannot read is a ValueError naming it."""
     from transformers import GenerationConfig
 
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
         return None
+    try:
+        return GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} cannot be read: {exc}") from exc
 
 
 def generation_defaults(config: Any | None) -> dict[str, Any]:
-    """The sampling fields the generation config sets away from transformers' defaults."""
+    """The sampling fields the generation config sets away from transformers' defaults; a value
+    SamplingParams refuses is dropped with a warning (requests with their own params need none)."""
     if config is None:
         return {}
     diff = config.to_diff_dict()
     found = {k: diff[k] for k in _GENERATION_DEFAULTS if diff.get(k) is not None}
     if "max_new_tokens" in found:
         found["max_tokens"] = found.pop("max_new_tokens")
+    for name, value in list(found.items()):
+        try:
+            SamplingParams(**{name: value})
+        except ValueError as exc:
+            logger.warning("generation config: %s ignored (%s)", name, exc)
+            del found[name]
     return found
 
 
@@ -62,8 +78,17 @@ class InputProcessor:
         self.max_logprobs = vocab_size if max_logprobs == -1 else max_logprobs
         self.default_params = default_params  # for requests that pass none
 
-    def process(self, prompt: PromptType, params: SamplingParams | None) -> ProcessedInput:
-        params = params if params is not None else self.default_params
+    def defaults(self, **replace: Any) -> SamplingParams:
+        """A fresh copy of the default sampling parameters (callers may change their own)."""
+        return msgspec.structs.replace(self.default_params, **replace)
+
+    def process(self, prompt: PromptType, params: SamplingParams | None, output_kind: str | None = None) -> ProcessedInput:
+        """``params`` None: the defaults (``output_kind``, if given, replacing theirs), whose
+        max_tokens (the model's max_new_tokens) is cut to what max_model_len and the cache
+        leave, as vLLM stops such a request at max_model_len instead of refusing it."""
+        from_defaults = params is None
+        if from_defaults:
+            params = self.defaults(**({"output_kind": output_kind} if output_kind else {}))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         self._check_params(params)
@@ -75,7 +100,10 @@ class InputProcessor:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
             )
+        room = min(self.max_model_len, self.capacity_tokens) - len(ids)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if from_defaults and room > 0:
+            max_tokens = min(max_tokens, room)
         total = len(ids) + max_tokens
         if total > self.max_model_len:
             raise ValueError(

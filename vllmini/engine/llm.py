@@ -42,7 +42,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
+            params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -56,7 +56,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+                ids.append(engine.add_request(None, prompt, params, default_output_kind="final"))
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise

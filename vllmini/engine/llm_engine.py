@@ -146,19 +146,15 @@ class LLMEngine:
             return SamplingParams()
         config = self.generation_config if source == "auto" else load_generation_config(source)
         if config is None and source != "auto":
-            raise ValueError(f"generation_config={source!r}: no generation_config.json there")
+            raise ValueError(f"generation_config={source!r}: no generation_config.json in that folder")
         defaults = generation_defaults(config)
-        try:
-            params = SamplingParams(**defaults)
-        except ValueError as exc:
-            raise ValueError(f"generation_config {defaults}: {exc}") from None
         if defaults:
-            logger.info("default sampling parameters from the model's generation config: %s", defaults)
-        return params
+            logger.info("default sampling parameters from the generation config: %s", defaults)
+        return SamplingParams(**defaults)
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What a request without SamplingParams gets (vLLM's name)."""
-        return self.input_processor.default_params
+        """A copy of what a request without SamplingParams gets (vLLM's name)."""
+        return self.input_processor.defaults()
 
     @property
     def capacity_tokens(self) -> int:
@@ -171,22 +167,23 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, default_output_kind: str | None = None,
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
         nothing is queued then."""
-        state = self.prepare_request(request_id, prompt, params, arrival_time)
+        state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind)
         self.enqueue(state)
         return state.request_id
 
     def prepare_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        arrival_time: float | None = None, default_output_kind: str | None = None,
     ) -> RequestState:  # fmt: skip
         """Validate and tokenize without touching the scheduler, so that the async engine can
         do it on the caller's thread and raise right at the call. ``params`` None: the model's
-        default sampling parameters (``get_default_sampling_params``)."""
-        inp = self.input_processor.process(prompt, params)
+        default sampling parameters (``get_default_sampling_params``), with
+        ``default_output_kind`` when given."""
+        inp = self.input_processor.process(prompt, params, default_output_kind)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
         now = arrival_time if arrival_time is not None else time.monotonic()

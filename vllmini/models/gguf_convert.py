@@ -147,8 +147,8 @@ def _architecture(reader, gguf_path: Path) -> str:
 
 def _check_supported(reader, gguf_path: Path, arch: str) -> None:
     """Fail before writing anything on what the conversion would silently get wrong:
-    rope scaling (transformers' GGUF config reader drops it for llama/qwen3), unknown
-    tensor names, quant types gguf cannot dequantize."""
+    rope scaling (transformers' GGUF config reader drops it for llama/qwen3), LongRoPE factors,
+    a partial rotary embedding, unknown tensor names, quant types gguf cannot dequantize."""
     from gguf.quants import dequantize
 
     scaling = reader.fields.get(f"{arch}.rope.scaling.type")
@@ -157,6 +157,18 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
             f"{gguf_path}: rope scaling {scaling.contents()!r} is not supported by the GGUF conversion; "
             "use the model's HF safetensors checkpoint instead"
         )
+    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
+        raise ValueError(f"{gguf_path}: LongRoPE scaling (rope_factors_long/short: Phi-3-128k, Phi-3.5, Phi-4-mini) "
+                         "is not supported")  # fmt: skip
+    rotary = reader.fields.get(f"{arch}.rope.dimension_count")
+    key_length = reader.fields.get(f"{arch}.attention.key_length")
+    if rotary is not None:
+        heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
+        head_dim = int(key_length.contents()) if key_length is not None else (
+            int(reader.fields[f"{arch}.embedding_length"].contents()) // heads)  # fmt: skip
+        if int(rotary.contents()) != head_dim:
+            raise ValueError(f"{gguf_path}: partial rotary embedding ({rotary.contents()} of {head_dim} dims) "
+                             "is not supported")  # fmt: skip
 
     probed: set = set()
     for t in reader.tensors:
