@@ -57,6 +57,20 @@ def generation_defaults(config: Any | None) -> dict[str, Any]:
     return found
 
 
+def default_sampling_params(source: str, model_config: Any | None) -> SamplingParams:
+    """SamplingParams() updated with what EngineArgs.generation_config points at ("auto": the
+    model's generation config, ``model_config``; "vllm": none; or a folder holding one), as vLLM."""
+    if source == "vllm":
+        return SamplingParams()
+    config = model_config if source == "auto" else load_generation_config(source)
+    if config is None and source != "auto":
+        raise ValueError(f"generation_config={source!r}: no generation_config.json in that folder")
+    defaults = generation_defaults(config)
+    if defaults:
+        logger.info("default sampling parameters from the generation config: %s", defaults)
+    return SamplingParams(**defaults)
+
+
 @dataclass
 class ProcessedInput:
     text: str | None
@@ -155,14 +169,15 @@ class InputProcessor:
         special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own left
         truncation does; token ids given by the caller are cut as they are."""
         keep = params.truncate_prompt_tokens
-        if keep is not None and keep > self.max_model_len:
+        assert keep is not None
+        if keep > self.max_model_len:
             raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
         if keep == -1:
             keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
             if keep < 1:
                 raise ValueError(f"truncate_prompt_tokens=-1 leaves no prompt: max_tokens={params.max_tokens} "
                                  f"fills max_model_len={self.max_model_len}")  # fmt: skip
-        if keep is None or len(ids) <= keep:
+        if len(ids) <= keep:
             return ids
         if text is not None:
             body = self.tokenizer(text, add_special_tokens=False).input_ids

@@ -17,18 +17,18 @@ import time
 import torch
 
 from vllmini.config import EngineArgs, resolve_device, resolve_dtype
+from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
-from vllmini.engine import prompt_logprobs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
-from vllmini.engine.input_processor import InputProcessor, PromptType, generation_defaults, load_generation_config
+from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
-from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.sampling_tensors import to_device
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
@@ -110,7 +110,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
-            self._default_sampling_params(),
+            default_sampling_params(args.generation_config, self.generation_config),
         )  # fmt: skip
         self.sampler = Sampler()
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
@@ -137,20 +137,6 @@ class LLMEngine:
         gen_eos = getattr(self.generation_config, "eos_token_id", None)
         ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
         return tuple(sorted(ids))
-
-    def _default_sampling_params(self) -> SamplingParams:
-        """SamplingParams() updated with what EngineArgs.generation_config points at ("auto": the
-        model's generation_config.json; "vllm": none; or a folder holding one), as vLLM does."""
-        source = self.args.generation_config
-        if source == "vllm":
-            return SamplingParams()
-        config = self.generation_config if source == "auto" else load_generation_config(source)
-        if config is None and source != "auto":
-            raise ValueError(f"generation_config={source!r}: no generation_config.json in that folder")
-        defaults = generation_defaults(config)
-        if defaults:
-            logger.info("default sampling parameters from the generation config: %s", defaults)
-        return SamplingParams(**defaults)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """A copy of what a request without SamplingParams gets (vLLM's name)."""
