@@ -241,3 +241,38 @@ def test_decode_step_timing_batch64(model_dir, backend, record_property):
           f"graph {times['graph'] * 1e3:.2f} ms, {speedup:.2f}x")  # fmt: skip
     record_property("decode_speedup", speedup)
     assert speedup > 1.0
+
+
+def test_kv_budget_leaves_room_for_the_costliest_step(tmp_path):
+    """The KV cache takes what gpu_memory_utilization leaves after the warm-up: the heaviest
+    step then (max_num_seqs rows sampled with top-p, penalties and 20 logprobs, next to a long
+    prompt scored with prompt_logprobs over a 151936-token vocabulary) must stay within it."""
+    from transformers import AutoModelForCausalLM
+
+    from vllmini import LLM, SamplingParams
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=151936, max_position_embeddings=2048))
+    hf.save_pretrained(tmp_path)
+    save_word_level_tokenizer(hf.config.vocab_size, tmp_path)
+    del hf
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    others = total - free - torch.cuda.memory_reserved()
+    util = (others + (4 << 30)) / total  # about 4 GiB for weights, activations and the KV cache
+    llm = LLM(model=str(tmp_path), gpu_memory_utilization=util, max_num_seqs=64, max_model_len=2048)
+    g = torch.Generator().manual_seed(5)
+    sampled = SamplingParams(max_tokens=4, temperature=0.9, top_p=0.9, repetition_penalty=1.1, logprobs=20, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(0, 151936, (n,), generator=g).tolist()} for n in [1500] + [30] * 63]
+    params = [SamplingParams(max_tokens=2, prompt_logprobs=20, ignore_eos=True)] + [sampled] * 63
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    peak = torch.cuda.max_memory_allocated()
+    assert len(outs[0].prompt_logprobs) == 1500 and all(len(o.outputs[0].token_ids) == 4 for o in outs[1:])
+    limit = int(util * total) - others
+    print(f"\npeak {peak / 2**20:.0f} MiB of a {limit / 2**20:.0f} MiB budget "
+          f"(KV cache {llm.llm_engine.capacity_tokens} tokens)")  # fmt: skip
+    assert peak <= limit + (32 << 20), f"peak {peak} > budget {limit}"
+    del llm
+    torch.cuda.empty_cache()

@@ -179,3 +179,27 @@ def test_fields_are_validated(smol):
     assert_no_leaks(llm)
     decoded = msgspec.json.decode(b'{"logit_bias": {"5": 2}, "allowed_token_ids": [5, 6]}', type=SamplingParams)
     assert decoded.logit_bias == {5: 2.0} and decoded.allowed_token_ids == [5, 6]
+
+
+def test_constraints_that_leave_nothing_to_sample_are_refused(smol):
+    """allowed_token_ids whose every token is banned (a one-token bad word; EOS or a stop id
+    while min_tokens holds) would fall back to the raw logits: refused at submission."""
+    llm, _ = smol
+    eng = llm.llm_engine
+    eos = eng.eos_token_ids[0]
+    paris = eng.tokenizer.encode("Paris", add_special_tokens=False)
+    assert len(paris) == 1
+    refused = [
+        (dict(allowed_token_ids=paris, bad_words=["Paris"]), "every allowed token is banned by bad_words"),
+        (dict(allowed_token_ids=[eos], min_tokens=2), "min_tokens=2 bans"),
+        (dict(allowed_token_ids=[eos, 7], stop_token_ids=[7], min_tokens=1), "stop_token_id"),
+        (dict(allowed_token_ids=[eos, *paris], bad_words=["Paris"], min_tokens=1), "bad word"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(ValueError, match=f"allowed_token_ids: .*{message}"):
+            llm.generate("hi", SamplingParams(max_tokens=4, **kw), use_tqdm=False)
+    assert_no_leaks(llm)
+    # one token left is enough, and ignore_eos lifts the EOS ban
+    for kw in (dict(allowed_token_ids=[eos, 7], min_tokens=2), dict(allowed_token_ids=[eos], min_tokens=2, ignore_eos=True)):
+        out = llm.generate("hi", SamplingParams(max_tokens=3, temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids[:2] == [kw["allowed_token_ids"][-1]] * 2, out.token_ids

@@ -15,11 +15,12 @@ from transformers import LlamaForCausalLM as HFLlama
 from helpers import save_tiny_model, tiny_llama_config
 from test_engine import assert_no_leaks, kv_bytes
 from vllmini import LLM, EngineArgs, SamplingParams
+from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.model_runner import flatten_step
 from vllmini.kv.block_manager import BlockManager
-from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
+from vllmini.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence
 
 CONFIG = tiny_llama_config(vocab_size=49152, initializer_range=0.05)
@@ -168,3 +169,90 @@ def test_logprob_fields_are_validated_and_capped(tiny):
     unlimited = LLM(model=model_dir, max_logprobs=-1)
     out = unlimited.generate("hi there", SamplingParams(max_tokens=1, logprobs=100, prompt_logprobs=100), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) in (100, 101) and len(out.prompt_logprobs[1]) in (100, 101)
+
+
+def test_scheduler_caps_the_prompt_positions_scored_per_step():
+    """``max_prompt_logits_rows``: a scored chunk stops at the cap; positions scored before
+    (a recompute after preemption) are free; a second scored prompt waits for the next step;
+    other sequences are scheduled as usual."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(8, 100, 512, max_prompt_logits_rows=10), bm)
+    plain = Sequence(0, "p", list(range(30)), None, 4)
+    scored = [Sequence(i, f"s{i}", list(range(50)), None, 4) for i in (1, 2)]
+    for seq in scored:
+        seq.prompt_logits_from = 0
+    for seq in (scored[0], plain, scored[1]):
+        sched.add(seq)
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("s1", 10), ("p", 30)]
+    assert scored[0].prompt_logits_rows(0, 10) == 10
+    # a recompute from 0 of a prompt scored up to 20: 20 free positions + 10 new ones
+    assert scored[0].cap_prompt_logits_rows(0, 50, 10) == 10
+    scored[0].prompt_logits_from = 20
+    assert scored[0].cap_prompt_logits_rows(0, 50, 10) == 30 and scored[0].prompt_logits_rows(0, 30) == 10
+    assert scored[0].cap_prompt_logits_rows(0, 50, 0) == 20 and scored[0].prompt_logits_rows(0, 20) == 0
+    # the last prompt position is sampled, not scored: a 50-token prompt has 49 rows
+    assert scored[0].prompt_logits_rows(20, 30) == 29
+
+
+def test_a_long_prompt_is_scored_over_several_steps(tiny, monkeypatch):
+    """With the cap at 7 rows (the vocabulary-wide logits a step may hold), two scored prompts
+    and a plain request run together: no step projects more than 7 prompt rows, the values are
+    transformers', and the plain request's tokens are those it gets alone."""
+    model_dir, hf = tiny
+    monkeypatch.setattr(prompt_logprobs, "MAX_PROMPT_LOGITS_ELEMENTS", 7 * CONFIG.vocab_size + 3)
+    engine = LLMEngine(EngineArgs(model=model_dir, max_num_batched_tokens=64))
+    assert engine.scheduler.config.max_prompt_logits_rows == 7
+    rows_per_step = []
+    execute = engine.runner.execute
+
+    def counting(sched, bm):
+        logits, flat = execute(sched, bm)
+        rows_per_step.append(sum(count for _, _, count in flat.prompt_rows))
+        return logits, flat
+
+    monkeypatch.setattr(engine.runner, "execute", counting)
+    prompts = {"a": list(range(200, 240)), "b": list(range(900, 925)), "plain": list(range(40, 70))}
+    plain = SamplingParams(max_tokens=5, ignore_eos=True, temperature=0)
+    for rid, ids in prompts.items():
+        params = plain if rid == "plain" else SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((out.request_id, out) for out in engine.step() if out.finished)
+    assert max(rows_per_step) == 7 and sum(rows_per_step) == 39 + 24
+    for rid in ("a", "b"):
+        assert_prompt_logprobs(finals[rid].prompt_logprobs, prompts[rid], hf_logprobs(hf, prompts[rid]), 2)
+    alone = LLM(model=model_dir).generate({"prompt_token_ids": prompts["plain"]}, plain, use_tqdm=False)[0]
+    assert finals["plain"].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_no_leaks(SimpleNamespace(engine=engine))
+
+
+@pytest.mark.parametrize("max_logprobs", [20, -1])
+def test_memory_warm_up_runs_the_costliest_step(tiny, monkeypatch, max_logprobs):
+    """The CUDA KV budget is what the warm-up leaves: it must project max_num_seqs sampled rows
+    plus the prompt-logprob cap, sample the former with the costly options and score the latter
+    (run here on the CPU, where the same code runs; only the memory reading is CUDA's)."""
+    model_dir, _ = tiny
+    from vllmini.engine import kv_budget
+    from vllmini.models.weight_loader import load_model
+
+    model, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    seen = {}
+    real_sampler, real_score = kv_budget.Sampler.__call__, prompt_logprobs.score_rows
+
+    def sampler(self, logits, t, sync_free=False):
+        seen["sampled"] = (logits.shape, t.num_logprobs, t.top_p_rows, t.do_penalties, t.disallowed is not None)
+        return real_sampler(self, logits, t, sync_free)
+
+    def score(logits, targets, num_top):
+        seen["scored"] = (logits.shape, num_top)
+        return real_score(logits, targets, num_top)
+
+    monkeypatch.setattr(kv_budget.Sampler, "__call__", sampler)
+    monkeypatch.setattr(prompt_logprobs, "score_rows", score)
+    args = EngineArgs(model=model_dir, max_num_seqs=6, max_num_batched_tokens=64, max_logprobs=max_logprobs)
+    kv_budget.warm_up_step(model, args, 256, 9, torch.device("cpu"))
+    top = CONFIG.vocab_size if max_logprobs == -1 else 20
+    assert seen["sampled"] == ((6, CONFIG.vocab_size), top, list(range(6)), True, True)
+    assert seen["scored"] == ((9, CONFIG.vocab_size), top)

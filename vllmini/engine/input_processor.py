@@ -83,9 +83,10 @@ class ProcessedInput:
 class InputProcessor:
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_model_len: int, capacity_tokens: int, max_logprobs: int,
-        default_params: SamplingParams,
+        default_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capacity_tokens = capacity_tokens
@@ -128,7 +129,9 @@ class InputProcessor:
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "
                 f"({self.capacity_tokens} tokens); raise kv_cache_memory or lower max_tokens"
             )
-        return ProcessedInput(text, ids, params, max_tokens, self._bad_words_token_ids(params.bad_words or []))
+        bad_words = self._bad_words_token_ids(params.bad_words or [])
+        self._check_something_allowed(params, bad_words)
+        return ProcessedInput(text, ids, params, max_tokens, bad_words)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
@@ -162,6 +165,24 @@ class InputProcessor:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def _check_something_allowed(self, params: SamplingParams, bad_words: list[tuple[int, ...]]) -> None:
+        """Refuse allowed_token_ids that the bans leave empty: one-token bad words always, and
+        while min_tokens holds, EOS and stop_token_ids too (a row with nothing left to sample
+        would fall back to the raw logits and emit a token the caller excluded)."""
+        if params.allowed_token_ids is None:
+            return
+        allowed = set(params.allowed_token_ids)
+        banned = {word[0] for word in bad_words if len(word) == 1}
+        if allowed <= banned:
+            raise ValueError("allowed_token_ids: every allowed token is banned by bad_words")
+        if params.min_tokens > 0:
+            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if allowed <= banned:
+                raise ValueError(
+                    f"allowed_token_ids: every allowed token is EOS, a stop_token_id or a bad word, which "
+                    f"min_tokens={params.min_tokens} bans for the first tokens"
+                )
 
     def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
         """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as

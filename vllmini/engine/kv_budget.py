@@ -1,8 +1,11 @@
 """How much memory the KV cache gets, decided once at start-up.
 
 CPU: ``EngineArgs.kv_cache_memory`` (default 1 GiB). CUDA: what ``gpu_memory_utilization``
-of the device leaves after the weights, the activation peak of one forward at the largest
-step (measured by running it, ``ModelRunner.warmup``) and, with CUDA graphs, their reserve.
+of the device leaves after the weights, the peak of the largest step (measured by running
+it: one forward at ``max_num_batched_tokens`` projecting the most logits rows a step can,
+``max_num_seqs`` sampled plus the prompt-logprob cap, then the sampler on the former with its
+most costly parameters and prompt-logprob scoring on the latter) and, with CUDA graphs, their
+reserve.
 Graphs are captured after the cache exists (they bake in its address), so their memory is
 measured first and set aside: one static decode forward at the largest padded batch plus the
 shared logits buffer (``DecodeGraphRunner.activation_bytes``) and the padding rows' block.
@@ -14,8 +17,11 @@ import logging
 import torch
 
 from vllmini.config import EngineArgs
+from vllmini.engine import prompt_logprobs
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
 from vllmini.engine.model_runner import ModelRunner
+from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from vllmini.engine.sampling_params import SamplingParams
 from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, cuda_kv_budget
 
 logger = logging.getLogger("vllmini")
@@ -23,7 +29,7 @@ logger = logging.getLogger("vllmini")
 
 def kv_cache_budget(
     model: torch.nn.Module, spec: KVCacheSpec, args: EngineArgs, max_model_len: int, device: torch.device,
-    use_graphs: bool,
+    use_graphs: bool, max_prompt_logits_rows: int,
 ) -> int:  # fmt: skip
     """Bytes for the KV cache (``kv_cache_memory`` wins wherever it is set)."""
     if device.type != "cuda" or args.kv_cache_memory is not None:
@@ -35,6 +41,30 @@ def kv_cache_budget(
             model, shape, spec.dtype, spec.num_layers, args.max_num_seqs, max_model_len, device
         ) + PAD_BLOCKS * spec.bytes_per_block
     torch.cuda.reset_peak_memory_stats(device)
-    ModelRunner.warmup(model, args.max_num_batched_tokens, max_model_len, device)
+    warm_up_step(model, args, max_model_len, max_prompt_logits_rows, device)
     logger.info("CUDA graph memory reserve: %.1f MiB", graph_reserve / 2**20)
     return cuda_kv_budget(device, args.gpu_memory_utilization) - graph_reserve
+
+
+@torch.inference_mode()
+def warm_up_step(
+    model: torch.nn.Module, args: EngineArgs, max_model_len: int, max_prompt_logits_rows: int, device: torch.device
+) -> None:
+    """Run the most memory a step can take: the forward at the largest step size, the sampler
+    over ``max_num_seqs`` rows with every costly option on (a full sort for top-p, penalties,
+    an allowed-tokens mask, the most logprobs), and prompt-logprob scoring on the capped rows."""
+    num_sampled = args.max_num_seqs
+    logits = ModelRunner.warmup(
+        model, args.max_num_batched_tokens, max_model_len, device, num_sampled + max_prompt_logits_rows
+    )
+    vocab = logits.shape[-1]
+    num_logprobs = vocab if args.max_logprobs == -1 else min(args.max_logprobs, vocab)
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
+        frequency_penalty=0.1, logprobs=num_logprobs, allowed_token_ids=[0], min_tokens=1,
+    )  # fmt: skip
+    rows = [SamplingRow(params, [0] * 16, [0] * 16) for _ in range(min(num_sampled, logits.shape[0]))]
+    Sampler()(logits[: len(rows)], SamplingTensors.from_rows(rows, vocab, device))
+    prompt = logits[len(rows) :]
+    if prompt.shape[0]:
+        prompt_logprobs.score_rows(prompt, [0] * prompt.shape[0], num_logprobs)

@@ -93,12 +93,14 @@ class LLMEngine:
         spec = KVCacheSpec(
             self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
         )
-        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs)
+        max_prompt_rows = prompt_logprobs.max_rows_per_step(self.vocab_size, args.max_num_batched_tokens)
+        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows)
         num_blocks = num_blocks_for_budget(spec, budget)
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len), self.block_manager
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows),
+            self.block_manager,
         )
         # with graphs, one extra block (outside the block manager's pool) takes the padding rows' K/V
         kv_caches = allocate_kv_cache(spec, num_blocks + (PAD_BLOCKS if use_graphs else 0), self.device)
@@ -110,7 +112,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
-            default_sampling_params(args.generation_config, self.generation_config),
+            default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read

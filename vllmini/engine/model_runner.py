@@ -103,14 +103,18 @@ class ModelRunner:
 
     @staticmethod
     @torch.inference_mode()
-    def warmup(model: torch.nn.Module, num_tokens: int, max_model_len: int, device: torch.device) -> None:
-        """One forward at the largest step size (no cache), so that the activation peak is
-        known before the KV cache takes what memory is left."""
+    def warmup(
+        model: torch.nn.Module, num_tokens: int, max_model_len: int, device: torch.device, num_logits_rows: int = 1
+    ) -> torch.Tensor:
+        """One forward at the largest step size (no cache), projecting ``num_logits_rows`` rows
+        to logits (the most a step projects), so that the activation peak is known before the KV
+        cache takes what memory is left. Returns the logits, for a warm-up of what reads them."""
         lengths = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
         meta = AttentionMetadata.for_prompts(lengths, device)
+        meta.logits_indices = torch.arange(min(num_logits_rows, num_tokens), device=device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        model(ids, positions, meta)
+        return model(ids, positions, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences."""

@@ -6,6 +6,8 @@ prompt is prefilled: the runner projects those positions to logits next to the s
 (``FlatBatch.prompt_rows``), and this module turns them into the per-token dicts. The
 scheduler takes no prefix-cache hit over positions still wanted (a cache hit computes
 nothing), and a prompt recomputed after preemption is scored only from where it stopped.
+A step projects at most ``max_rows_per_step`` such positions (the scheduler cuts the chunk),
+so a long prompt's logits never take more memory than the CUDA warm-up measured.
 """
 from __future__ import annotations
 
@@ -17,6 +19,14 @@ from vllmini.scheduler.sequence import Sequence
 
 # rows per log_softmax: bounds the fp32 copy of a long chunk's logits (rows x vocab)
 ROWS_PER_SLICE = 512
+# logits (rows x vocab) a step may project for prompt_logprobs: with Qwen3's 151936-token
+# vocabulary 441 rows, 134 MB in bfloat16 (the scheduler splits longer prompts over steps)
+MAX_PROMPT_LOGITS_ELEMENTS = 1 << 26
+
+
+def max_rows_per_step(vocab_size: int, max_num_batched_tokens: int) -> int:
+    """The scheduler's cap on prompt positions scored per step (``max_prompt_logits_rows``)."""
+    return max(1, min(max_num_batched_tokens, MAX_PROMPT_LOGITS_ELEMENTS // vocab_size))
 
 
 def score_rows(

@@ -25,6 +25,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # prompt_logprobs: at most this many prompt positions projected to logits per step (each is
+    # a vocabulary-wide row; None: no cap), so a long prompt is scored in several steps
+    max_prompt_logits_rows: int | None = None
 
 
 @dataclass
@@ -91,12 +94,19 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        rows_left = self.config.max_prompt_logits_rows
         self.stats.num_steps += 1
 
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if rows_left is not None and seq.prompt_logits_from is not None:
+                num_new = seq.cap_prompt_logits_rows(seq.num_computed_tokens, num_new, rows_left)
+                if num_new == 0:  # this step's logits rows are spent: its next chunk waits a step
+                    i += 1
+                    continue
+                rows_left -= seq.prompt_logits_rows(seq.num_computed_tokens, num_new)
             while not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
                 victim = self.running.pop()  # the most recently admitted
                 self._preempt(victim, out)
@@ -116,6 +126,10 @@ class Scheduler:
                 keep = seq.prompt_logits_from // self.block_manager.block_size
                 cached_blocks, num_cached = cached_blocks[:keep], keep * self.block_manager.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
+            if rows_left is not None and seq.prompt_logits_from is not None:
+                num_new = seq.cap_prompt_logits_rows(num_cached, num_new, rows_left)
+                if num_new == 0:
+                    break
             if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks):
                 break
             self.waiting.popleft()
@@ -128,6 +142,8 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            if rows_left is not None and seq.prompt_logits_from is not None:
+                rows_left -= seq.prompt_logits_rows(num_cached, num_new)
 
         for s in out.scheduled:
             self.stats.num_prefill_tokens += max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))

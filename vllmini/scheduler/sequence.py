@@ -63,6 +63,18 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def prompt_logits_rows(self, start: int, num_new: int) -> int:
+        """How many prompt positions a chunk of ``num_new`` tokens from ``start`` scores."""
+        if self.prompt_logits_from is None:
+            return 0
+        return max(0, min(start + num_new, self.num_prompt_tokens - 1) - max(start, self.prompt_logits_from))
+
+    def cap_prompt_logits_rows(self, start: int, num_new: int, rows: int) -> int:
+        """The longest chunk (at most ``num_new``) from ``start`` that scores at most ``rows``
+        prompt positions (positions already scored, before ``prompt_logits_from``, are free)."""
+        assert self.prompt_logits_from is not None
+        return min(num_new, max(0, self.prompt_logits_from - start) + rows)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if self.first_token_time is None:
