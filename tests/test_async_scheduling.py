@@ -112,8 +112,21 @@ def test_n_penalties_queue_and_prefix_cache(tiny_dir):
         sync_llm.generate(batch, params, use_tqdm=False))  # fmt: skip
     assert any(queued)  # some continuations ran with requests waiting
     assert_no_leaks(async_llm)
-    penalised = [SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.5, ignore_eos=True)] * 3
-    both(tiny_dir, prompts(3), penalised, expect_async_steps=False)  # penalties read host tokens: synchronous
+
+def test_penalties_count_the_token_in_flight(tiny_dir):
+    """Penalties need every output token, including the one a continuation starts from: the
+    engine writes it into the sampler's tensors on the device. Strong penalties make each
+    token depend on the previous ones, so a continuation that missed it would diverge."""
+    kinds = [dict(presence_penalty=1.5), dict(frequency_penalty=1.0), dict(repetition_penalty=1.8),
+             dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5)]  # fmt: skip
+    penalised = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **kw) for kw in kinds]
+    seeded = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, **kw) for i, kw in enumerate(kinds)]
+    plain = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 2
+    want, launched = both(tiny_dir, prompts(10), penalised + seeded + plain, max_num_seqs=10)
+    assert max(launched) == 10  # every row, penalised ones included, was continued
+    # the penalties did change the tokens (else the test could not tell them apart)
+    unpenalised = make(tiny_dir, False).generate(prompts(10)[:4], plain[0], use_tqdm=False)
+    assert all(w.outputs[0].token_ids != u.outputs[0].token_ids for w, u in zip(want[:4], unpenalised))
 
 
 def test_preemption_under_a_tight_cache(tiny_dir):

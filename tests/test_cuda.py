@@ -174,16 +174,18 @@ def test_engine_graphs_match_eager_tokens(model_dir):
 def test_async_scheduling_matches_sync_tokens(model_dir):
     """Continuations launched before the previous tokens are read (pinned copies, an event, the
     sampler without host syncs, input ids copied into the graph's buffer): the same tokens as
-    the synchronous engine, with graphs, seeded sampling, and stops that discard a token."""
+    the synchronous engine, with graphs, seeded sampling, penalties, and stops that discard a token."""
     from vllmini import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(4)
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (5, 300, 40, 1, 77, 9)]
 
     def params(stop: list[int]) -> list[SamplingParams]:
-        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=stop) for m in (40, 20, 33, 50)]
-        seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True, stop_token_ids=stop)
-                  for s in (1, 2)]  # fmt: skip
+        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=stop) for m in (40, 20, 33)]
+        # penalties read the token in flight on the device
+        greedy.append(SamplingParams(max_tokens=50, temperature=0, presence_penalty=1.0, ignore_eos=True, stop_token_ids=stop))
+        seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True, stop_token_ids=stop,
+                                 repetition_penalty=1.0 + 0.3 * (s - 1)) for s in (1, 2)]  # fmt: skip
         return greedy + seeded
 
     runs, continuations = {}, []

@@ -15,9 +15,11 @@ What the continuation cannot know yet is handled after the fact: a sequence that
 on the token it is continuing from (EOS, a stop id or string) had one extra token
 computed, which is discarded; its blocks were freed when it stopped, and any later step
 that reuses them runs after the continuation on the same stream. Sequences that will stop
-by length are left out. Anything that needs the host to see the tokens first (penalties,
-which count them, and bad words of several tokens, which match them; a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt;
-no free block for a new slot) makes the step synchronous instead. A sequence stopping on a
+by length are left out. Penalties count the token in flight without the host reading it: the
+engine writes it into the sampler's output-token tensor on the device. Anything that needs
+the host to see the tokens first (bad words of several tokens, which match them on the host;
+a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt; no free block for
+a new slot) makes the step synchronous instead. A sequence stopping on a
 token while others wait delays their admission by one step.
 """
 from __future__ import annotations
@@ -92,9 +94,8 @@ def plan_continuation(
         return None  # a running sequence was not sampled last step (e.g. mid-prompt)
     keep = []
     for row, seq in enumerate(prev.seqs):
-        p = seq.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or matches_output(seq):
-            return None  # penalties count the tokens on the host; multi-token bad words match them
+        if matches_output(seq):
+            return None  # multi-token bad words match the tokens on the host
         # the token in flight is output number num_output_tokens + 1, at position num_tokens
         if seq.num_output_tokens + 1 >= seq.max_tokens or seq.num_tokens + 1 >= max_model_len:
             continue  # stops by length on that token

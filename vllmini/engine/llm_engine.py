@@ -269,15 +269,17 @@ class LLMEngine:
             logits = logits[to_device(torch.tensor(logit_rows), logits.device)]
         return LaunchedStep(seqs, self._sample(logits, seqs), forked=len(seqs) > len(sample_idx))
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: bool = False) -> SampledTokens:
-        """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight``: each sequence
-        has one more token than it holds (async scheduling); it counts for min_tokens and seeds,
-        and its value is never read (penalties, which would, keep a step synchronous)."""
-        extra = [-1] if in_flight else []
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> SampledTokens:
+        """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight`` (async
+        scheduling): each sequence's token still on the device, one more than it holds; it counts
+        for min_tokens and seeds, and penalties read it on the device (the host never does)."""
+        extra = [-1] if in_flight is not None else []
         rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + extra, self.eos_token_ids, s.index,
                             self.requests[s.request_id].bad_words_token_ids)
                 for s in seqs]  # fmt: skip
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
+        if in_flight is not None:
+            tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])
         # async on a GPU: no host sync inside the sampler, so the next step can be launched first
         sync_free = self.args.async_scheduling and logits.is_cuda
         return SampledTokens(self.sampler(logits, tensors, sync_free=sync_free))
@@ -304,7 +306,7 @@ class LLMEngine:
             token_ids = tokens[to_device(torch.tensor(plan.source_rows), tokens.device)]
         try:
             logits = self.runner.run_flat(plan.flat, token_ids)
-            return LaunchedStep(plan.seqs, self._sample(logits, plan.seqs, in_flight=True))
+            return LaunchedStep(plan.seqs, self._sample(logits, plan.seqs, in_flight=token_ids))
         except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
             for rid in dict.fromkeys(s.request_id for s in plan.seqs):
                 self.abort_request(rid)

@@ -146,6 +146,15 @@ class SamplingTensors:
     def batch_size(self) -> int:
         return len(self.seeds)
 
+    def put_in_flight(self, tokens: Tensor, columns: list[int]) -> None:
+        """Async scheduling: row i's last output token (``tokens[i]``, still on the device) is
+        written at ``columns[i]`` of ``output_token_ids``, where the row holds a placeholder,
+        so that penalties count it without the host waiting for it."""
+        if self.output_token_ids is None:
+            return  # no row has a penalty
+        idx = to_device(torch.tensor([list(range(len(columns))), columns], dtype=torch.long), tokens.device)
+        self.output_token_ids.index_put_((idx[0], idx[1]), tokens)
+
     @classmethod
     def from_rows(
         cls,
