@@ -28,7 +28,7 @@ def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
 def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir, arch):
     model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch)
     llm = LLM(model=model_dir, max_num_batched_tokens=32)  # chunked prefill too
-    assert type(llm.llm_engine.model).__name__ == ("Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
+    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0].replace("SmolLM3", "Llama")
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (1, 9, 50)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -76,3 +76,45 @@ def test_phi3_long_rope_is_refused(tmp_path_factory, default_model_dir):
     model_dir, _ = tiny_dir(tmp_path_factory, default_model_dir, "phi3", num_attention_heads=8, rope_scaling=long)
     with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
         LLM(model=model_dir)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3"])
+def test_bias_keys_these_architectures_ignore(tmp_path_factory, default_model_dir, arch):
+    """transformers' Qwen2, Mistral and Phi3 fix their biases (Qwen2: q/k/v only) whatever
+    attention_bias / mlp_bias say; a config that sets them must load as transformers loads it."""
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, attention_bias=True, mlp_bias=True)
+    llm = LLM(model=model_dir)
+    layer = llm.llm_engine.model.model.layers[0]
+    assert (layer.self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
+    assert layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
+    prompt = list(range(300, 320))
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]  # fmt: skip
+    want, gaps = hf_greedy(hf, prompt, 8)
+    assert_greedy_matches(out.outputs[0].token_ids, want, gaps, arch)
+
+
+def test_tied_config_with_its_own_lm_head_is_untied(tmp_path, default_model_dir):
+    """tie_word_embeddings with an lm_head.weight that differs from the embedding: transformers
+    unties them and uses the checkpoint's lm_head, and so does the engine (an equal copy, as
+    some exporters write, stays tied)."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import tiny_qwen3_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_qwen3_config(vocab_size=49152, initializer_range=0.05)).eval()
+    save_tiny_model(hf, tmp_path, default_model_dir)
+    tensors = load_file(tmp_path / "model.safetensors")
+    embed = tensors["model.embed_tokens.weight"]
+    prompt = list(range(300, 320))
+    for head, tied in ((embed.clone(), True), (torch.randn_like(embed) * 0.05, False)):
+        save_file({**tensors, "lm_head.weight": head}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        assert torch.equal(ref.lm_head.weight, head)
+        llm = LLM(model=str(tmp_path))
+        assert llm.llm_engine.hf_config.tie_word_embeddings == tied
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0]  # fmt: skip
+        want, gaps = hf_greedy(ref, prompt, 8)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"tied={tied}")

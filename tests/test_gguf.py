@@ -129,7 +129,7 @@ def write_tiny_gguf(
     w.add_eos_token_id(vocab - 1)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra_kv or {}).items():
-        w.add_string(key, value)
+        (w.add_float32 if isinstance(value, float) else w.add_string)(key, value)
 
     expected: dict[str, np.ndarray] = {}
     for name, shape in shapes.items():
@@ -329,6 +329,10 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
     write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn"})
     with pytest.raises(ValueError, match=r"yarn\.gguf.*rope scaling 'yarn'"):
         convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "yarn2.gguf"  # a factor does not make another type linear
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope scaling 'yarn'"):
+        convert_gguf(path, tmp_path / "out")
     path = tmp_path / "phi35.gguf"  # Phi-3.5 / Phi-3-128k: LongRoPE factors
     write_tiny_gguf(path, "phi3", extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
     with pytest.raises(ValueError, match=r"phi35\.gguf: LongRoPE"):
@@ -338,6 +342,37 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"partial rotary embedding \(12 of 16 dims\)"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra_kv", "factor"),
+    [
+        ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, 4.0),
+        ({"llama.rope.scaling.factor": 2.0}, 2.0),  # no type: llama.cpp reads linear
+        ({"llama.rope.scale_linear": 8.0}, 8.0),  # the old key (2023 convert.py)
+        ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+        ({"llama.rope.scaling.factor": 1.0}, None),
+    ],
+)
+def test_linear_rope_scaling_is_converted(tmp_path: Path, extra_kv: dict, factor: float | None) -> None:
+    """transformers' GGUF config reader drops rope scaling; the converter writes it as
+    rope_parameters, and the model then matches transformers on the converted directory at
+    positions where the scaling changes the angles."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import prompt_forward
+
+    gguf_path = tmp_path / "scaled.gguf"
+    write_tiny_gguf(gguf_path, extra_kv=extra_kv)
+    model_dir = resolve_model_dir(str(gguf_path), tmp_path / "cache")
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"))
+    params = config.rope_parameters
+    assert (params["rope_type"], params.get("factor")) == (("linear", factor) if factor else ("default", None))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompt = [(7 * i) % 250 + 3 for i in range(40)]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
 def test_failed_conversion_leaves_nothing_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
-CONVERTER_VERSION = 3  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept
+CONVERTER_VERSION = 4  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py).
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -145,18 +145,36 @@ def _architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
+def _field(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _rope_scaling(reader, gguf_path: Path, arch: str) -> dict | None:
+    """The GGUF's rope scaling as HF ``rope_parameters`` (None: none), read as llama.cpp does:
+    a factor without a type (``rope.scaling.factor``, or the old ``rope.scale_linear``) means
+    linear scaling. transformers' GGUF config reader drops these keys; other types are refused."""
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if factor is None:
+        factor = _field(reader, f"{arch}.rope.scale_linear")
+    if kind not in (None, "", "none", "linear"):
+        raise ValueError(
+            f"{gguf_path}: rope scaling {kind!r} is not supported by the GGUF conversion; "
+            "use the model's HF safetensors checkpoint instead"
+        )
+    if kind in ("none", "") or factor is None or float(factor) in (0.0, 1.0):
+        return None
+    return {"rope_type": "linear", "factor": float(factor)}
+
+
 def _check_supported(reader, gguf_path: Path, arch: str) -> None:
     """Fail before writing anything on what the conversion would silently get wrong:
     rope scaling (transformers' GGUF config reader drops it for llama/qwen3), LongRoPE factors,
     a partial rotary embedding, unknown tensor names, quant types gguf cannot dequantize."""
     from gguf.quants import dequantize
 
-    scaling = reader.fields.get(f"{arch}.rope.scaling.type")
-    if scaling is not None and scaling.contents() not in ("none", ""):
-        raise ValueError(
-            f"{gguf_path}: rope scaling {scaling.contents()!r} is not supported by the GGUF conversion; "
-            "use the model's HF safetensors checkpoint instead"
-        )
+    _rope_scaling(reader, gguf_path, arch)
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
         raise ValueError(f"{gguf_path}: LongRoPE scaling (rope_factors_long/short: Phi-3-128k, Phi-3.5, Phi-4-mini) "
                          "is not supported")  # fmt: skip
@@ -202,6 +220,8 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path):
     window = reader.fields.get(f"{arch}.attention.sliding_window")
     if window is not None:  # transformers' GGUF config reader drops it (phi3 has one: 2047 for -mini-4k)
         config.sliding_window = int(window.contents())
+    if (scaling := _rope_scaling(reader, gguf_path, arch)) is not None:
+        config.rope_parameters = {**(config.rope_parameters or {}), **scaling}
     config.dtype = "float32"
     config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
     config.save_pretrained(out)

@@ -1,4 +1,4 @@
-"""Layers shared by every model: RMSNorm, rotary embedding (incl. llama3 scaling), gated MLP.
+"""Layers shared by every model: RMSNorm, rotary embedding (incl. linear and llama3 scaling), gated MLP.
 
 Numerics follow HF transformers (norms in fp32, rotary angles in fp32) so that the
 parity tests can demand logits within 1e-4.
@@ -57,7 +57,7 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding over the full head dim; angles computed per forward
     from the positions (cheap, and no cache sized by a 128k context)."""
 
-    SUPPORTED = ("default", "llama3")
+    SUPPORTED = ("default", "linear", "llama3")
 
     def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -80,6 +80,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta**exponents)
         if self.params["rope_type"] == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.params)
+        elif self.params["rope_type"] == "linear":  # position interpolation: every angle slowed by factor
+            inv_freq = inv_freq / float(self.params["factor"])
         return inv_freq
 
     def reset_buffers(self) -> None:

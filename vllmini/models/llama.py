@@ -5,6 +5,7 @@ maps HF checkpoint names onto the fused parameters.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -14,6 +15,8 @@ from torch import nn
 from vllmini.models.attention import Attention, KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+
+logger = logging.getLogger("vllmini")
 
 # checkpoint projection -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -26,7 +29,14 @@ class DecoderVariant:
     """What a Llama-family architecture changes in the shared decoder."""
 
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    qkv_bias: bool | None = None  # bias on q/k/v only (Qwen2); None: config.attention_bias, as for o_proj
+    # Biases: None reads the config (attention_bias for q/k/v and o_proj, mlp_bias), as Llama and
+    # SmolLM3 do; architectures whose transformers class fixes them ignore those keys.
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    mlp_bias: bool | None = None
+
+    def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
+        return bool(getattr(config, key, False)) if fixed is None else fixed
 
 
 class DecoderAttention(nn.Module):
@@ -39,10 +49,9 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias if variant.qkv_bias is None else variant.qkv_bias
+        qkv_bias = variant.bias(variant.qkv_bias, config, "attention_bias")
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
@@ -74,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(
             config.hidden_size,
             config.intermediate_size,
-            bias=bool(getattr(config, "mlp_bias", False)),
+            bias=variant.bias(variant.mlp_bias, config, "mlp_bias"),
             act=getattr(config, "hidden_act", "silu"),
         )
 
@@ -165,8 +174,12 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         shards_seen: dict[str, set[int]] = {}
         loaded: set[str] = set()
+        tied_head = None  # a tied checkpoint's own lm_head.weight, checked against the embedding below
         for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.tied):
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.tied:
+                tied_head = tensor
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
@@ -183,7 +196,21 @@ class LlamaForCausalLM(nn.Module):
             else:
                 _copy(self._param(params, name, name).data, tensor, name)
                 loaded.add(name)
+        if tied_head is not None and "model.embed_tokens.weight" in loaded:
+            self._untie_if_different(tied_head, loaded)
         return loaded
+
+    def _untie_if_different(self, head: torch.Tensor, loaded: set[str]) -> None:
+        """tie_word_embeddings with an lm_head.weight that is not the embedding: transformers then
+        unties them and uses the checkpoint's lm_head; so do we (an equal copy stays tied)."""
+        embed = self.model.embed_tokens.weight
+        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.dtype), embed.data):
+            return
+        logger.warning("tie_word_embeddings is set but lm_head.weight differs from the embedding: using it untied")
+        self.lm_head.weight = nn.Parameter(torch.empty_like(embed), requires_grad=False)
+        _copy(self.lm_head.weight.data, head, "lm_head.weight")
+        self.config.tie_word_embeddings = False
+        loaded.add("lm_head.weight")
 
     def _shard_sizes(self, fused: str, total: int) -> list[int]:
         if fused == "gate_up_proj":
@@ -204,3 +231,16 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
             f"checkpoint tensor {name!r} has shape {tuple(src.shape)} but config.json implies {tuple(dst.shape)}"
         )
     dst.copy_(src)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's layers without biases (transformers' Mistral ignores attention_bias / mlp_bias);
+    its sliding_window caps max_model_len (see ``sliding_window``)."""
+
+    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Llama's layers without biases; its checkpoints hold qkv_proj / gate_up_proj already fused."""
+
+    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False)

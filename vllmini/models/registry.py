@@ -8,8 +8,8 @@ from torch import nn
 # architecture name -> (module, class); imported lazily so that adding a model costs nothing at start-up.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers (window: sliding_window)
-    "Phi3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # checkpoints hold qkv_proj / gate_up_proj fused
+    "MistralForCausalLM": ("vllmini.models.llama", "MistralForCausalLM"),
+    "Phi3ForCausalLM": ("vllmini.models.llama", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("vllmini.models.qwen2", "Qwen2ForCausalLM"),
     "SmolLM3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers, some without RoPE
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
