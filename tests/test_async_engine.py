@@ -190,8 +190,8 @@ async def test_bad_input_raises_at_the_call(tiny_dir):
 
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         await first(engine.generate("hi", {"max_tokens": 3}))
-    with pytest.raises(ValueError, match="role"):
-        await first(engine.generate([{"role": "wizard", "content": "hi"}], params))
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with a string 'role'"):
+        await first(engine.generate([{"role": "user", "content": "hi"}, {"content": "hi"}], params))
     with pytest.raises(ValueError, match="max_model_len"):
         await first(engine.generate({"prompt_token_ids": [1] * 80}, params))
     running = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=20, ignore_eos=True), "dup")
@@ -258,3 +258,48 @@ def test_engine_is_built_and_stepped_on_one_thread(tiny_dir, monkeypatch):
     helper_thread = asyncio.run(go())
     assert len(seen["build"]) == 1 and seen["build"] == seen["step"] == {helper_thread}
     assert threading.get_ident() not in seen["build"]
+
+
+async def test_a_request_id_is_free_again_once_its_stream_is_closed(tiny_dir, offline):
+    """Retry-on-timeout with the same id, a stream closed after its request finished, a list
+    abort, and auto ids next to a caller's "0": each request gets its own outputs, as in vLLM
+    (closing a stream awaits the abort)."""
+    engine = make_engine(tiny_dir, max_model_len=1024)
+    prompt = {"prompt_token_ids": list(range(200, 230))}
+    short = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = offline.generate(prompt, short, use_tqdm=False)[0].outputs[0].token_ids
+
+    async def run(params, rid):
+        return [o async for o in engine.generate(prompt, params, request_id=rid)]
+
+    async with engine:
+        with pytest.raises((asyncio.TimeoutError, TimeoutError)):  # first attempt: too slow
+            await asyncio.wait_for(run(SamplingParams(max_tokens=900, ignore_eos=True), "req-1"), 0.2)
+        retry = await run(short, "req-1")
+        assert retry[-1].outputs[0].finish_reason == "length" and retry[-1].outputs[0].token_ids == want
+        # finished in the engine before its consumer read the final output, then closed
+        gen = engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True), request_id="B")
+        await gen.__anext__()
+        while "B" in engine.engine.requests:
+            await asyncio.sleep(0.01)
+        await gen.aclose()
+        again = await run(short, "B")
+        assert again[-1].outputs[0].finish_reason == "length" and again[-1].outputs[0].token_ids == want
+        # abort() takes a list of ids, and returns once both are aborted
+        long = SamplingParams(max_tokens=900, ignore_eos=True)
+        tasks = [asyncio.create_task(run(long, rid)) for rid in ("x", "y")]
+        while not {"x", "y"} <= set(engine.engine.requests):
+            await asyncio.sleep(0.01)
+        await engine.abort(["x", "y"])
+        assert not {"x", "y"} & set(engine.engine.requests)
+        for outs in await asyncio.gather(*tasks):
+            assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+        # an auto id never takes a caller's id
+        caller = asyncio.create_task(run(long, "0"))
+        while "0" not in engine.engine.requests:
+            await asyncio.sleep(0.01)
+        auto = await run(short, None)
+        assert auto[-1].request_id != "0" and auto[-1].outputs[0].token_ids == want
+        await engine.abort("0")
+        await caller
+        assert_no_leaks(engine)

@@ -7,7 +7,9 @@ sends each ``RequestOutput`` back to its request's ``asyncio.Queue``. The loop t
 sleeps when there is no work and wakes as soon as a request arrives.
 
 Leaving an ``async for`` early (break, ``aclose()``, task cancellation, a timeout)
-aborts the request; its KV blocks are freed before the next step.
+aborts the request and waits until the worker has done it (its KV blocks are then free), as
+``await abort(...)`` does: afterwards the request id may be used again, and nothing of the old
+request reaches a new stream with the same id.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
 from vllmini.config import EngineArgs
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
@@ -28,7 +30,6 @@ T = TypeVar("T")
 
 logger = logging.getLogger("vllmini")
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class EngineDeadError(RuntimeError):
@@ -50,7 +51,8 @@ class AsyncLLMEngine:
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
         self._lock = threading.Lock()  # guards the inboxes shared with the worker thread
         self._new: list[RequestState] = []
-        self._aborts: list[str] = []
+        # request ids to abort, each with the event its caller awaits (set once the worker did it)
+        self._aborts: list[tuple[str, asyncio.Event]] = []
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -100,6 +102,10 @@ class AsyncLLMEngine:
         if self._loop_task is not None:
             self._wakeup.set()
             await asyncio.gather(self._loop_task, return_exceptions=True)
+        with self._lock:
+            pending, self._aborts = self._aborts, []
+        for _, done in pending:  # the engine is stopping: everything is aborted below
+            done.set()
         loop = asyncio.get_running_loop()
         outs = await loop.run_in_executor(self._executor, self.engine.abort_request, list(self.engine.requests))
         for out in outs:
@@ -112,11 +118,9 @@ class AsyncLLMEngine:
     def _prompt(self, prompt: PromptType | list[dict[str, str]]) -> PromptType:
         """Chat messages go through the chat template; other prompt forms pass through."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            for i, msg in enumerate(prompt):
-                if msg.get("role") not in CHAT_ROLES or not isinstance(msg.get("content"), str):
-                    raise ValueError(
-                        f"messages[{i}] must have a role in {CHAT_ROLES} and a string content, got {msg!r}"
-                    )
+            for i, msg in enumerate(prompt):  # the template reads the rest (content parts, tool calls)
+                if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                    raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {msg!r}")
             ids = self.engine.tokenizer.apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=True, return_dict=False
             )
@@ -134,6 +138,8 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if request_id is None:  # an id no caller's request holds
+            request_id = self.engine.new_request_id(self._streams)
         state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params)
         rid = state.request_id
         if rid in self._streams:
@@ -156,18 +162,31 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            self._streams.pop(rid, None)
             if not finished and not self._dead:
-                with self._lock:
-                    self._aborts.append(rid)
-                self._wakeup.set()
+                try:  # as vLLM: the id is free, and the old request gone, once the stream is closed
+                    await self._abort([rid])
+                except asyncio.CancelledError:  # cancelled again while waiting: the abort still happens
+                    pass
+            if self._streams.get(rid) is queue:
+                del self._streams[rid]
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with an output whose finish_reason is "abort"."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort one request or several and wait until the worker has done it; each open stream
+        ends with an output whose finish_reason is "abort"."""
+        await self._abort([request_id] if isinstance(request_id, str) else [str(r) for r in request_id])
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        if not self.is_running or self._dead:
+            return  # nothing was ever submitted, or shutdown aborts everything
+        done = asyncio.Event()
         with self._lock:
-            self._aborts.append(str(request_id))
-        if self._wakeup is not None:
-            self._wakeup.set()
+            self._aborts += [(rid, done) for rid in request_ids]
+        self._wakeup.set()
+        waiter = asyncio.ensure_future(done.wait())
+        try:  # or until the loop task ends (shutdown, or asyncio.run cancelling every task at exit)
+            await asyncio.wait({waiter, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiter.cancel()
 
     def get_stats(self) -> EngineStats:
         bm, sched = self.engine.block_manager, self.engine.scheduler
@@ -178,8 +197,9 @@ class AsyncLLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_free_blocks, rate)
 
     # ---- the step loop -------------------------------------------------------------------
-    def _step_once(self) -> tuple[list[RequestOutput], dict[str, BaseException]]:
-        """Runs on the worker thread: admit, abort, one step."""
+    def _step_once(self) -> tuple[list[RequestOutput], dict[str, BaseException], list[asyncio.Event]]:
+        """Runs on the worker thread: admit, abort, one step. Returns the aborts' events, for
+        the event loop to set once it has delivered the outputs."""
         with self._lock:
             new, self._new = self._new, []
             aborts, self._aborts = self._aborts, []
@@ -189,14 +209,14 @@ class AsyncLLMEngine:
                 self.engine.enqueue(state)
             except ValueError as exc:
                 errors[state.request_id] = exc
-        outputs = self.engine.abort_request(aborts)
+        outputs = self.engine.abort_request([rid for rid, _ in aborts])
         try:
             outputs += self.engine.step()
         except StepError as exc:
             errors.update({rid: exc for rid in exc.request_ids})
         errors.update(self.engine.failed)
         self.engine.failed.clear()
-        return outputs, errors
+        return outputs, errors, [done for _, done in aborts]
 
     def _has_work(self) -> bool:
         with self._lock:
@@ -212,16 +232,18 @@ class AsyncLLMEngine:
                     await self._wakeup.wait()
                 continue
             try:
-                outputs, errors = await loop.run_in_executor(self._executor, self._step_once)
+                outputs, errors, aborted = await loop.run_in_executor(self._executor, self._step_once)
             except Exception as exc:  # a bug in the engine itself: fail everyone, keep the loop alive
                 logger.exception("engine step failed")
-                outputs, errors = [], {rid: exc for rid in list(self._streams)}
+                outputs, errors, aborted = [], {rid: exc for rid in list(self._streams)}, []
             tokens = 0
             for out in outputs:
                 tokens += sum(len(c.token_ids) for c in out.outputs) if out.outputs else 0
                 self._deliver(out)
             for rid, exc in errors.items():
                 self._deliver(exc, rid)
+            for done in aborted:
+                done.set()
             self._tokens_window.append((time.monotonic(), tokens))
             del self._tokens_window[:-256]
             await asyncio.sleep(0)  # let consumers run between steps

@@ -13,6 +13,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Container
 
 import torch
 
@@ -173,7 +174,7 @@ class LLMEngine:
         ``default_output_kind`` when given."""
         inp = self.input_processor.process(prompt, params, default_output_kind)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        request_id = self.new_request_id() if request_id is None else str(request_id)
         now = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
@@ -188,6 +189,12 @@ class LLMEngine:
         state.bad_words_token_ids = inp.bad_words_token_ids
         prompt_logprobs.start(state)
         return state
+
+    def new_request_id(self, taken: Container[str] = ()) -> str:
+        """The next counter value ("0", "1", ...) that no request holds, nor ``taken``."""
+        while (rid := str(next(self._request_ids))) in self.requests or rid in taken:
+            pass
+        return rid
 
     def enqueue(self, state: RequestState) -> None:
         if state.request_id in self.requests:
