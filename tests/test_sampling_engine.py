@@ -70,6 +70,11 @@ def test_stop_token_ids_and_reasons(tiny_llm):
     out = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[stop_id]).outputs[0]
     assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # vLLM's text rule: the stop token's text is left out unless include_stop_str_in_output
+    tok = tiny_llm.get_tokenizer()
+    assert out.text == tok.decode(out.token_ids[:-1]) != tok.decode(out.token_ids)
+    kept = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert kept.outputs[0].text == tok.decode(out.token_ids)
     # min_tokens defers stop ids
     late = gen(tiny_llm, PROMPT, temperature=0, max_tokens=20, stop_token_ids=[stop_id], min_tokens=first + 2).outputs[0]
     assert len(late.token_ids) > first + 1
@@ -107,6 +112,12 @@ def test_eos_ignore_eos_and_min_tokens_on_the_default_model(smol):
     eos = smol.llm_engine.tokenizer.eos_token_id
     natural = gen(smol, prompt, temperature=0, max_tokens=64).outputs[0]
     assert natural.finish_reason == "stop" and natural.stop_reason is None and natural.token_ids[-1] == eos
+    # EOS's text stays out even when special tokens are shown (as vLLM), unless asked for
+    shown = gen(smol, prompt, temperature=0, max_tokens=64, skip_special_tokens=False).outputs[0]
+    eos_text = smol.get_tokenizer().decode([eos])
+    assert shown.text == natural.text and eos_text not in shown.text
+    kept = gen(smol, prompt, temperature=0, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert kept.outputs[0].text == natural.text + eos_text
     n = len(natural.token_ids)
     ignored = gen(smol, prompt, temperature=0, max_tokens=n + 6, ignore_eos=True).outputs[0]
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == n + 6

@@ -94,16 +94,18 @@ class OutputProcessor:
 
     def check_stop(self, state: RequestState, seq: Sequence) -> None:
         params, token = state.params, seq.token_ids[-1]
+        past_min = seq.num_output_tokens >= params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
+            return
+        if past_min and token in params.stop_token_ids:
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
+            return
         detok = state.detoks[seq.index]
         old_len = len(detok.text)
         if params.detokenize:
             detok.step(seq.token_ids)
-        past_min = seq.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
-        elif past_min and token in params.stop_token_ids:
-            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
-        elif past_min and params.stop and (stop := self._find_stop_string(detok, params, old_len)) is not None:
+        if past_min and params.stop and (stop := self._find_stop_string(detok, params, old_len)) is not None:
             self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
@@ -125,9 +127,13 @@ class OutputProcessor:
         return stop
 
     def finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
-        stopped_by_text = status is SequenceStatus.FINISHED_STOPPED and isinstance(reason, str)
-        if state.params.detokenize and not stopped_by_text:
-            state.detoks[seq.index].step(seq.token_ids, final=True)
+        """End the sequence and flush its text. A sequence stopped by a token (EOS or a stop id)
+        leaves that token's text out unless include_stop_str_in_output (vLLM's rule; the token
+        stays in token_ids); one stopped by a stop string was already cut."""
+        stopped = status is SequenceStatus.FINISHED_STOPPED
+        if state.params.detokenize and not (stopped and isinstance(reason, str)):
+            by_token = stopped and not state.params.include_stop_str_in_output
+            state.detoks[seq.index].step(seq.token_ids[:-1] if by_token else seq.token_ids, final=True)
         self.scheduler.finish(seq, status, reason)
 
     @staticmethod
