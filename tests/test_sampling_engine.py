@@ -218,6 +218,23 @@ def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
     assert_no_leaks(tiny_llm)
 
 
+def test_delta_outputs_of_n_completions_carry_only_what_changed(tiny_llm):
+    """n = 3 with different lengths (seeded, a stop string): as in vLLM, a delta output holds
+    only the completions that changed, so each completion's end is reported exactly once, and
+    each completion's deltas add up to its final text and tokens."""
+    base = dict(n=3, temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, stop=["P", "C"])
+    final = {c.index: c for c in gen(tiny_llm, PROMPT, **base).outputs}
+    assert len({len(c.token_ids) for c in final.values()}) > 1  # they end at different steps
+    deltas = _stream(tiny_llm, "d", PROMPT, SamplingParams(**base, output_kind="delta"))
+    for index, want in final.items():
+        mine = [c for o in deltas for c in o.outputs if c.index == index]
+        assert "".join(c.text for c in mine) == want.text and sum((c.token_ids for c in mine), []) == want.token_ids
+        assert [c.finish_reason for c in mine if c.finish_reason] == [want.finish_reason]
+        assert all(c.token_ids or c.finish_reason for c in mine)  # nothing empty
+    assert deltas[-1].finished and all(not o.finished for o in deltas[:-1])
+    assert_no_leaks(tiny_llm)
+
+
 def test_offline_generate_reports_a_failed_request_and_frees_everything(tiny_llm, monkeypatch):
     eng = tiny_llm.llm_engine
     real_check = eng.output_processor.check_stop

@@ -31,6 +31,7 @@ class RequestState:
     arrival_time: float
     pending: list[Sequence] = field(default_factory=list)  # n > 1 siblings waiting to fork
     sent: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (text chars, tokens) reported
+    finish_sent: set[int] = field(default_factory=set)  # delta outputs: sequences whose end was reported
     logprobs: list[list[LogprobsEntry]] = field(default_factory=list)
     cumulative_logprobs: list[float] = field(default_factory=list)
     # prompt_logprobs: [None, entry for prompt token 1, ...], filled as the prompt is prefilled
@@ -149,7 +150,8 @@ class OutputProcessor:
 
     def make_output(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step per ``output_kind``: cumulative text and tokens,
-        only what is new ("delta"), or nothing until the end ("final")."""
+        only what is new ("delta": with n > 1, only the completions that changed, as vLLM, so a
+        finished one is reported once), or nothing until the end ("final")."""
         finished = state.finished
         kind = state.params.output_kind
         if kind == "final" and not finished:
@@ -158,6 +160,13 @@ class OutputProcessor:
         for seq, detok in zip(state.seqs, state.detoks):
             text_end, tokens = self._visible_text_len(state, seq), seq.output_token_ids
             text_start, token_start = state.sent[seq.index] if kind == "delta" else (0, 0)
+            if kind == "delta" and len(state.seqs) > 1:
+                if (text_start, token_start) == (text_end, len(tokens)) and (
+                    not seq.status.finished or seq.index in state.finish_sent
+                ):
+                    continue  # nothing new
+                if seq.status.finished:
+                    state.finish_sent.add(seq.index)
             state.sent[seq.index] = (text_end, len(tokens))
             wants_logprobs = state.params.logprobs is not None
             outputs.append(
@@ -171,6 +180,8 @@ class OutputProcessor:
                     stop_reason=seq.stop_reason,
                 )
             )
+        if not outputs and not finished:
+            return None
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, self._metrics(state),
             prompt_logprobs=self._prompt_logprobs(state),
