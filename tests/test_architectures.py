@@ -1,7 +1,5 @@
 """Qwen2, Mistral, Phi-3 and SmolLM3 checkpoints through the whole engine (config.json -> registry -> weights ->
-paged forward), greedy equal to transformers'; and sliding windows: vllmini has no
-sliding-window attention, so it caps max_model_len at the window, where full attention is
-exactly what the model computes."""
+paged forward), greedy equal to transformers', including sliding-window attention."""
 from __future__ import annotations
 
 import pytest
@@ -40,32 +38,34 @@ def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir,
 
 
 @pytest.mark.parametrize(
-    ("arch", "overrides", "window"),
+    ("arch", "overrides", "windows"),
     [
-        ("mistral", {"sliding_window": 48}, 48),  # Mistral 7B v0.1 style: the window is on when set
-        ("phi3", {"sliding_window": 48}, 48),  # Phi-3-mini-4k sets 2047
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 1}, 48),
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 48, "max_window_layers": 28}, None),  # no layer slides
-        ("qwen2", {"use_sliding_window": False, "sliding_window": 48}, None),
+        ("mistral", {"sliding_window": 12}, [12] * 3),  # Mistral 7B v0.1 style: every layer slides
+        ("phi3", {"sliding_window": 9}, [9] * 3),  # Phi-3-mini-4k sets 2047
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, [None, 12, 12]),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 28}, [None] * 3),
+        ("qwen2", {"use_sliding_window": False, "sliding_window": 12}, [None] * 3),
     ],
 )
-def test_sliding_window_caps_max_model_len(tmp_path_factory, default_model_dir, arch, overrides, window):
-    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, **overrides)
-    llm = LLM(model=model_dir)
-    assert llm.llm_engine.model.sliding_window == window
-    assert llm.llm_engine.max_model_len == (window or 1024)
-    if window is None:
-        return
-    with pytest.raises(ValueError, match=f"max_model_len=64 exceeds the model's sliding_window={window}"):
-        LLM(model=model_dir, max_model_len=64)
-    # a sequence that fills the window: transformers (with its sliding-window mask) agrees
-    prompt = torch.randint(100, 4000, (window - 10,), generator=torch.Generator().manual_seed(6)).tolist()
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
-    want, gaps = hf_greedy(hf, prompt, 10)
-    assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} within its window")
-    with pytest.raises(ValueError, match="exceeds max_model_len=48"):
-        llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=11), use_tqdm=False)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_sliding_window_attention_matches_transformers(tmp_path_factory, default_model_dir, arch, overrides, windows,
+                                                       backend):  # fmt: skip
+    """Sequences several windows long, prefilled in chunks (a chunk after cached tokens sees
+    only the window behind each query) then decoded: greedy equal to transformers with its
+    sliding-window mask, on both CPU backends, with per-layer windows (Qwen2's max_window_layers)."""
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, num_hidden_layers=3, **overrides)
+    llm = LLM(model=model_dir, attention_backend=backend, max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert [layer.self_attn.attn.window for layer in llm.llm_engine.model.model.layers] == windows
+    assert llm.llm_engine.max_model_len == 1024  # not capped at the window
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (5, 40, 29)]
+    prompts.append(prompts[1][:30] + prompts[2][:8])  # a prefix-cache hit ahead of a fresh chunk
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    for p, out in zip(prompts, outs):
+        want, gaps = hf_greedy(hf, p, 20)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} {backend}, prompt of {len(p)}")
+    assert_no_leaks(llm)
 
 
 def test_phi3_long_rope_is_refused(tmp_path_factory, default_model_dir):

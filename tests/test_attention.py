@@ -17,13 +17,17 @@ from vllmini.models.base import AttentionMetadata, block_table_tensor
 H, HKV, D, BS = 6, 2, 8, 4
 
 
-def dense_reference(q_seq: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, scale: float) -> torch.Tensor:
-    """Lower-right causal attention of ``q_seq [q, H, D]`` over ``k/v_seq [L, Hkv, D]``."""
+def dense_reference(
+    q_seq: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, scale: float, window: int | None = None
+) -> torch.Tensor:
+    """Lower-right causal attention of ``q_seq [q, H, D]`` over ``k/v_seq [L, Hkv, D]``; with a
+    ``window``, each query sees its last ``window`` positions (transformers' sliding window)."""
     q_len, seq_len = q_seq.shape[0], k_seq.shape[0]
     k = k_seq.repeat_interleave(H // HKV, dim=1)
     v = v_seq.repeat_interleave(H // HKV, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q_seq, k) * scale
-    allowed = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+    pos_q, pos_k = torch.arange(seq_len - q_len, seq_len)[:, None], torch.arange(seq_len)[None, :]
+    allowed = (pos_k <= pos_q) & (pos_k > pos_q - (window or seq_len))
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
@@ -79,13 +83,35 @@ def test_torch_paged_attention_matches_dense_reference(mix):
         start += ql
 
 
+@pytest.mark.parametrize("window", [1, 3, 6])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_sliding_window_matches_dense_reference(mix, window):
+    """Grouped decode (gather + SDPA), chunks after cached tokens and whole prompts, each
+    query attending to its last ``window`` positions; and the static (CUDA-graph) decode path."""
+    q_lens, seq_lens = MIXES[mix]
+    q, k, v, cache, meta, hk, hv = build_batch(q_lens, seq_lens)
+    out = torch_attention(q, k, v, meta, cache, D**-0.5, window)
+    start = 0
+    for ql, k_seq, v_seq in zip(q_lens, hk, hv):
+        ref = dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5, window)
+        torch.testing.assert_close(out[start : start + ql], ref, atol=1e-5, rtol=1e-5)
+        start += ql
+    if max(q_lens) == 1:  # the same rows through the static path, over table columns padded to 8
+        tables = block_table_tensor(meta.block_tables.tolist(), 8)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+        static = AttentionMetadata.for_static_decode(cu, cu, lens, meta.slot_mapping, tables, 8 * BS)
+        torch.testing.assert_close(torch_attention(q, k, v, static, cache, D**-0.5, window), out, atol=1e-5, rtol=1e-5)
+
+
 def _fake_flash_module() -> types.ModuleType:
     """flash_attn_varlen_func with flash-attn's semantics (paged via block_table, causal aligned
     to the bottom-right), written densely, so our glue can be checked without a GPU."""
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=False, block_table=None):  # fmt: skip
-        assert causal and q.dtype == k.dtype
+                               softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):  # fmt: skip
+        assert causal and q.dtype == k.dtype and window_size[1] in (-1, 0)
+        window = None if window_size[0] < 0 else window_size[0] + 1  # keys [i - left, i]
         out = torch.empty_like(q)
         for i in range(len(cu_seqlens_q) - 1):
             qs, qe = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
@@ -96,7 +122,7 @@ def _fake_flash_module() -> types.ModuleType:
             else:
                 blocks = block_table[i, : math.ceil(seq_len / k.shape[1])].long()
                 ks, vs = k[blocks].flatten(0, 1)[:seq_len], v[blocks].flatten(0, 1)[:seq_len]
-            out[qs:qe] = dense_reference(q[qs:qe], ks, vs, softmax_scale)
+            out[qs:qe] = dense_reference(q[qs:qe], ks, vs, softmax_scale, window)
         return out
 
     mod = types.ModuleType("flash_attn")
@@ -104,14 +130,15 @@ def _fake_flash_module() -> types.ModuleType:
     return mod
 
 
+@pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_flash_glue_passes_paged_metadata(monkeypatch, mix):
+def test_flash_glue_passes_paged_metadata(monkeypatch, mix, window):
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
     q_lens, seq_lens = MIXES[mix]
     q, k, v, cache, meta, _, _ = build_batch(q_lens, seq_lens, seed=1)
     cache_copy = (cache[0].clone(), cache[1].clone())
-    out = flash_attention(q, k, v, meta, cache, D**-0.5)
-    ref = torch_attention(q, k, v, meta, cache_copy, D**-0.5)
+    out = flash_attention(q, k, v, meta, cache, D**-0.5, window)
+    ref = torch_attention(q, k, v, meta, cache_copy, D**-0.5, window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache[0], cache_copy[0])  # both wrote the same new K/V
 
@@ -122,7 +149,9 @@ def test_flash_glue_without_cache(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(sum(lens), n, D, generator=g) for n in (H, HKV, HKV))
     meta = AttentionMetadata.for_prompts(lens)
-    torch.testing.assert_close(flash_attention(q, k, v, meta, None, 0.3), torch_attention(q, k, v, meta, None, 0.3))
+    for window in (None, 2):
+        torch.testing.assert_close(flash_attention(q, k, v, meta, None, 0.3, window),
+                                   torch_attention(q, k, v, meta, None, 0.3, window))  # fmt: skip
 
 
 def test_backend_selection():

@@ -21,8 +21,8 @@ def raising_backend(*args):
     raise RuntimeError("PTX .version 9.4 does not support .target sm_90a")  # what a toolchain mismatch says
 
 
-def off_by_ten_percent(q, k, v, meta, kv_cache, scale):
-    return torch_attention(q, k, v, meta, kv_cache, scale) * 1.1
+def off_by_ten_percent(q, k, v, meta, kv_cache, scale, window=None):
+    return torch_attention(q, k, v, meta, kv_cache, scale, window) * 1.1
 
 
 def test_the_torch_path_passes_its_own_check():
@@ -43,6 +43,24 @@ def test_failures_are_named():
     problem = check_backend(off_by_ten_percent, CPU, torch.float32, **SHAPES)
     for kind in ("prompts without a cache", "mixed prefill/decode step", "decode-only step"):
         assert kind in problem
+
+
+def ignores_the_window(q, k, v, meta, kv_cache, scale, window=None):
+    return torch_attention(q, k, v, meta, kv_cache, scale)
+
+
+def test_a_backend_that_ignores_the_window_fails_for_a_sliding_model():
+    assert check_backend(ignores_the_window, CPU, torch.float32, **SHAPES) is None  # no window: no difference
+    problem = check_backend(ignores_the_window, CPU, torch.float32, **SHAPES, window=4096)
+    for kind in ("prompts without a cache (sliding window 4)", "decode-only step (sliding window 4)"):
+        assert kind in problem
+
+
+@pytest.mark.skipif(triton_skip_reason(cpu_tensors=True) is not None, reason=str(triton_skip_reason(cpu_tensors=True)))
+def test_the_triton_kernel_passes_with_a_window():
+    from vllmini.models.triton_attention import triton_attention
+
+    assert check_backend(triton_attention, CPU, torch.float32, 6, 2, 16, 8, window=100) is None
 
 
 @pytest.fixture

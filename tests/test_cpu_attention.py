@@ -20,13 +20,14 @@ from vllmini.models.cpu_attention import KernelBuildError, cpu_attention as cpu_
 CPU = torch.device("cpu")
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale):
-    """One SDPA per row over its first ``len`` cached positions (query head h * G + g reads
-    KV head h, which is SDPA's GQA mapping)."""
+def reference(q, k_cache, v_cache, tables, lens, scale, window=None):
+    """One SDPA per row over its first ``len`` cached positions, or its last ``window`` of them
+    (query head h * G + g reads KV head h, which is SDPA's GQA mapping)."""
     outs = []
     for b, n in enumerate(lens.tolist()):
-        keys = k_cache[tables[b].long()].flatten(0, 1)[:n].transpose(0, 1)  # [Hkv, n, D]
-        vals = v_cache[tables[b].long()].flatten(0, 1)[:n].transpose(0, 1)
+        lo = max(0, n - window) if window else 0
+        keys = k_cache[tables[b].long()].flatten(0, 1)[lo:n].transpose(0, 1)  # [Hkv, n - lo, D]
+        vals = v_cache[tables[b].long()].flatten(0, 1)[lo:n].transpose(0, 1)
         qb = q[b].flatten(0, 1)[:, None]  # [H, 1, D]
         outs.append(F.scaled_dot_product_attention(qb, keys, vals, scale=scale, enable_gqa=True).view(q.shape[1:]))
     return torch.stack(outs)
@@ -94,6 +95,23 @@ def test_split_rows_equal_unsplit(monkeypatch, splits):
     torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, seq_lens, 0.125), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 2, 5])
+@pytest.mark.parametrize("window", [1, 7, 16, 45, 1000])
+def test_sliding_window_reads_only_the_last_window_positions(monkeypatch, dtype, splits, window):
+    """A window starting mid-block, on a block edge, longer than the row; rows cut into key
+    ranges over the window only (ranges past it empty)."""
+    monkeypatch.setattr(cpu_attention, "num_splits", lambda *a: splits)
+    lens = [300, 5, 16, 33, 1]
+    q, k_cache, v_cache, tables, seq_lens = (
+        t.to(dtype) if t.is_floating_point() else t for t in random_paged(len(lens), 3, 3, 64, 16, lens, seed=2)
+    )
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, 0.125, window)
+    wide = [t.float() if t.is_floating_point() else t for t in (q, k_cache, v_cache, tables, seq_lens)]
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-5, "rtol": 2**-8}
+    torch.testing.assert_close(got.float(), reference(*wide, 0.125, window), **tol)
+
+
 def test_num_splits_only_when_threads_would_idle():
     from vllmini.models.cpu_attention import SPLIT_MIN_BLOCKS, num_splits
 
@@ -146,6 +164,7 @@ def test_backend_on_mixed_steps_equals_the_torch_backend(dtype):
     cache: the kernel takes the decode rows, the torch path the rest. In bfloat16 the torch
     path's SDPA rounds its own way, so the two agree to bfloat16's precision."""
     assert check_backend(cpu_backend, CPU, dtype, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4) is None
+    assert check_backend(cpu_backend, CPU, dtype, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, window=5) is None
     q_lens, seq_lens = [1, 4, 1, 3, 1], [9, 11, 1, 3, 30]
     block_size, tables = 4, [[0, 1, 2], [3, 4, 5], [6], [7], [8, 9, 10, 11, 12, 13, 14, 15]]
     slots = [t[p // block_size] * block_size + p % block_size for t, n, ql in zip(tables, seq_lens, q_lens)
@@ -153,13 +172,15 @@ def test_backend_on_mixed_steps_equals_the_torch_backend(dtype):
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(sum(q_lens), h, 16, generator=g).to(dtype) for h in (6, 2, 2))
     cache = [torch.randn(16, block_size, 2, 16, generator=g).to(dtype) for _ in range(2)]
-    outs = [
-        fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables), tuple(c.clone() for c in cache), 0.25)
-        for fn in (cpu_backend, torch_attention)
-    ]
-    assert outs[0].dtype == dtype
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 2e-2}
-    torch.testing.assert_close(outs[0], outs[1], **tol)
+    for window in (None, 6):
+        outs = [
+            fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables), tuple(c.clone() for c in cache), 0.25,
+               window)
+            for fn in (cpu_backend, torch_attention)
+        ]  # fmt: skip
+        assert outs[0].dtype == dtype
+        torch.testing.assert_close(outs[0], outs[1], **tol)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from helpers import tiny_llama_config, tiny_qwen3_config, triton_skip_reason
+from helpers import tiny_llama_config, tiny_mistral_config, tiny_qwen3_config, triton_skip_reason
 from test_attention import D, MIXES, build_batch, dense_reference
 from vllmini.config import resolve_dtype
 from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner, StaticDecodeBuffers, capture_sizes
@@ -28,10 +28,12 @@ CUDA = torch.device("cuda")  # selection only inspects the device; nothing runs 
 def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
                      window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):  # fmt: skip
     """torch.nn.attention.varlen.varlen_attn as documented (torch 2.13), written densely:
-    (-1, 0) windowing = causal aligned bottom-right (full attention is only accepted where every
-    query is a single token, where the two agree); with block_table, key/value are a page pool
-    and seqused_k[i] tokens of sequence i are valid."""
-    assert (window_size == (-1, 0) or (window_size == (-1, -1) and max_q == 1)) and enable_gqa
+    (left, 0) windowing = causal aligned bottom-right, keys back to ``left`` positions before the
+    query (-1: all); right -1 (no bound) is only accepted where every query is a single token,
+    where the two agree; with block_table, key/value are a page pool and seqused_k[i] tokens
+    of sequence i are valid."""
+    left, right = window_size
+    assert (right == 0 or (right == -1 and max_q == 1)) and left >= -1 and enable_gqa
     assert query.dtype == key.dtype
     assert block_table is None or (seqused_k is not None and block_table.dtype == torch.int32)
     out = torch.empty_like(query)
@@ -50,7 +52,8 @@ def fake_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, ret
         k_rep, v_rep = keys.repeat_interleave(h // hkv, 1), vals.repeat_interleave(h // hkv, 1)
         scores = torch.einsum("qhd,khd->hqk", query[qs:qe].float(), k_rep.float()) * scale
         q_len, k_len = qe - qs, keys.shape[0]
-        allowed = torch.arange(k_len)[None, :] <= torch.arange(k_len - q_len, k_len)[:, None]
+        pos_q, pos_k = torch.arange(k_len - q_len, k_len)[:, None], torch.arange(k_len)[None, :]
+        allowed = (pos_k <= pos_q) & ((left < 0) | (pos_k >= pos_q - left))
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[qs:qe] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v_rep.float()).to(query.dtype)
     return out
@@ -68,20 +71,21 @@ def fake_varlen_module(fn) -> types.ModuleType:
 
 
 # ---- torch varlen glue ---------------------------------------------------------------------
+@pytest.mark.parametrize("window", [None, 4])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_torch_varlen_glue_passes_paged_metadata(mix):
+def test_torch_varlen_glue_passes_paged_metadata(mix, window):
     q_lens, seq_lens = MIXES[mix]
     q, k, v, cache, meta, hk, hv = build_batch(q_lens, seq_lens, seed=3)
     cache_copy = (cache[0].clone(), cache[1].clone())
-    out = torch_varlen_backend(fake_varlen_attn)(q, k, v, meta, cache, D**-0.5)
+    out = torch_varlen_backend(fake_varlen_attn)(q, k, v, meta, cache, D**-0.5, window)
     ref = torch_attention(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, meta.slot_mapping.tolist(),
-                                                           meta.block_tables.tolist()), cache_copy, D**-0.5)  # fmt: skip
+                                                           meta.block_tables.tolist()), cache_copy, D**-0.5, window)  # fmt: skip
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cache[0], cache_copy[0])  # same K/V written at the same slots
     start = 0
     for ql, k_seq, v_seq in zip(q_lens, hk, hv):
-        torch.testing.assert_close(out[start : start + ql], dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5),
-                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        want = dense_reference(q[start : start + ql], k_seq, v_seq, D**-0.5, window)
+        torch.testing.assert_close(out[start : start + ql], want, atol=1e-5, rtol=1e-5)
         start += ql
 
 
@@ -301,7 +305,7 @@ def _decode_state(model, batch: int, block_size: int, max_model_len: int, seed: 
     return caches, flat, num_blocks
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral-window"])
 @pytest.mark.parametrize("backend", ["torch", "torch_varlen"] + [pytest.param(name, marks=pytest.mark.skipif(
     triton_skip_reason(cpu_tensors=True) is not None, reason=str(triton_skip_reason(cpu_tensors=True))))
     for name in ("triton", "triton-split")])  # fmt: skip
@@ -311,7 +315,10 @@ def test_padded_static_decode_equals_eager(arch, backend, monkeypatch):
     ``triton-split``: the static step splits each row's keys (as it would on a GPU with idle
     SMs; a graph does not know the contexts, so most shares are empty here), the eager one not."""
     block_size, max_model_len = 4, 40
-    config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
+    if arch == "mistral-window":  # sliding-window attention (7 keys) in every layer
+        config = tiny_mistral_config(max_position_embeddings=64, sliding_window=7)
+    else:
+        config = (tiny_llama_config if arch == "llama" else tiny_qwen3_config)(max_position_embeddings=64)
     if backend == "triton-split":
         import vllmini.models.triton_attention as ta
 

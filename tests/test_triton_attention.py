@@ -42,12 +42,12 @@ def _plain_meta(meta: AttentionMetadata, device: torch.device = torch.device("cp
     )
 
 
-def run_kernel(ta, q, k, v, meta, cache, scale):
+def run_kernel(ta, q, k, v, meta, cache, scale, window=None):
     """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU."""
     q, k, v = on_device(q, k, v)
     cache = None if cache is None else tuple(on_device(*cache))
     meta = _plain_meta(meta, DEVICE) if cache is not None else AttentionMetadata.for_prompts(meta.query_lens_cpu, DEVICE)
-    out = ta.triton_attention(q, k, v, meta, cache, scale)
+    out = ta.triton_attention(q, k, v, meta, cache, scale, window)
     return out.cpu(), None if cache is None else tuple(c.cpu() for c in cache)
 
 
@@ -132,6 +132,35 @@ def test_kernel_shapes_gqa_groups_and_head_dims(ta, heads, kv_heads, head_dim):
     out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5)
     ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("window", [1, 5, 40, 300])
+def test_sliding_window_on_every_launch_kind(ta, monkeypatch, window, split):
+    """Prefill tiles (long chunks over several KV blocks, a chunk after cached tokens), decode
+    rows (split into shares or not), prompts without a cache: each query sees only its last
+    ``window`` keys, as the torch backend computes it."""
+    if split:
+        monkeypatch.setattr(ta, "_num_sms", lambda device: 64)
+        monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
+    heads, kv_heads, head_dim, block_size = 6, 2, 24, 16
+    g = torch.Generator().manual_seed(window)
+    for q_lens, seq_lens in (([1, 90, 37, 1], [70, 90, 100, 1]), ([1, 1, 1], [130, 45, 7])):
+        tables = [list(range(i * 9, i * 9 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
+        cache = tuple(torch.randn(36, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
+        slots = [t[p // block_size] * block_size + p % block_size
+                 for t, s, ql in zip(tables, seq_lens, q_lens) for p in range(s - ql, s)]  # fmt: skip
+        meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables)
+        q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+        k, v = (torch.randn(sum(q_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+        out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5, window)
+        ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5, window)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    lens = [3, 70, 1]
+    q, k, v = (torch.randn(sum(lens), n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    meta = AttentionMetadata.for_prompts(lens)
+    out, _ = run_kernel(ta, q, k, v, meta, None, 0.2, window)
+    torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.2, window), atol=2e-5, rtol=2e-5)
 
 
 def test_kernel_without_cache_and_in_fp16(ta):

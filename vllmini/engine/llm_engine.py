@@ -68,13 +68,10 @@ class LLMEngine:
         logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
 
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        limit = f"the model's max_position_embeddings={model_max}"
-        window = getattr(self.model, "sliding_window", None)
-        if window is not None and window < model_max:  # no sliding-window attention: exact up to the window
-            model_max, limit = window, f"the model's sliding_window={window} (sliding-window attention is not implemented)"
-            logger.info("max_model_len capped at the model's sliding window (%d tokens)", window)
         if args.max_model_len is not None and args.max_model_len > model_max:
-            raise ValueError(f"max_model_len={args.max_model_len} exceeds {limit}")
+            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        if (window := getattr(self.model, "sliding_window", None)) is not None:
+            logger.info("sliding-window attention: %d tokens", window)
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.generation_config = load_generation_config(self.model_dir)
@@ -83,7 +80,7 @@ class LLMEngine:
         block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
         self.attention_backend, backend = start_backend(
             args.attention_backend, self.device, self.dtype, block_size,
-            self.hf_config.num_attention_heads, self.model.num_kv_heads, self.model.head_dim,
+            self.hf_config.num_attention_heads, self.model.num_kv_heads, self.model.head_dim, self.model.sliding_window,
         )  # fmt: skip
         self.model.set_attention_backend(backend)
         use_graphs = self.device.type == "cuda" and not args.enforce_eager

@@ -1,6 +1,7 @@
 /* Decode attention over the paged KV cache, for the CPU (float32 math; float32 or bfloat16 cache).
 
-   One query token per row attends to the first seq_lens[b] positions of its sequence, read
+   One query token per row attends to the first seq_lens[b] positions of its sequence (with
+   window > 0, only the last window of them: sliding-window attention), read
    straight from the cache through its block table: no gathered copy of K/V is made (the torch
    path makes one, and on a CPU that copy is most of decode attention's cost). Rows (or, with
    fewer rows than threads, key ranges of rows) are spread over num_threads OpenMP threads
@@ -45,8 +46,8 @@ static inline float load(const char *row, int64_t i, int bf16) {
     return f;
 }
 
-/* Positions [start, end) of one row (start a multiple of block_size) for all its query heads:
-   m, l, acc hold that range's running max, sum and unnormalised output when it returns. */
+/* Positions [start, end) of one row for all its query heads: m, l, acc hold that range's
+   running max, sum and unnormalised output when it returns (l = 0 for an empty range). */
 static inline __attribute__((always_inline)) void attend(
     const float *qb, const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
     int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
@@ -58,16 +59,18 @@ static inline __attribute__((always_inline)) void attend(
     float s[MAX_BLOCK_SIZE];
     for (int64_t i = 0; i < heads; i++) m[i] = 0.f, l[i] = 0.f;
     for (int64_t x = 0; x < heads * head_dim; x++) acc[x] = 0.f;
-    for (int64_t pos = start; pos < end; pos += block_size) {
-        const int64_t n = end - pos < block_size ? end - pos : block_size;
-        const char *kb = k_cache + table[pos / block_size] * block_stride;
-        const char *vb = v_cache + table[pos / block_size] * block_stride;
+    for (int64_t pos = start, after; pos < end; pos = after) {
+        const int64_t off = pos % block_size; /* a window may start mid-block */
+        const int64_t n = end - pos < block_size - off ? end - pos : block_size - off;
+        const char *kb = k_cache + table[pos / block_size] * block_stride + off * token_stride;
+        const char *vb = v_cache + table[pos / block_size] * block_stride + off * token_stride;
+        after = pos + n; /* the next block's first position */
         /* The next block (none at the range's end) is prefetched a slice per query head, so its
            fetches spread over this block's work: asked for all at once before it, as first
            written, decode attention was 1.15x (float32) to 1.3x (bfloat16) slower. */
-        const int64_t rest = end - pos - block_size; /* positions after this block */
+        const int64_t rest = end - after; /* positions after this block */
         const int64_t next_bytes = rest <= 0 ? 0 : (rest < block_size ? rest : block_size) * token_stride;
-        const int64_t next = next_bytes ? table[pos / block_size + 1] * block_stride : 0;
+        const int64_t next = next_bytes ? table[after / block_size] * block_stride : 0;
         const int64_t slice = (next_bytes / heads + 63) / 64 * 64; /* whole cache lines */
         for (int64_t i = 0; i < heads; i++) { /* query head i reads KV head i / group */
             if (i * slice < next_bytes) {
@@ -114,16 +117,18 @@ static inline __attribute__((always_inline)) void attend(
 void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   float *out, int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-                  int64_t block_size, float scale, int num_threads, int64_t num_splits) {
+                  int64_t block_size, float scale, int num_threads, int64_t num_splits, int64_t window) {
     const int64_t heads = num_kv_heads * group, part_size = heads * (head_dim + 2);
     float *parts = num_splits > 1 ? malloc(sizeof(float) * batch * num_splits * part_size) : NULL;
     if (num_splits > 1 && !parts) num_splits = 1; /* no scratch: one range per row */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < batch * num_splits; item++) {
         const int64_t b = item / num_splits, split = item % num_splits, len = seq_lens[b];
-        const int64_t per_split = (len + block_size - 1) / block_size * block_size / num_splits;
-        const int64_t range = (per_split + block_size - 1) / block_size * block_size; /* whole blocks */
-        const int64_t start = split * range, end = len < start + range ? len : start + range;
+        const int64_t lo = window > 0 && len > window ? len - window : 0; /* the row's first key */
+        /* the blocks holding [lo, len), cut into num_splits runs of whole blocks */
+        const int64_t first = lo / block_size, per = ((len + block_size - 1) / block_size - first + num_splits - 1) / num_splits;
+        const int64_t run_start = (first + split * per) * block_size, run_end = run_start + per * block_size;
+        const int64_t start = run_start > lo ? run_start : lo, end = run_end < len ? run_end : len;
         float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_HEAD_DIM];
         const float *qb = q + b * heads * head_dim;
         const int32_t *table = block_tables + b * table_stride;

@@ -1,7 +1,8 @@
 """Attention over a varlen batch, with or without a paged KV cache.
 
-Backends share one signature ``(q, k, v, meta, kv_cache, scale) -> out`` and one
-metadata object; models/backend_select.py picks one at start-up: ``flash_attn`` (the
+Backends share one signature ``(q, k, v, meta, kv_cache, scale, window=None) -> out`` and one
+metadata object (``window``: sliding-window attention, each query attends to the ``window``
+latest positions up to its own, as transformers' Mistral/Qwen2/Phi-3; None: all of them); models/backend_select.py picks one at start-up: ``flash_attn`` (the
 flash-attn package), ``torch_varlen`` (torch's built-in FlashAttention, ``varlen_attn`` with
 a block table), ``triton`` (our paged kernel, models/triton_attention.py), ``cpu`` (the torch
 backend with a C decode kernel, models/cpu_attention.py) or ``torch`` (below). The first three
@@ -140,16 +141,17 @@ def torch_attention(
     meta: AttentionMetadata,
     kv_cache: KVCache | None,
     scale: float,
+    window: int | None = None,
     decode: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
     decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
-    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale)`` (the cpu backend)."""
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window)`` (the cpu backend)."""
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
     if meta.static_decode:
-        return _static_decode(q, meta, kv_cache, scale)
+        return _static_decode(q, meta, kv_cache, scale, window)
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(meta, block_size, grouped=decode is None)
@@ -161,11 +163,15 @@ def torch_attention(
         bd = group.block_tables.shape[0]
         qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if decode is not None:
-            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale)
+            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
             keys = gather_blocks(k_cache, group.block_tables).transpose(1, 2)
             vals = gather_blocks(v_cache, group.block_tables).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=group.mask, scale=scale)
+            mask = group.mask
+            if window is not None:  # the row's query sits at seq_len - 1: keys from seq_len - window
+                pos = torch.arange(mask.shape[-1], device=mask.device)
+                mask = mask & (pos >= group.seq_lens[:, None, None, None] - window)
+            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=scale)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
@@ -178,17 +184,20 @@ def torch_attention(
             vals = gather_blocks(kv_cache[1], blocks[None])[0, :seq_len]
         qi = q[start : start + q_len].transpose(0, 1)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
-        if q_len == seq_len:
+        if q_len == seq_len and (window is None or window >= seq_len):
             oi = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
-            pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= pos_q[:, None]
+            pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+            pos_k = torch.arange(seq_len, device=q.device)[None, :]
+            mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
             oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = oi.transpose(0, 1)
     return out
 
 
-def _static_decode(q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float) -> torch.Tensor:
+def _static_decode(
+    q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float, window: int | None
+) -> torch.Tensor:
     """One token per row over ALL ``block_tables`` columns, masked by the ``seq_lens`` tensor:
     fixed shapes, no host lists, no device->host sync, so a CUDA graph can capture it."""
     k_cache, v_cache = kv_cache
@@ -198,7 +207,10 @@ def _static_decode(q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, 
     tables = meta.block_tables.long()
     keys = gather_blocks(k_cache, tables).transpose(1, 2)
     vals = gather_blocks(v_cache, tables).transpose(1, 2)
-    mask = torch.arange(num_blocks * block_size, device=q.device)[None, :] < meta.seq_lens[:, None]
+    pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]
+    mask = pos < meta.seq_lens[:, None]
+    if window is not None:
+        mask = mask & (pos >= meta.seq_lens[:, None] - window)
     qd = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
@@ -211,21 +223,24 @@ def flash_attention(
     meta: AttentionMetadata,
     kv_cache: KVCache | None,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """flash-attn 2.x: one varlen call for the whole mixed prefill/decode batch, reading
     K/V straight from the paged cache through ``block_table`` (causal is lower-right
-    aligned there, which is what a chunk after cached tokens needs)."""
+    aligned there, which is what a chunk after cached tokens needs; a sliding window is its
+    ``window_size`` of ``window - 1`` keys to the left)."""
     from flash_attn import flash_attn_varlen_func
 
+    sliding = {"window_size": (window - 1, 0)} if window is not None else {}
     if kv_cache is None:
         return flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-            softmax_scale=scale, causal=True,
+            softmax_scale=scale, causal=True, **sliding,
         )  # fmt: skip
     write_kv(k, v, kv_cache, meta.slot_mapping)
     return flash_attn_varlen_func(
         q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-        softmax_scale=scale, causal=True, block_table=meta.block_tables,
+        softmax_scale=scale, causal=True, block_table=meta.block_tables, **sliding,
     )  # fmt: skip
 
 
@@ -253,13 +268,16 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
     fn = varlen_attn
 
     def torch_varlen_attention(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None, scale: float
-    ) -> torch.Tensor:
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
+        scale: float, window: int | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """One varlen call for the whole mixed batch; causal is (-1, 0) windowing, aligned to the
         bottom-right like flash-attn's, which a chunk after cached tokens needs. With one query
-        per sequence causal == full, and full attention lets the kernel pack GQA heads."""
-        window = (-1, -1) if meta.max_seqlen_q == 1 else (-1, 0)
-        common = {"scale": scale, "window_size": window, "enable_gqa": True}
+        per sequence causal == full, and full attention lets the kernel pack GQA heads. A sliding
+        window keeps ``window - 1`` keys to the left."""
+        left = -1 if window is None else window - 1
+        sizes = (left, -1) if meta.max_seqlen_q == 1 else (left, 0)
+        common = {"scale": scale, "window_size": sizes, "enable_gqa": True}
         if kv_cache is None:
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             return fn(q, k, v, cu, cu, n, n, **common)
@@ -275,15 +293,16 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
 class Attention(nn.Module):
     """Multi-head attention core (no projections): rotary-embedded q/k/v in, context out."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window = window  # sliding-window attention (None: full)
         self.backend: AttentionBackend = torch_attention
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
     ) -> torch.Tensor:
-        out = self.backend(q, k, v, meta, kv_cache, self.scale)
+        out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -25,7 +25,7 @@ AttentionFn = Callable[..., torch.Tensor]
 
 def start_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
-    num_heads: int, num_kv_heads: int, head_dim: int,
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None,
 ) -> tuple[str, AttentionFn]:  # fmt: skip
     """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``.
     A chosen backend that fails falls back to the torch one with a warning; a forced one
@@ -34,7 +34,7 @@ def start_backend(
     fn = get_backend(name)
     if name == "torch":
         return name, fn
-    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window)
     if problem is None:
         return name, fn
     if requested == name:
@@ -59,8 +59,11 @@ def check_backend(
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
+    window: int | None = None,
 ) -> str | None:
-    """None when ``backend`` matches the torch path on every kind of step, else why not."""
+    """None when ``backend`` matches the torch path on every kind of step, else why not; with a
+    model that slides (``window``), each step is also run with a window shorter than its
+    contexts (the value does not matter to a kernel, the masking does)."""
     g = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
     tol = 1e-3 if dtype == torch.float32 else 3e-2
@@ -69,13 +72,16 @@ def check_backend(
         shapes = ((tokens, num_heads, head_dim), (tokens, num_kv_heads, head_dim), (tokens, num_kv_heads, head_dim))
         return [torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for shape in shapes]
 
+    windows = [None] if window is None else [None, 4]
     try:
-        lens = [5, 1, 17]
-        q, k, v = qkv(sum(lens))
-        got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale)
-        want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale)
-        problems = _compare("prompts without a cache", got, want, tol)
-        for q_lens, seq_lens in _steps(block_size):
+        problems = []
+        for w in windows:
+            lens = [5, 1, 17]
+            q, k, v = qkv(sum(lens))
+            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w)
+            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w)
+            problems += _compare(f"prompts without a cache{_windowed(w)}", got, want, tol)
+        for (q_lens, seq_lens), w in ((step, w) for step in _steps(block_size) for w in windows):
             blocks = [-(-n // block_size) for n in seq_lens]
             tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(blocks))]
             cache = [torch.randn(sum(blocks), block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
@@ -85,15 +91,20 @@ def check_backend(
             q, k, v = qkv(sum(q_lens))
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
-                   tuple(c.clone() for c in cache), scale)
+                   tuple(c.clone() for c in cache), scale, w)
                 for fn in (backend, torch_attention)
             )  # fmt: skip
-            problems += _compare("decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step", got, want, tol)
+            what = "decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step"
+            problems += _compare(what + _windowed(w), got, want, tol)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as exc:  # a compile error, a launch failure, a driver error: the finding
         return f"{type(exc).__name__}: {str(exc)[:300]}"
     return "; ".join(problems) or None
+
+
+def _windowed(window: int | None) -> str:
+    return "" if window is None else f" (sliding window {window})"
 
 
 def _compare(what: str, got: torch.Tensor, want: torch.Tensor, tol: float) -> list[str]:

@@ -86,7 +86,7 @@ def load_kernel() -> ctypes.CDLL:
     fn = lib.paged_decode
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
-    fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64]
+    fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     lib.paged_decode_limits.restype = ctypes.c_int64
     lib.paged_decode_limits.argtypes = [ctypes.c_int64]
     return lib
@@ -106,9 +106,11 @@ def paged_decode(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [B, Hkv, G, D]``, caches ``[num_blocks, bs, Hkv, D]``, ``block_tables [B, nb]`` int32,
-    ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]`` in q's dtype; CPU tensors, the
+    ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]`` in q's dtype (row b attends to
+    its last ``window`` positions, or all ``seq_lens[b]`` with no window); CPU tensors, the
     caches float32 or bfloat16 (``CACHE_DTYPES``). The math is float32 either way: a bfloat16 q
     is widened (exact) and the output rounded back. The kernel trusts its inputs, so shapes,
     dtypes and layouts are checked here: a wrong one would read out of bounds, not raise."""
@@ -133,12 +135,13 @@ def paged_decode(
     q32 = q.to(torch.float32)  # no copy when q is float32 already
     out = torch.empty_like(q32)
     if batch:
-        threads = torch.get_num_threads()
-        splits = num_splits(batch, -(-int(seq_lens.max()) // k_cache.shape[1]), threads)
+        threads, block_size = torch.get_num_threads(), k_cache.shape[1]
+        keys = min(int(seq_lens.max()), window or 2**62)
+        splits = num_splits(batch, -(-keys // block_size) + (window is not None), threads)
         load_kernel().paged_decode(
             q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-            batch, num_kv_heads, group, head_dim, k_cache.shape[1], scale, threads, splits,
+            batch, num_kv_heads, group, head_dim, block_size, scale, threads, splits, window or 0,
         )  # fmt: skip
     return out.to(q.dtype)
 
@@ -157,7 +160,8 @@ def num_splits(batch: int, max_blocks: int, threads: int) -> int:
 
 
 def cpu_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
+    scale: float, window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The torch backend with every decode row in one kernel call (no padding, no groups)."""
-    return torch_attention(q, k, v, meta, kv_cache, scale, decode=paged_decode)
+    return torch_attention(q, k, v, meta, kv_cache, scale, window, decode=paged_decode)

@@ -42,7 +42,7 @@ class DecoderVariant:
 class DecoderAttention(nn.Module):
     """Projections, optional per-head q/k RMSNorm (Qwen3), RoPE, then the attention core."""
 
-    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True, window: int | None = None) -> None:
         super().__init__()
         self.use_rope = use_rope  # False: a NoPE layer (SmolLM3's no_rope_layers)
         self.num_heads = config.num_attention_heads
@@ -54,7 +54,7 @@ class DecoderAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
 
     def forward(
         self,
@@ -75,10 +75,10 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config, variant, use_rope)
+        self.self_attn = DecoderAttention(config, variant, use_rope, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(
             config.hidden_size,
@@ -94,6 +94,17 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding attention window, as transformers reads the config: Mistral v0.1 and
+    Phi-3 slide in every layer once ``sliding_window`` is set; Qwen2/Qwen3 only with
+    ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention"."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", None) is False:
+        return [None] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: Any, variant: DecoderVariant) -> None:
         super().__init__()
@@ -104,7 +115,10 @@ class DecoderModel(nn.Module):
         )
         # SmolLM3: no_rope_layers[i] == 0 marks a layer without rotary embedding
         rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(config, variant, bool(rope[i])) for i in range(config.num_hidden_layers))
+        windows = layer_windows(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))
@@ -129,16 +143,9 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def sliding_window(self) -> int | None:
-        """The attention window when the config turns one on (Mistral v0.1; Qwen2/3 with
-        use_sliding_window). Sliding-window attention is not implemented: within the window it
-        equals full attention, so the engine caps max_model_len at it instead."""
-        window = getattr(self.config, "sliding_window", None)
-        if not window or getattr(self.config, "use_sliding_window", None) is False:
-            return None
-        layer_types = getattr(self.config, "layer_types", None)
-        if layer_types is not None and "sliding_attention" not in layer_types:
-            return None
-        return int(window)
+        """The attention window of the layers that have one (None: every layer attends to all
+        earlier tokens)."""
+        return next((w for w in layer_windows(self.config) if w is not None), None)
 
     @property
     def num_kv_heads(self) -> int:

@@ -8,7 +8,9 @@ group of query heads stacked into the tile's rows (``BLOCK_Q x GROUP`` rows, so 
 read once serves the whole group). It streams the sequence's keys/values ``BLOCK_N`` tokens
 at a time through the block table with an online softmax (fp32 accumulators). Causal masking
 is lower-right aligned: query ``j`` of a chunk of ``q_len`` new tokens sits at position
-``seq_len - q_len + j``, which is what a chunk after cached tokens needs.
+``seq_len - q_len + j``, which is what a chunk after cached tokens needs. With a sliding
+``window`` (> 0) a query also skips keys more than ``window - 1`` positions behind it, and a
+tile starts at the first ``BLOCK_N`` run its earliest query still needs.
 
 Launches:
 - a decode-only step (including ``static_decode``, what a CUDA graph replays): one tile per
@@ -55,13 +57,14 @@ SPLIT_MIN_KEYS = 256  # ... and none shorter than this when the step's longest c
 # divisibility by 16), and a tile map's second row starts at 4 x (number of tiles) bytes (its
 # alignment would vary); neither value helps the generated code, so neither is specialized.
 @triton.jit(
-    do_not_specialize=["stride_bt", "num_tokens"], do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"]
+    do_not_specialize=["stride_bt", "num_tokens", "window"],
+    do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"],
 )
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tile_seq_ptr, tile_start_ptr,
     part_ptr, ml_ptr,
-    scale, num_tokens,
+    scale, num_tokens, window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
@@ -92,14 +95,17 @@ def _paged_attention_kernel(
         q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
     )  # fmt: skip
-    last_pos = cached + qi  # each row attends to keys at positions <= its own
+    last_pos = cached + qi  # each row attends to keys at positions <= its own (and > last_pos - window)
     kv_end = tl.minimum(seq_len, cached + first_q + BLOCK_Q)
+    kv_lo = 0
+    if window > 0:  # the tile's earliest query needs nothing before its window
+        kv_lo = tl.maximum(cached + first_q - window + 1, 0) // BLOCK_N * BLOCK_N
     if SPLIT:  # split-KV: this program takes share program_id(2) of the keys (BLOCK_N-aligned)
-        share = tl.cdiv(tl.cdiv(kv_end, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        kv_begin = tl.program_id(2) * share
+        share = tl.cdiv(tl.cdiv(kv_end - kv_lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        kv_begin = kv_lo + tl.program_id(2) * share
         kv_end = tl.minimum(kv_end, kv_begin + share)
     else:
-        kv_begin = 0
+        kv_begin = kv_lo
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk adds 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -116,7 +122,9 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
-        s = tl.where((pos[None, :] <= last_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
+        keep = (pos[None, :] <= last_pos[:, None]) & pos_ok[None, :]
+        keep = keep & ((window <= 0) | (pos[None, :] > last_pos[:, None] - window))
+        s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -264,6 +272,7 @@ def triton_attention(
     meta: AttentionMetadata,
     kv_cache: KVCache | None,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``; writes the new K/V into the cache
     first (one indexed copy each, as every backend does)."""
@@ -286,13 +295,13 @@ def triton_attention(
             meta, keys.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None
         )
     for launch in plan:
-        run_launch(launch, out, q, keys, vals, block_tables, meta, scale)
+        run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window)
     return out
 
 
 def run_launch(
     launch: _Launch, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-    block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, **overrides: int,
+    block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None, **overrides: int,
 ) -> None:  # fmt: skip
     """One kernel launch of a plan. ``overrides`` replace compile-time constants or launch
     options (``BLOCK_N``, ``num_warps``, ``num_stages``): bench/attention_micro.py sweeps them."""
@@ -309,7 +318,7 @@ def run_launch(
         out, q, keys, vals,
         block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
         part, ml,
-        scale, q.shape[0],
+        scale, q.shape[0], window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
         **constants,
