@@ -303,3 +303,60 @@ async def test_a_request_id_is_free_again_once_its_stream_is_closed(tiny_dir, of
         await engine.abort("0")
         await caller
         assert_no_leaks(engine)
+
+
+async def test_closing_a_stream_is_cancellable_and_never_hangs(tiny_dir, monkeypatch):
+    """Closing waits for the abort, but a cancel of that wait still cancels (the abort goes on,
+    and the id stays taken until it is done); an engine step that raises does not leave an
+    abort waiting forever; abort() takes any id generate() took (an int)."""
+    engine = make_engine(tiny_dir, max_model_len=1024)
+    prompt, long = {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(max_tokens=900, ignore_eos=True)
+    real_step, calls = engine.engine.step, {"slow": False, "raise_at": None, "n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == calls["raise_at"]:
+            raise RuntimeError("engine bug")
+        if calls["slow"]:
+            time.sleep(0.3)  # a long prefill on a slow device
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", step)
+    async with engine:
+        gen = engine.generate(prompt, long, request_id="a")
+        await gen.__anext__()
+        calls["slow"] = True
+        closer = asyncio.create_task(gen.aclose())
+        await asyncio.sleep(0.05)
+        closer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closer
+        with pytest.raises(ValueError, match="already in use"):  # the abort is not done yet
+            await engine.generate(prompt, long, request_id="a").__anext__()
+        while "a" in engine._streams:
+            await asyncio.sleep(0.05)
+        calls["slow"] = False
+        outs = [o async for o in engine.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True), request_id="a")]
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 3
+
+        async def consume(rid):
+            with pytest.raises(RuntimeError, match="engine bug"):
+                async for _ in engine.generate(prompt, long, request_id=rid):
+                    pass
+
+        task = asyncio.create_task(consume("b"))
+        while "b" not in engine.engine.requests:
+            await asyncio.sleep(0.01)
+        calls["raise_at"] = calls["n"] + 1
+        await asyncio.wait_for(engine.abort("b"), 10)  # returns although the step it rode on failed
+        await task
+        seven = asyncio.create_task(consume_all(engine, prompt, long, 7))
+        while "7" not in engine.engine.requests:
+            await asyncio.sleep(0.01)
+        await engine.abort(7)
+        assert (await seven)[-1].outputs[0].finish_reason == "abort"
+        assert_no_leaks(engine)
+
+
+async def consume_all(engine, prompt, params, request_id):
+    return [o async for o in engine.generate(prompt, params, request_id=request_id)]

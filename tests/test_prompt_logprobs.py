@@ -249,10 +249,20 @@ def test_memory_warm_up_runs_the_costliest_step(tiny, monkeypatch, max_logprobs)
         seen["scored"] = (logits.shape, num_top)
         return real_score(logits, targets, num_top)
 
+    import vllmini.engine.sampler as sampler_module
+
+    nucleus_widths, real_nucleus = [], sampler_module._nucleus
+
+    def nucleus(vals, *args):
+        nucleus_widths.append(vals.shape)
+        return real_nucleus(vals, *args)
+
     monkeypatch.setattr(kv_budget.Sampler, "__call__", sampler)
     monkeypatch.setattr(prompt_logprobs, "score_rows", score)
+    monkeypatch.setattr(sampler_module, "_nucleus", nucleus)
     args = EngineArgs(model=model_dir, max_num_seqs=6, max_num_batched_tokens=64, max_logprobs=max_logprobs)
     kv_budget.warm_up_step(model, args, 256, 9, torch.device("cpu"))
     top = CONFIG.vocab_size if max_logprobs == -1 else 20
     assert seen["sampled"] == ((6, CONFIG.vocab_size), top, list(range(6)), True, True)
     assert seen["scored"] == ((9, CONFIG.vocab_size), top)
+    assert (5, CONFIG.vocab_size) in nucleus_widths  # top-p sorted whole rows (all but the masked one)

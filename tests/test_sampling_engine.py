@@ -3,6 +3,7 @@ min_tokens, seeds, logprobs), finish/stop reasons are set as vLLM does, and a ro
 invalid logits fails alone."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -45,6 +46,23 @@ def test_n_completions_share_the_prompt_kv(tiny_llm):
     greedy = gen(tiny_llm, PROMPT, n=2, temperature=0, max_tokens=12, ignore_eos=True)
     single = gen(tiny_llm, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
     assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.outputs[0].token_ids
+    assert_no_leaks(tiny_llm)
+
+
+def test_n_completions_count_toward_max_num_seqs(tiny_llm, monkeypatch):
+    """n = 5 through 2 sequence slots (as vLLM, each completion is a sequence): no step runs or
+    samples more than max_num_seqs rows (the CUDA warm-up sizes the sampler for that many),
+    and the seeded completions are those a roomy engine gives."""
+    params = SamplingParams(n=5, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    want = gen(tiny_llm, PROMPT, n=5, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
+    eng = tiny_llm.llm_engine
+    monkeypatch.setattr(eng.args, "max_num_seqs", 2)
+    monkeypatch.setattr(eng.scheduler, "config", dataclasses.replace(eng.scheduler.config, max_num_seqs=2))
+    rows, real_sample = [], eng._sample
+    monkeypatch.setattr(eng, "_sample", lambda logits, seqs, *a, **kw: rows.append(len(seqs)) or real_sample(logits, seqs, *a, **kw))
+    got = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
+    assert max(rows) == 2 and len(rows) > 6
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
     assert_no_leaks(tiny_llm)
 
 

@@ -114,18 +114,24 @@ async def test_everything_at_once(tiny, async_scheduling):
             assert last.finished and {c.finish_reason for c in last.outputs} <= {"abort", "stop", "length"}, i
         if how is not None:
             continue  # it left (or finished just before it could)
-        assert last.finished and len(last.outputs) == params.n, f"request {i}"
-        for c in last.outputs:
-            assert c.finish_reason in ("stop", "length"), (i, c.finish_reason)
-        if params.output_kind == "delta":  # pieces add up to whole completions
-            tokens = {c.index: [] for c in last.outputs}
+        assert last.finished, f"request {i}"
+        if params.output_kind == "delta":  # pieces add up to whole completions, each ended once
+            tokens, ends = {}, {}
             for out in res:
                 for c in out.outputs:
-                    tokens[c.index] += c.token_ids
-            completions = [tokens[c.index] for c in last.outputs]
+                    tokens[c.index] = tokens.get(c.index, []) + c.token_ids
+                    if c.finish_reason is not None:
+                        assert c.index not in ends, f"request {i}: completion {c.index} ended twice"
+                        ends[c.index] = c
+            finals = [ends[k] for k in sorted(ends)]
+            completions = [tokens[c.index] for c in finals]
         else:
-            completions = [c.token_ids for c in last.outputs]
-        for c, toks in zip(last.outputs, completions):
+            finals = last.outputs
+            completions = [c.token_ids for c in finals]
+        assert sorted(c.index for c in finals) == list(range(params.n)), f"request {i}"
+        for c in finals:
+            assert c.finish_reason in ("stop", "length"), (i, c.finish_reason)
+        for c, toks in zip(finals, completions):
             assert len(toks) <= params.max_tokens and len(toks) >= min(params.min_tokens, params.max_tokens)
             assert (c.finish_reason == "length") == (len(toks) == params.max_tokens and c.stop_reason is None)
             if params.logprobs is not None and params.output_kind != "delta":

@@ -37,6 +37,17 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class _Abort:
+    """A request to abort; ``done`` is set once the worker has aborted it. ``queue``: the stream
+    being closed, which keeps its request id until then (a new request cannot take the id while
+    the old one may still send outputs)."""
+
+    request_id: str
+    done: asyncio.Event
+    queue: asyncio.Queue | None = None
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -49,10 +60,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
-        self._lock = threading.Lock()  # guards the inboxes shared with the worker thread
+        self._lock = threading.Lock()  # guards the inbox of new requests, shared with the worker thread
         self._new: list[RequestState] = []
-        # request ids to abort, each with the event its caller awaits (set once the worker did it)
-        self._aborts: list[tuple[str, asyncio.Event]] = []
+        self._aborts: list[_Abort] = []  # taken by the step loop, on the event loop's thread
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -102,10 +112,9 @@ class AsyncLLMEngine:
         if self._loop_task is not None:
             self._wakeup.set()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        with self._lock:
-            pending, self._aborts = self._aborts, []
-        for _, done in pending:  # the engine is stopping: everything is aborted below
-            done.set()
+        pending, self._aborts = self._aborts, []
+        for abort in pending:  # the engine is stopping: everything is aborted below
+            self._aborted(abort)
         loop = asyncio.get_running_loop()
         outs = await loop.run_in_executor(self._executor, self.engine.abort_request, list(self.engine.requests))
         for out in outs:
@@ -162,31 +171,36 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if not finished and not self._dead:
-                try:  # as vLLM: the id is free, and the old request gone, once the stream is closed
-                    await self._abort([rid])
-                except asyncio.CancelledError:  # cancelled again while waiting: the abort still happens
-                    pass
-            if self._streams.get(rid) is queue:
-                del self._streams[rid]
+            if finished or self._dead or not self.is_running:
+                if self._streams.get(rid) is queue:
+                    del self._streams[rid]
+            else:  # as vLLM: once the stream is closed, the old request is gone and its id free
+                await self._abort([rid], closing=queue)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several and wait until the worker has done it; each open stream
         ends with an output whose finish_reason is "abort"."""
-        await self._abort([request_id] if isinstance(request_id, str) else [str(r) for r in request_id])
+        many = isinstance(request_id, Iterable) and not isinstance(request_id, str)
+        await self._abort([str(r) for r in request_id] if many else [str(request_id)])
 
-    async def _abort(self, request_ids: list[str]) -> None:
+    async def _abort(self, request_ids: list[str], closing: asyncio.Queue | None = None) -> None:
+        """Queue the aborts and wait for them. Cancelling the wait does not cancel the aborts,
+        and a closing stream's id stays taken until its abort is done."""
         if not self.is_running or self._dead:
             return  # nothing was ever submitted, or shutdown aborts everything
         done = asyncio.Event()
-        with self._lock:
-            self._aborts += [(rid, done) for rid in request_ids]
+        self._aborts += [_Abort(rid, done, closing) for rid in request_ids]
         self._wakeup.set()
         waiter = asyncio.ensure_future(done.wait())
         try:  # or until the loop task ends (shutdown, or asyncio.run cancelling every task at exit)
             await asyncio.wait({waiter, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+
+    def _aborted(self, abort: _Abort) -> None:
+        if abort.queue is not None and self._streams.get(abort.request_id) is abort.queue:
+            del self._streams[abort.request_id]
+        abort.done.set()
 
     def get_stats(self) -> EngineStats:
         bm, sched = self.engine.block_manager, self.engine.scheduler
@@ -197,31 +211,29 @@ class AsyncLLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_free_blocks, rate)
 
     # ---- the step loop -------------------------------------------------------------------
-    def _step_once(self) -> tuple[list[RequestOutput], dict[str, BaseException], list[asyncio.Event]]:
-        """Runs on the worker thread: admit, abort, one step. Returns the aborts' events, for
-        the event loop to set once it has delivered the outputs."""
+    def _step_once(self, aborts: list[str]) -> tuple[list[RequestOutput], dict[str, BaseException]]:
+        """Runs on the worker thread: admit, abort, one step."""
         with self._lock:
             new, self._new = self._new, []
-            aborts, self._aborts = self._aborts, []
         errors: dict[str, BaseException] = {}
         for state in new:
             try:
                 self.engine.enqueue(state)
             except ValueError as exc:
                 errors[state.request_id] = exc
-        outputs = self.engine.abort_request([rid for rid, _ in aborts])
+        outputs = self.engine.abort_request(aborts)
         try:
             outputs += self.engine.step()
         except StepError as exc:
             errors.update({rid: exc for rid in exc.request_ids})
         errors.update(self.engine.failed)
         self.engine.failed.clear()
-        return outputs, errors, [done for _, done in aborts]
+        return outputs, errors
 
     def _has_work(self) -> bool:
         with self._lock:
-            pending = bool(self._new or self._aborts)
-        return pending or self.engine.has_unfinished_requests()
+            pending = bool(self._new)
+        return pending or bool(self._aborts) or self.engine.has_unfinished_requests()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -231,19 +243,22 @@ class AsyncLLMEngine:
                 if not self._has_work():
                     await self._wakeup.wait()
                 continue
+            aborts, self._aborts = self._aborts, []
             try:
-                outputs, errors, aborted = await loop.run_in_executor(self._executor, self._step_once)
+                outputs, errors = await loop.run_in_executor(
+                    self._executor, self._step_once, [a.request_id for a in aborts]
+                )
             except Exception as exc:  # a bug in the engine itself: fail everyone, keep the loop alive
                 logger.exception("engine step failed")
-                outputs, errors, aborted = [], {rid: exc for rid in list(self._streams)}, []
+                outputs, errors = [], {rid: exc for rid in list(self._streams)}
             tokens = 0
             for out in outputs:
                 tokens += sum(len(c.token_ids) for c in out.outputs) if out.outputs else 0
                 self._deliver(out)
             for rid, exc in errors.items():
                 self._deliver(exc, rid)
-            for done in aborted:
-                done.set()
+            for abort in aborts:  # done (or failed with the step: its request got the error)
+                self._aborted(abort)
             self._tokens_window.append((time.monotonic(), tokens))
             del self._tokens_window[:-256]
             await asyncio.sleep(0)  # let consumers run between steps

@@ -51,20 +51,21 @@ def warm_up_step(
     model: torch.nn.Module, args: EngineArgs, max_model_len: int, max_prompt_logits_rows: int, device: torch.device
 ) -> None:
     """Run the most memory a step can take: the forward at the largest step size, the sampler
-    over ``max_num_seqs`` rows with every costly option on (a full sort for top-p, penalties,
-    an allowed-tokens mask, the most logprobs), and prompt-logprob scoring on the capped rows."""
+    over ``max_num_seqs`` rows with every costly option on (top-p on flat logits, which sorts
+    whole rows; penalties; an allowed-tokens mask, on one row: its mask covers the batch; the
+    most logprobs), and prompt-logprob scoring on the capped rows."""
     num_sampled = args.max_num_seqs
     logits = ModelRunner.warmup(
         model, args.max_num_batched_tokens, max_model_len, device, num_sampled + max_prompt_logits_rows
     )
     vocab = logits.shape[-1]
     num_logprobs = vocab if args.max_logprobs == -1 else min(args.max_logprobs, vocab)
-    params = SamplingParams(
-        temperature=0.8, top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
-        frequency_penalty=0.1, logprobs=num_logprobs, allowed_token_ids=[0], min_tokens=1,
-    )  # fmt: skip
-    rows = [SamplingRow(params, [0] * 16, [0] * 16) for _ in range(min(num_sampled, logits.shape[0]))]
-    Sampler()(logits[: len(rows)], SamplingTensors.from_rows(rows, vocab, device))
+    costly = dict(temperature=0.8, top_p=0.9, min_p=0.01, repetition_penalty=1.1, presence_penalty=0.1,
+                  frequency_penalty=0.1, logprobs=num_logprobs)  # fmt: skip
+    params = [SamplingParams(**costly, allowed_token_ids=[0])] + [SamplingParams(**costly)] * (num_sampled - 1)
+    rows = [SamplingRow(p, [0] * 16, [0] * 16) for p in params[: logits.shape[0]]]
+    sampled = logits[: len(rows)].zero_()  # flat: no top-p prefix holds the nucleus
+    Sampler()(sampled, SamplingTensors.from_rows(rows, vocab, device))
     prompt = logits[len(rows) :]
     if prompt.shape[0]:
         prompt_logprobs.score_rows(prompt, [0] * prompt.shape[0], num_logprobs)

@@ -341,14 +341,18 @@ class LLMEngine:
     def _fork_children(self, parent: Sequence) -> list[Sequence]:
         """When a parent with pending siblings (n > 1) has just computed its prompt, the
         siblings share its KV blocks (copy-on-fork of the last partial block) instead of
-        prefilling the same prompt again. Without a free block for the copy, a sibling
-        falls back to the queue, where the prefix cache still shares the full blocks."""
+        prefilling the same prompt again. Each counts toward max_num_seqs (as vLLM's child
+        requests do). Without a free slot, or a free block for the copy, a sibling falls back
+        to the queue, where the prefix cache still shares the full blocks."""
         state = self.requests[parent.request_id]
         if not state.pending or parent.num_output_tokens:
             return []
         children, state.pending = state.pending, []
         forked = []
         for child in children:
+            if len(self.scheduler.running) >= self.args.max_num_seqs:
+                self.scheduler.add(child)
+                continue
             try:
                 copies = self.block_manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
             except NoFreeBlocksError:

@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         """tie_word_embeddings with an lm_head.weight that is not the embedding: transformers then
         unties them and uses the checkpoint's lm_head; so do we (an equal copy stays tied)."""
         embed = self.model.embed_tokens.weight
-        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.dtype), embed.data):
+        if tuple(head.shape) == tuple(embed.shape) and torch.equal(head.to(embed.device, embed.dtype), embed.data):
             return
         logger.warning("tie_word_embeddings is set but lm_head.weight differs from the embedding: using it untied")
         self.lm_head.weight = nn.Parameter(torch.empty_like(embed), requires_grad=False)
