@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_mistral_config,
-                     tiny_phi3_config, tiny_qwen2_config, tiny_smollm3_config)  # fmt: skip
+from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_llama_config,
+                     tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config, tiny_smollm3_config)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 
 MAKERS = {"qwen2": tiny_qwen2_config, "mistral": tiny_mistral_config, "phi3": tiny_phi3_config,
-          "smollm3": tiny_smollm3_config}  # fmt: skip
+          "smollm3": tiny_smollm3_config, "llama": tiny_llama_config}  # fmt: skip
 
 
 def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
 def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir, arch):
     model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch)
     llm = LLM(model=model_dir, max_num_batched_tokens=32)  # chunked prefill too
-    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0].replace("SmolLM3", "Llama")
+    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (1, 9, 50)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -45,6 +45,7 @@ def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir,
         ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, [None, 12, 12]),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 28}, [None] * 3),
         ("qwen2", {"use_sliding_window": False, "sliding_window": 12}, [None] * 3),
+        ("smollm3", {"use_sliding_window": True, "sliding_window": 12, "no_rope_layer_interval": 2}, [None, 12, None]),
     ],
 )
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
@@ -66,6 +67,29 @@ def test_sliding_window_attention_matches_transformers(tmp_path_factory, default
         want, gaps = hf_greedy(hf, p, 20)
         assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} {backend}, prompt of {len(p)}")
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides", "windows"),
+    [  # transformers' Mistral ignores layer_types (it warns) and slides in every layer
+        ("mistral", {"layer_types": ["sliding_attention"] + ["full_attention"] * 2}, [12] * 3),
+        ("llama", {}, [None] * 3),  # transformers' Llama attention has no sliding window
+    ],
+)
+def test_sliding_window_keys_the_architecture_ignores(tmp_path_factory, default_model_dir, arch, overrides, windows):
+    """Configs whose sliding-window keys transformers' model code reads its own way: last-position
+    logits of a prompt three windows long equal its forward's (one forward: its generate() builds
+    a cache from those keys that its forward does not match)."""
+    from helpers import prompt_forward
+
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, num_hidden_layers=3, sliding_window=12,
+                             **overrides)  # fmt: skip
+    model = LLM(model=model_dir).llm_engine.model
+    assert [layer.self_attn.attn.window for layer in model.model.layers] == windows
+    prompt = torch.randint(100, 4000, (40,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
 def test_phi3_long_rope_is_refused(tmp_path_factory, default_model_dir):

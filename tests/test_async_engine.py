@@ -344,12 +344,13 @@ async def test_closing_a_stream_is_cancellable_and_never_hangs(tiny_dir, monkeyp
                 async for _ in engine.generate(prompt, long, request_id=rid):
                     pass
 
-        task = asyncio.create_task(consume("b"))
-        while "b" not in engine.engine.requests:
+        tasks = [asyncio.create_task(consume(rid)) for rid in ("b", "c")]
+        while not {"b", "c"} <= set(engine.engine.requests):
             await asyncio.sleep(0.01)
         calls["raise_at"] = calls["n"] + 1
         await asyncio.wait_for(engine.abort("b"), 10)  # returns although the step it rode on failed
-        await task
+        await asyncio.gather(*tasks)
+        assert not engine.engine.requests  # "c", failed but never aborted, left the engine too
         seven = asyncio.create_task(consume_all(engine, prompt, long, 7))
         while "7" not in engine.engine.requests:
             await asyncio.sleep(0.01)

@@ -251,6 +251,10 @@ class AsyncLLMEngine:
             except Exception as exc:  # a bug in the engine itself: fail everyone, keep the loop alive
                 logger.exception("engine step failed")
                 outputs, errors = [], {rid: exc for rid in list(self._streams)}
+                try:  # their requests leave the engine too (no one reads them; their ids free up)
+                    await loop.run_in_executor(self._executor, self.engine.abort_request, list(errors))
+                except Exception:
+                    logger.exception("aborting the failed requests failed")
             tokens = 0
             for out in outputs:
                 tokens += sum(len(c.token_ids) for c in out.outputs) if out.outputs else 0

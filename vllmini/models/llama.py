@@ -34,6 +34,10 @@ class DecoderVariant:
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     mlp_bias: bool | None = None
+    # Sliding-window attention, as the transformers class reads the config: "none" (Llama ignores
+    # sliding_window), "every_layer" (Mistral, Phi-3: every layer once sliding_window is set) or
+    # "layer_types" (Qwen2/3, SmolLM3: with use_sliding_window, the layers layer_types marks)
+    sliding: str = "none"
 
     def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
         return bool(getattr(config, key, False)) if fixed is None else fixed
@@ -94,14 +98,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def layer_windows(config: Any) -> list[int | None]:
-    """Each layer's sliding attention window, as transformers reads the config: Mistral v0.1 and
-    Phi-3 slide in every layer once ``sliding_window`` is set; Qwen2/Qwen3 only with
-    ``use_sliding_window``, in the layers ``layer_types`` marks "sliding_attention"."""
-    window = getattr(config, "sliding_window", None)
-    if not window or getattr(config, "use_sliding_window", None) is False:
-        return [None] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+def layer_windows(config: Any, sliding: str) -> list[int | None]:
+    """Each layer's sliding attention window (None: full attention) per ``DecoderVariant.sliding``."""
+    window, n = getattr(config, "sliding_window", None), config.num_hidden_layers
+    if sliding == "none" or not window:
+        return [None] * n
+    if sliding == "every_layer":
+        return [int(window)] * n
+    if not getattr(config, "use_sliding_window", False):
+        return [None] * n
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * n
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
@@ -115,7 +121,7 @@ class DecoderModel(nn.Module):
         )
         # SmolLM3: no_rope_layers[i] == 0 marks a layer without rotary embedding
         rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
-        windows = layer_windows(config)
+        windows = layer_windows(config, variant.sliding)
         self.layers = nn.ModuleList(
             DecoderLayer(config, variant, bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
         )
@@ -145,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
     def sliding_window(self) -> int | None:
         """The attention window of the layers that have one (None: every layer attends to all
         earlier tokens)."""
-        return next((w for w in layer_windows(self.config) if w is not None), None)
+        return next((layer.self_attn.attn.window for layer in self.model.layers if layer.self_attn.attn.window), None)
 
     @property
     def num_kv_heads(self) -> int:
@@ -241,13 +247,20 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's layers without biases (transformers' Mistral ignores attention_bias / mlp_bias);
-    its sliding_window caps max_model_len (see ``sliding_window``)."""
+    """Llama's layers without biases (transformers' Mistral ignores attention_bias / mlp_bias),
+    sliding in every layer when sliding_window is set (Mistral 7B v0.1)."""
 
-    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False)
+    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer")
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
-    """Llama's layers without biases; its checkpoints hold qkv_proj / gate_up_proj already fused."""
+    """Llama's layers without biases, sliding in every layer (Phi-3-mini-4k: 2047 keys); its
+    checkpoints hold qkv_proj / gate_up_proj already fused."""
 
-    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False)
+    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer")
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """Llama's layers, every ``no_rope_layer_interval``-th without RoPE (``no_rope_layers``)."""
+
+    variant = DecoderVariant(sliding="layer_types")

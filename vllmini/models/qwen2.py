@@ -5,4 +5,4 @@ from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    variant = DecoderVariant(qkv_bias=True, o_bias=False, mlp_bias=False)  # whatever the config says
+    variant = DecoderVariant(qkv_bias=True, o_bias=False, mlp_bias=False, sliding="layer_types")  # whatever the config says

@@ -9,4 +9,4 @@ from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    variant = DecoderVariant(qk_norm=True, mlp_bias=False)  # attention_bias is read, mlp_bias is not
+    variant = DecoderVariant(qk_norm=True, mlp_bias=False, sliding="layer_types")  # attention_bias is read, mlp_bias is not

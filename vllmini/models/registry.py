@@ -11,7 +11,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("vllmini.models.llama", "MistralForCausalLM"),
     "Phi3ForCausalLM": ("vllmini.models.llama", "Phi3ForCausalLM"),
     "Qwen2ForCausalLM": ("vllmini.models.qwen2", "Qwen2ForCausalLM"),
-    "SmolLM3ForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),  # Llama's layers, some without RoPE
+    "SmolLM3ForCausalLM": ("vllmini.models.llama", "SmolLM3ForCausalLM"),
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
 }
 
