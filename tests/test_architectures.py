@@ -28,12 +28,16 @@ def test_engine_greedy_matches_transformers(tmp_path_factory, default_model_dir,
     llm = LLM(model=model_dir, max_num_batched_tokens=32)  # chunked prefill too
     assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0]
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (1, 9, 50)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                        use_tqdm=False)  # fmt: skip
+    assert_engine_greedy(llm, hf, [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (1, 9, 50)], 12, arch)
+
+
+def assert_engine_greedy(llm, hf, prompts: list[list[int]], max_tokens: int, what: str) -> None:
+    """The engine's greedy tokens for ``prompts`` (one batch) are transformers' (near-tie rule)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
     for p, out in zip(prompts, outs):
-        want, gaps = hf_greedy(hf, p, 12)
-        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch}, prompt of {len(p)}")
+        want, gaps = hf_greedy(hf, p, max_tokens)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{what}, prompt of {len(p)}")
     assert_no_leaks(llm)
 
 
@@ -61,12 +65,7 @@ def test_sliding_window_attention_matches_transformers(tmp_path_factory, default
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (5, 40, 29)]
     prompts.append(prompts[1][:30] + prompts[2][:8])  # a prefix-cache hit ahead of a fresh chunk
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-    for p, out in zip(prompts, outs):
-        want, gaps = hf_greedy(hf, p, 20)
-        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{arch} {backend}, prompt of {len(p)}")
-    assert_no_leaks(llm)
+    assert_engine_greedy(llm, hf, prompts, 20, f"{arch} {backend}")
 
 
 @pytest.mark.parametrize(
@@ -111,11 +110,7 @@ def test_bias_keys_these_architectures_ignore(tmp_path_factory, default_model_di
     layer = llm.llm_engine.model.model.layers[0]
     assert (layer.self_attn.qkv_proj.bias is not None) == (arch == "qwen2")
     assert layer.self_attn.o_proj.bias is None and layer.mlp.down_proj.bias is None
-    prompt = list(range(300, 320))
-    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
-    want, gaps = hf_greedy(hf, prompt, 8)
-    assert_greedy_matches(out.outputs[0].token_ids, want, gaps, arch)
+    assert_engine_greedy(llm, hf, [list(range(300, 320))], 8, arch)
 
 
 def test_tied_config_with_its_own_lm_head_is_untied(tmp_path, default_model_dir):
@@ -131,14 +126,10 @@ def test_tied_config_with_its_own_lm_head_is_untied(tmp_path, default_model_dir)
     save_tiny_model(hf, tmp_path, default_model_dir)
     tensors = load_file(tmp_path / "model.safetensors")
     embed = tensors["model.embed_tokens.weight"]
-    prompt = list(range(300, 320))
     for head, tied in ((embed.clone(), True), (torch.randn_like(embed) * 0.05, False)):
         save_file({**tensors, "lm_head.weight": head}, tmp_path / "model.safetensors", metadata={"format": "pt"})
         ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
         assert torch.equal(ref.lm_head.weight, head)
         llm = LLM(model=str(tmp_path))
         assert llm.llm_engine.hf_config.tie_word_embeddings == tied
-        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           use_tqdm=False)[0]  # fmt: skip
-        want, gaps = hf_greedy(ref, prompt, 8)
-        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"tied={tied}")
+        assert_engine_greedy(llm, ref, [list(range(300, 320))], 8, f"tied={tied}")

@@ -114,6 +114,17 @@ def test_split_kv_decode_matches_torch_backend(ta, monkeypatch, heads, kv_heads,
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+def _paged_step(g, heads: int, kv_heads: int, head_dim: int, q_lens: list[int], seq_lens: list[int], block_size=16):
+    """A step's q/k/v and metadata over a paged cache of random contents (9 blocks per sequence)."""
+    tables = [list(range(i * 9, i * 9 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
+    cache = tuple(torch.randn(9 * len(seq_lens), block_size, kv_heads, head_dim, generator=g) for _ in range(2))
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, s, ql in zip(tables, seq_lens, q_lens) for p in range(s - ql, s)]  # fmt: skip
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
+    k, v = (torch.randn(sum(q_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    return q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables), cache
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim", [(4, 4, 16), (8, 4, 64), (6, 2, 24), (16, 4, 8), (2, 1, 128)]
 )  # fmt: skip
@@ -121,14 +132,7 @@ def test_kernel_shapes_gqa_groups_and_head_dims(ta, heads, kv_heads, head_dim):
     """Long chunks over several KV blocks and tiles (prefill tile = 64 // group queries), a
     chunk after cached tokens, decode rows; fp32 everywhere (the kernel computes in fp32)."""
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
-    block_size, q_lens, seq_lens = 16, [1, 90, 37, 1], [70, 90, 100, 1]
-    tables = [list(range(i * 8, i * 8 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
-    cache = tuple(torch.randn(32, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
-    slots = [t[p // block_size] * block_size + p % block_size
-             for t, s, ql in zip(tables, seq_lens, q_lens) for p in range(s - ql, s)]  # fmt: skip
-    meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
-    k, v = (torch.randn(sum(q_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+    q, k, v, meta, cache = _paged_step(g, heads, kv_heads, head_dim, [1, 90, 37, 1], [70, 90, 100, 1])
     out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5)
     ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
@@ -143,16 +147,10 @@ def test_sliding_window_on_every_launch_kind(ta, monkeypatch, window, split):
     if split:
         monkeypatch.setattr(ta, "_num_sms", lambda device: 64)
         monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
-    heads, kv_heads, head_dim, block_size = 6, 2, 24, 16
+    heads, kv_heads, head_dim = 6, 2, 24
     g = torch.Generator().manual_seed(window)
     for q_lens, seq_lens in (([1, 90, 37, 1], [70, 90, 100, 1]), ([1, 1, 1], [130, 45, 7])):
-        tables = [list(range(i * 9, i * 9 + -(-n // block_size))) for i, n in enumerate(seq_lens)]
-        cache = tuple(torch.randn(36, block_size, kv_heads, head_dim, generator=g) for _ in range(2))
-        slots = [t[p // block_size] * block_size + p % block_size
-                 for t, s, ql in zip(tables, seq_lens, q_lens) for p in range(s - ql, s)]  # fmt: skip
-        meta = AttentionMetadata.paged(q_lens, seq_lens, slots, tables)
-        q = torch.randn(sum(q_lens), heads, head_dim, generator=g)
-        k, v = (torch.randn(sum(q_lens), kv_heads, head_dim, generator=g) for _ in range(2))
+        q, k, v, meta, cache = _paged_step(g, heads, kv_heads, head_dim, q_lens, seq_lens)
         out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5, window)
         ref = torch_attention(q, k, v, meta, cache, head_dim**-0.5, window)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
