@@ -277,10 +277,10 @@ class LLMEngine:
         """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight`` (async
         scheduling): each sequence's token still on the device, one more than it holds; it counts
         for min_tokens and seeds, and penalties read it on the device (the host never does)."""
-        extra = [-1] if in_flight is not None else []
-        rows = [SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + extra, self.eos_token_ids, s.index,
+        outputs = (s.output_token_ids if in_flight is None else [*s.output_token_ids, -1] for s in seqs)
+        rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index,
                             self.requests[s.request_id].bad_words_token_ids)
-                for s in seqs]  # fmt: skip
+                for s, out in zip(seqs, outputs)]  # fmt: skip
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         if in_flight is not None:
             tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])

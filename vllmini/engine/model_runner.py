@@ -67,6 +67,16 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = block_manager.block_table(seq.seq_id)
+        if end == seq.num_tokens == start + 1 and seq.prompt_logits_from is None:  # a decode row: the common case
+            flat.logits_rows.append(len(flat.ids))
+            flat.sample_indices.append(i)
+            flat.ids.append(seq.token_ids[start])
+            flat.positions.append(start)
+            flat.slots.append(table[start // block_size] * block_size + start % block_size)
+            flat.query_lens.append(1)
+            flat.seq_lens.append(end)
+            flat.block_tables.append(table)
+            continue
         if seq.prompt_logits_from is not None:  # position p's logits give prompt token p + 1's logprob
             first, last = max(start, seq.prompt_logits_from), min(end, seq.num_prompt_tokens - 1)
             if first < last:

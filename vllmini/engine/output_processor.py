@@ -41,7 +41,8 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+        seqs = self.seqs
+        return seqs[0].status.finished if len(seqs) == 1 else all(s.status.finished for s in seqs)
 
 
 class OutputProcessor:

@@ -146,7 +146,9 @@ class Scheduler:
                 rows_left -= seq.prompt_logits_rows(num_cached, num_new)
 
         for s in out.scheduled:
-            self.stats.num_prefill_tokens += max(0, min(s.num_new_tokens, s.seq.num_prompt_tokens - s.seq.num_computed_tokens))
+            prompt_left = s.seq.num_prompt_tokens - s.seq.num_computed_tokens
+            if prompt_left > 0:  # (decode rows have none: most rows, skipped cheaply)
+                self.stats.num_prefill_tokens += min(s.num_new_tokens, prompt_left)
             if not s.completes:
                 self.stats.num_chunked_prefills += 1
         return out

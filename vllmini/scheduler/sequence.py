@@ -50,6 +50,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        self._output_ids: list[int] = []  # token_ids past the prompt, kept apart: read every step
 
     @property
     def num_tokens(self) -> int:
@@ -57,7 +58,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """The generated tokens: the sequence's own list (no copy), for reading only."""
+        return self._output_ids
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,6 +79,7 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        self._output_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
 
