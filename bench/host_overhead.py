@@ -1,11 +1,12 @@
 """The engine's host work per decode step, with the forward taken out: what caps the step rate
 on a GPU, where a small model's forward takes a few milliseconds.
 
-A tiny random Qwen3-shaped model serves ``--batch`` requests (greedy, ``output_kind="final"``,
-as ``LLM.generate`` runs them); once every request decodes, the runner's forward is replaced by
-a stub that returns fixed logits, so a step is only what the host does around it: scheduling,
-block allocation, flattening the batch, the sampler's inputs and a greedy argmax, stop checks,
-detokenization and outputs. Reported per step and per row, the best of ``--repeats`` runs of
+A tiny random Qwen3-shaped model serves ``--batch`` requests on the CPU (greedy,
+``output_kind="final"``, as ``LLM.generate`` runs them); once every request decodes, the model
+is replaced by a stub that returns fixed logits, so a step is only what the host does around
+the forward: scheduling, block allocation, flattening the batch and building its tensors and
+attention metadata, the sampler's inputs and a greedy argmax, stop checks, detokenization and
+outputs (on a GPU the inputs' copies and the graph's buffers add to it). Reported per step and per row, the best of ``--repeats`` runs of
 ``--steps`` steps (the machine's noise only ever adds time).
 
     python -m bench.host_overhead [--batch 256] [--steps 30] [--repeats 6] [--out FILE.json]
@@ -28,15 +29,15 @@ def measure(batch: int, steps: int, repeats: int, prompt_len: int = 100) -> dict
     """Milliseconds of host work per decode step at ``batch`` rows (best of ``repeats``)."""
     with tempfile.TemporaryDirectory(prefix="vllmini-host-") as tmp:
         save_random_model(tiny_qwen3_bench_config(), Path(tmp), dtype=torch.float32)
-        engine = LLMEngine(EngineArgs(model=tmp, max_num_seqs=batch, max_num_batched_tokens=max(batch * prompt_len, 2048),
-                                      kv_cache_memory=1 << 29))  # fmt: skip
+        engine = LLMEngine(EngineArgs(model=tmp, device="cpu", max_num_seqs=batch, kv_cache_memory=1 << 29,
+                                      max_num_batched_tokens=max(batch * prompt_len, 2048)))  # fmt: skip
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=steps * (repeats + 1) + 8, temperature=0, ignore_eos=True, output_kind="final")
     for i in range(batch):
         engine.add_request(str(i), {"prompt_token_ids": torch.randint(2, 512, (prompt_len,), generator=g).tolist()}, params)
     engine.step()  # every prompt in one step
     logits = torch.randn(batch, engine.vocab_size, generator=g)
-    engine.runner.run_flat = lambda flat, token_ids=None: logits[: len(flat.logits_rows)]
+    engine.runner.model = lambda ids, positions, meta, kv_caches=None: logits[: meta.logits_indices.shape[0]]
     for _ in range(steps):  # warm
         engine.step()
     runs = []

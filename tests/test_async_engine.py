@@ -361,3 +361,35 @@ async def test_closing_a_stream_is_cancellable_and_never_hangs(tiny_dir, monkeyp
 
 async def consume_all(engine, prompt, params, request_id):
     return [o async for o in engine.generate(prompt, params, request_id=request_id)]
+
+
+async def test_a_request_submitted_during_a_failing_step_is_not_failed(tiny_dir, monkeypatch):
+    """An engine error fails the requests the engine held in that step (and removes them); a
+    request submitted while the step ran was not part of it and runs normally."""
+    import threading
+
+    engine = make_engine(tiny_dir, max_model_len=1024)
+    entered, release, calls = threading.Event(), threading.Event(), {"n": 0}
+    real_step = engine.engine.step
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 2:  # "a" is decoding: this step blocks, then fails
+            entered.set()
+            release.wait(10)
+            raise RuntimeError("engine bug")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", step)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with engine:
+        failing = asyncio.create_task(consume_all(engine, prompt, SamplingParams(max_tokens=900, ignore_eos=True), "a"))
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait)
+        late = asyncio.create_task(consume_all(engine, prompt, SamplingParams(max_tokens=5, ignore_eos=True), "b"))
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(RuntimeError, match="engine bug"):
+            await failing
+        outs = await late
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
+        assert_no_leaks(engine)

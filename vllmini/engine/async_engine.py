@@ -248,9 +248,11 @@ class AsyncLLMEngine:
                 outputs, errors = await loop.run_in_executor(
                     self._executor, self._step_once, [a.request_id for a in aborts]
                 )
-            except Exception as exc:  # a bug in the engine itself: fail everyone, keep the loop alive
+            except Exception as exc:  # a bug in the engine itself: fail its requests, keep the loop alive
                 logger.exception("engine step failed")
-                outputs, errors = [], {rid: exc for rid in list(self._streams)}
+                with self._lock:  # requests submitted during the step are still in _new, untouched: they go on
+                    untouched = {state.request_id for state in self._new}
+                outputs, errors = [], {rid: exc for rid in list(self._streams) if rid not in untouched}
                 try:  # their requests leave the engine too (no one reads them; their ids free up)
                     await loop.run_in_executor(self._executor, self.engine.abort_request, list(errors))
                 except Exception:
