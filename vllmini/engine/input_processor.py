@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 
 logger = logging.getLogger("vllmini")
 
@@ -173,16 +174,15 @@ class InputProcessor:
         if params.allowed_token_ids is None:
             return
         allowed = set(params.allowed_token_ids)
-        banned = {word[0] for word in bad_words if len(word) == 1}
-        if allowed <= banned:
+        first_step = SamplingRow(params, [], [], self.eos_token_ids, 0, bad_words)  # the sampler's own bans
+        if not allowed <= set(banned_tokens(first_step, self.vocab_size)):
+            return
+        if allowed <= {word[0] for word in bad_words if len(word) == 1}:  # banned at every step
             raise ValueError("allowed_token_ids: every allowed token is banned by bad_words")
-        if params.min_tokens > 0:
-            banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-            if allowed <= banned:
-                raise ValueError(
-                    f"allowed_token_ids: every allowed token is EOS, a stop_token_id or a bad word, which "
-                    f"min_tokens={params.min_tokens} bans for the first tokens"
-                )
+        raise ValueError(
+            f"allowed_token_ids: every allowed token is EOS, a stop_token_id or a bad word, which "
+            f"min_tokens={params.min_tokens} bans for the first tokens"
+        )
 
     def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
         """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as

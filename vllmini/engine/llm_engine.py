@@ -282,7 +282,7 @@ class LLMEngine:
                             self.requests[s.request_id].bad_words_token_ids)
                 for s, out in zip(seqs, outputs)]  # fmt: skip
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
-        if in_flight is not None:
+        if in_flight is not None and tensors.output_token_ids is not None:  # only penalties read it
             tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])
         # async on a GPU: no host sync inside the sampler, so the next step can be launched first
         sync_free = self.args.async_scheduling and logits.is_cuda
