@@ -11,7 +11,11 @@ WHEELS="${WHEELS:-.gpu-wheels}"
 PY_VERSION="${GPU_PYTHON_VERSION:-3.12}"
 PACKAGES=("msgspec==${MSGSPEC_VERSION:-0.23.0}")
 mkdir -p "$WHEELS"
-grep -qxF "/$WHEELS/" .git/info/exclude 2>/dev/null || echo "/$WHEELS/" >> .git/info/exclude
+# keep the folder out of git status (in a worktree too, where .git is a file)
+if exclude=$(git rev-parse --git-path info/exclude 2>/dev/null); then
+    mkdir -p "$(dirname "$exclude")"
+    grep -qxF "/$WHEELS/" "$exclude" 2>/dev/null || echo "/$WHEELS/" >> "$exclude"
+fi
 python3 -m pip download --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$WHEELS" "${PACKAGES[@]}"

@@ -9,7 +9,8 @@
 #         the torch backend, and a sweep of its tile settings (bench/attention_micro.py).
 # Results: $OUT (else bench/results/): gpu_check.json (summary), gpu_offline.json/.log, gpu_tests.log/.xml,
 # attention_micro.json (MICRO=1). Each part writes what it measured as it goes, so a part cut short by
-# its time limit (150 + 240 + 100 s) still reports.
+# its time limit (180 + 240 + 90 s) still reports: the tests get SIGINT, on which pytest still writes
+# its junit report of the tests run so far (-rA lists each outcome in the log as well).
 # Wheels the machine lacks (msgspec) come from a local folder only: fill it here with
 # bench/fetch_gpu_wheels.sh, carry it (default .gpu-wheels, or $WHEELS).
 #   bash bench/gpu_check.sh                 # from the repo root
@@ -45,7 +46,7 @@ print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {t
 PYEOF
 
 start=$(date +%s)
-timeout -k 5 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
+timeout -s INT -k 10 180 "$PY" -m pytest -q -rA -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
     --junitxml "$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"
@@ -59,7 +60,7 @@ micro_rc=""
 if [ "${MICRO:-0}" = 1 ]; then
     start=$(date +%s)
     tiny=""; for a in "$@"; do [ "$a" = --tiny ] && tiny="--tiny"; done
-    timeout -k 5 100 "$PY" -m bench.attention_micro $tiny --out "$RESULTS/attention_micro.json"
+    timeout -k 5 90 "$PY" -m bench.attention_micro $tiny --out "$RESULTS/attention_micro.json"
     micro_rc=$?
     echo "attention micro-benchmark: rc=$micro_rc in $(( $(date +%s) - start ))s"
 fi

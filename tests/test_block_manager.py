@@ -269,14 +269,17 @@ BASES = [
 class BlockManagerMachine(RuleBasedStateMachine):
     """Drives the manager and simulates the KV cache: ``kv[slot]`` is the token prefix the
     KV at that slot was computed from. Every live sequence must always read back its own
-    prefixes, and every prefix-cache hit must return blocks holding the prompt's prefix."""
+    prefixes (with a sliding window: those its last step's queries could see), and every
+    prefix-cache hit must return blocks holding the prompt's prefix."""
 
-    @initialize(caching=st.sampled_from([True, True, True, False]))
-    def setup(self, caching: bool) -> None:
-        self.caching = caching
-        self.bm = BlockManager(NB, BS, enable_prefix_caching=caching)
+    @initialize(caching=st.sampled_from([True, True, True, False]), window=st.sampled_from([None, None, 1, 3, 6]))
+    def setup(self, caching: bool, window: int | None) -> None:
+        self.caching, self.window = caching, window
+        self.bm = BlockManager(NB, BS, enable_prefix_caching=caching, sliding_window=window)
         self.tokens: dict[object, list[int]] = {}  # every known token of a live sequence
         self.nslots: dict[object, int] = {}  # slots allocated (= tokens computed after the step)
+        # the first position a query of the sequence still makes: its last step's (or next one's)
+        self.first_query: dict[object, int] = {}
         self.kv: dict[int, tuple[int, ...]] = {}
         self.next_id = 0
 
@@ -288,21 +291,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for p in range(start, end):
             self.kv[self._slot(sid, p)] = tuple(self.tokens[sid][: p + 1])
 
-    def _fits(self, table_len: int, total: int, cached: list[int] = ()) -> bool:
+    def _fits(self, table_len: int, total: int, cached: list[int] = (), released: list[int] = ()) -> bool:
         reclaimed = sum(1 for b in cached if self.bm.blocks[b].ref_count == 0)
-        return -(-total // BS) - table_len <= self.bm.num_free_blocks - reclaimed
+        gained = sum(1 for b in released if self.bm.blocks[b].ref_count == 1)
+        return -(-total // BS) - table_len <= self.bm.num_free_blocks - reclaimed + gained
+
+    def _behind_window(self, first_query: int) -> int:
+        """Leading blocks no query from ``first_query`` on can see."""
+        return 0 if self.window is None else max(0, first_query - self.window + 1) // BS
 
     def _extend(self, sid, tokens: list[int], num_new: int) -> None:
-        fits = self._fits(len(self.bm.block_table(sid)), self.nslots[sid] + num_new)
+        table, start = self.bm.block_table(sid), self.nslots[sid]
+        was_released = len(table) - self.bm.num_owned_blocks(sid)
+        released = table[was_released : self._behind_window(start)]
+        fits = self._fits(len(table), start + num_new, released=released)
         before = snapshot(self.bm)
         ok = self.bm.allocate(sid, tokens, num_new)
         assert ok == fits
+        assert len(table) - self.bm.num_owned_blocks(sid) == max(was_released, self._behind_window(start))
         if ok:
-            start = self.nslots[sid]
-            self.tokens[sid], self.nslots[sid] = tokens, start + num_new
+            self.tokens[sid], self.nslots[sid], self.first_query[sid] = tokens, start + num_new, start
             self._write(sid, start, start + num_new)
         else:
-            assert snapshot(self.bm) == before
+            if not released:  # (the blocks behind the window are released either way)
+                assert snapshot(self.bm) == before
+            self.first_query[sid] = start  # its next query, whose window the release kept
             self._preempt_newest()
 
     def _preempt_newest(self) -> None:
@@ -311,7 +324,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.tokens:
             sid = next(reversed(self.tokens))
             self.bm.free(sid)
-            del self.tokens[sid], self.nslots[sid]
+            del self.tokens[sid], self.nslots[sid], self.first_query[sid]
 
     @rule(
         base=st.sampled_from(BASES),
@@ -331,14 +344,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
             blocks, n = [], 0
         sid, self.next_id = self.next_id, self.next_id + 1
         num_new = min(chunk, len(prompt) - n)
-        fits = self._fits(len(blocks), n + num_new, blocks)
+        skip = self._behind_window(n)  # cached blocks behind the window are not taken
+        fits = self._fits(len(blocks), n + num_new, blocks[skip:])
         before = snapshot(self.bm)
         ok = self.bm.allocate(sid, prompt, num_new, blocks)
         assert ok == fits
         if ok:
-            self.tokens[sid], self.nslots[sid] = prompt, n + num_new
+            self.tokens[sid], self.nslots[sid], self.first_query[sid] = prompt, n + num_new, n
             assert self.bm.num_cached_tokens(sid) == n
-            assert self.bm.block_table(sid)[: len(blocks)] == blocks
+            assert self.bm.block_table(sid)[: len(blocks)] == [0] * skip + blocks[skip:]
             self._write(sid, n, n + num_new)
         else:
             assert snapshot(self.bm) == before and sid not in self.bm
@@ -365,6 +379,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent = self._pick(data, lambda s: True)
         n = data.draw(st.integers(0, self.nslots[parent]))
         child, self.next_id = f"fork-{self.next_id}", self.next_id + 1
+        if len(self.bm.block_table(parent)) - self.bm.num_owned_blocks(parent) > self._behind_window(n):
+            before = snapshot(self.bm)
+            with pytest.raises(ValueError, match="sliding window"):  # its window reaches released blocks
+                self.bm.fork(parent, child, n)
+            assert snapshot(self.bm) == before
+            return
         if not self.bm.can_fork(parent, n):
             before = snapshot(self.bm)
             with pytest.raises(NoFreeBlocksError):
@@ -376,17 +396,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert ct[: n // BS] == pt[: n // BS]
         assert len(copies) == (n % BS != 0)
         for src, dst in copies:  # what the model runner does
-            assert src == pt[n // BS] and dst == ct[-1] and dst not in pt
+            assert src == pt[n // BS] and dst == ct[-1] and dst not in pt[len(pt) - self.bm.num_owned_blocks(parent) :]
             for off in range(n % BS):
                 self.kv[dst * BS + off] = self.kv[src * BS + off]
         self.tokens[child], self.nslots[child] = self.tokens[parent][:n], n
+        self.first_query[child] = n
 
     @precondition(lambda self: bool(self.tokens))
     @rule(data=st.data())
     def free(self, data) -> None:
         sid = self._pick(data, lambda s: True)
         self.bm.free(sid)
-        del self.tokens[sid], self.nslots[sid]
+        del self.tokens[sid], self.nslots[sid], self.first_query[sid]
         assert sid not in self.bm
 
     @rule(unknown=st.sampled_from(["nobody", 10**6]), reset=st.integers(0, 3))
@@ -407,10 +428,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for sid, toks in self.tokens.items():
             table, n = bm.block_table(sid), self.nslots[sid]
             assert bm.num_tokens(sid) == n and len(table) == -(-n // BS)
-            assert len(set(table)) == len(table)
-            for i, b in enumerate(table):
+            released = len(table) - bm.num_owned_blocks(sid)
+            assert released <= self._behind_window(self.first_query[sid]) and table[:released] == [0] * released
+            owned = table[released:]
+            assert len(set(owned)) == len(owned)
+            for i, b in enumerate(owned, start=released):
                 owners.setdefault(b, []).append((sid, i))
-            for p in range(n):  # nobody overwrote this sequence's KV
+            seen_from = 0 if self.window is None else max(0, self.first_query[sid] - self.window + 1)
+            for p in range(seen_from, n):  # nobody overwrote KV this sequence's queries can see
                 assert self.kv[self._slot(sid, p)] == tuple(toks[: p + 1]), (sid, p)
         for b, users in owners.items():
             if len(users) > 1:  # shared: a full block at the same index with the same prefix

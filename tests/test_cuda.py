@@ -174,28 +174,37 @@ def test_engine_graphs_match_eager_tokens(model_dir):
 def test_async_scheduling_matches_sync_tokens(model_dir):
     """Continuations launched before the previous tokens are read (pinned copies, an event, the
     sampler without host syncs, input ids copied into the graph's buffer): the same tokens as
-    the synchronous engine, with graphs, seeded sampling, penalties, and stops that discard a token."""
+    the synchronous engine, with graphs, seeded sampling (top-k, top-p, mixed with greedy rows),
+    penalties, min_tokens bans, logprobs (copied to the host with the tokens), and stops that
+    discard a token."""
     from vllmini import LLM, SamplingParams
 
     g = torch.Generator().manual_seed(4)
     prompts = [{"prompt_token_ids": torch.randint(0, 512, (n,), generator=g).tolist()} for n in (5, 300, 40, 1, 77, 9)]
 
     def params(stop: list[int]) -> list[SamplingParams]:
-        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=stop) for m in (40, 20, 33)]
+        greedy = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, stop_token_ids=stop, logprobs=lp,
+                                 min_tokens=mt) for m, lp, mt in ((40, 3, 0), (20, None, 12), (33, 0, 0))]  # fmt: skip
         # penalties read the token in flight on the device
         greedy.append(SamplingParams(max_tokens=50, temperature=0, presence_penalty=1.0, ignore_eos=True, stop_token_ids=stop))
-        seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True, stop_token_ids=stop,
-                                 repetition_penalty=1.0 + 0.3 * (s - 1)) for s in (1, 2)]  # fmt: skip
+        seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9 if s == 1 else 1.0, seed=s,
+                                 ignore_eos=True, stop_token_ids=stop, repetition_penalty=1.0 + 0.3 * (s - 1))
+                  for s in (1, 2)]  # fmt: skip
         return greedy + seeded
 
-    runs, continuations = {}, []
+    def logprobs(outs) -> list:
+        return [(o.outputs[0].cumulative_logprob, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs or []])
+                for o in outs]  # fmt: skip
+
+    runs, continuations, scores = {}, [], {}
     for flag in (False, True):
         llm = LLM(model=str(model_dir), async_scheduling=flag, max_model_len=1024, max_num_seqs=8,
                   dtype="float32", kv_cache_memory=KV_BYTES)  # fmt: skip
         eng = llm.llm_engine
         real = eng._launch_continuation
         eng._launch_continuation = lambda prev, real=real: (lambda nxt: continuations.append(nxt) or nxt)(real(prev))
-        plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params([]), use_tqdm=False)]
+        outs = llm.generate(prompts, params([]), use_tqdm=False)
+        plain, scores[flag] = [o.outputs[0].token_ids for o in outs], logprobs(outs)
         # stop on tokens the sequences really produce (from the synchronous run): continuations get discarded
         if not flag:
             produced = torch.tensor([t for r in plain for t in r[3:]])
@@ -209,6 +218,12 @@ def test_async_scheduling_matches_sync_tokens(model_dir):
     assert any(c is not None for c in continuations)
     assert runs[True][0] == runs[False][0]
     assert runs[True][1] == runs[False][1] and any(len(r) < 20 for r in runs[False][1])
+    for (cum_a, lp_a), (cum_s, lp_s) in zip(scores[True], scores[False]):
+        assert (cum_a is None) == (cum_s is None) and (cum_a is None or abs(cum_a - cum_s) < 1e-3)
+        assert [d.keys() for d in lp_a] == [d.keys() for d in lp_s]
+        for da, ds in zip(lp_a, lp_s):
+            assert all(abs(da[t] - ds[t]) < 1e-4 for t in da)
+    assert len(scores[False][0][1]) == 40 and len(scores[False][0][1][0]) >= 3  # the logprobs=3 row
 
 
 @pytest.mark.parametrize("backend", backends())

@@ -105,6 +105,45 @@ def test_prefix_caching_exact_and_skips_shared_prefix(tiny_qwen3):
     assert_greedy_matches(results[True][1], tokens, gaps, "prefix-cached prompt")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_failed_forward_leaves_nothing_in_the_prefix_cache(tiny_qwen3, async_scheduling):
+    """A step's new full blocks are registered in the prefix cache before its forward writes
+    them: when the forward fails (a CUDA OOM, a kernel error), a later prompt with the same
+    prefix must not take a hit on those never-written blocks."""
+    from vllmini.engine.llm_engine import StepError
+
+    model_dir, hf = tiny_qwen3
+    prompt = torch.randint(0, 512, (50,), generator=torch.Generator().manual_seed(11)).tolist()  # 3 full blocks
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(model_dir), enable_prefix_caching=True, async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    real, eng.runner.run_flat = eng.runner.run_flat, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    eng.add_request("bad", {"prompt_token_ids": prompt}, params)
+    with pytest.raises(StepError):
+        eng.step()
+    eng.runner.run_flat = real
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert out.metrics.num_cached_tokens == 0
+    tokens, gaps = hf_greedy(hf, prompt, 8)
+    assert_greedy_matches(out.outputs[0].token_ids, tokens, gaps, "after a failed step")
+    assert_no_leaks(llm)
+
+
+def test_num_cached_tokens_is_the_first_admissions_prompt_hit(tiny_qwen3):
+    """vLLM's num_cached_tokens: prompt tokens served from the prefix cache when the request was
+    first scheduled. A preempted request's recompute hits its own blocks, prompt and output
+    alike; that is neither its hit nor a prompt token."""
+    model_dir, hf = tiny_qwen3
+    llm = LLM(model=str(model_dir), block_size=4, kv_cache_memory=kv_bytes(hf.config, 16, block_size=4), max_num_seqs=4)
+    params = SamplingParams(max_tokens=45, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}], params, use_tqdm=False)
+    stats = llm.llm_engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 0]
+    assert stats.num_cached_prompt_tokens <= 6
+    assert_no_leaks(llm)
+
+
 @pytest.fixture(scope="module")
 def small_llm(tiny_qwen3):
     model_dir, hf = tiny_qwen3

@@ -108,7 +108,7 @@ def test_preempted_mid_prompt_records_each_position_once(tiny):
             if out.request_id == "a" and out.finished:
                 final = out
         if was_waiting and seq_a.num_computed_tokens:
-            resumed_from.append(seq_a.num_cached_tokens)
+            resumed_from.append(engine.block_manager.num_cached_tokens(seq_a.seq_id))  # this admission's hit
         if seq_a.num_preemptions > len(preempted_at):
             preempted_at.append(seq_a.prompt_logits_from)
     assert preempted_at and preempted_at[0] is not None and preempted_at[0] > 16, preempted_at  # mid-prompt

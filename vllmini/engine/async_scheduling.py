@@ -37,18 +37,23 @@ from vllmini.scheduler.sequence import Sequence
 
 
 class SampledTokens:
-    """A step's sampled token ids on their way to the host. On CUDA the copy goes into pinned
-    memory without blocking, and ``wait`` waits for that step only (an event), not for work
-    launched after it; elsewhere the tensors are already computed."""
+    """A step's sampled token ids (and logprobs) on their way to the host. On CUDA the copies go
+    into pinned memory without blocking, and ``wait`` waits for that step only (an event), not
+    for work launched after it; elsewhere the tensors are already computed. ``out`` stays on
+    the device (the next step's input ids); ``host`` holds the host copies of its logprobs,
+    which the engine reads row by row (on the device each read would be a sync)."""
 
     def __init__(self, out: SamplerOutput) -> None:
-        self.out = out
+        self.out = self.host = out
         self.event: torch.cuda.Event | None = None
         if out.token_ids.is_cuda:
-            self.tokens = torch.empty(out.token_ids.shape, dtype=out.token_ids.dtype, pin_memory=True)
-            self.invalid = torch.empty(out.invalid.shape, dtype=out.invalid.dtype, pin_memory=True)
-            self.tokens.copy_(out.token_ids, non_blocking=True)
-            self.invalid.copy_(out.invalid, non_blocking=True)
+            self.tokens, self.invalid = _to_host(out.token_ids), _to_host(out.invalid)
+            if out.logprobs is not None:
+                top = out.top_logprobs
+                self.host = SamplerOutput(
+                    out.token_ids, _to_host(out.logprobs), None if top is None else (_to_host(top[0]), _to_host(top[1])),
+                    out.invalid, None if out.ranks is None else _to_host(out.ranks),
+                )  # fmt: skip
             self.event = torch.cuda.Event()
             self.event.record()
         else:
@@ -58,6 +63,12 @@ class SampledTokens:
         if self.event is not None:
             self.event.synchronize()
         return self.tokens.tolist(), self.invalid.tolist()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy of ``t``, filled without blocking (valid once the step's event is done)."""
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 @dataclass

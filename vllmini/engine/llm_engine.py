@@ -71,7 +71,8 @@ class LLMEngine:
         if args.max_model_len is not None and args.max_model_len > model_max:
             raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
         if (window := getattr(self.model, "sliding_window", None)) is not None:
-            logger.info("sliding-window attention: %d tokens", window)
+            released = "released behind it" if self.model.kv_window else "kept: some layers attend to all tokens"
+            logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.generation_config = load_generation_config(self.model_dir)
@@ -95,7 +96,7 @@ class LLMEngine:
         budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows)
         num_blocks = num_blocks_for_budget(spec, budget)
         self.num_blocks = num_blocks
-        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching, self.model.kv_window)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows),
             self.block_manager,
@@ -144,6 +145,12 @@ class LLMEngine:
 
     @property
     def capacity_tokens(self) -> int:
+        """The longest sequence the cache can hold: all of it, unless every layer slides and the
+        pool holds the blocks of a window plus a full step's tokens (then a sequence of any
+        length advances: it releases what falls behind its window)."""
+        per_step = self.block_manager.max_blocks_per_step(self.args.max_num_batched_tokens)
+        if per_step is not None and per_step <= self.num_blocks:
+            return self.max_model_len
         return self.num_blocks * self.block_manager.block_size
 
     # ---- requests -------------------------------------------------------------------------
@@ -259,6 +266,10 @@ class LLMEngine:
         except Exception as exc:  # the step's requests fail; the engine stays up for the others
             failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
             self.abort_request(failed)
+            # the step's new full blocks were registered in the prefix cache before its forward
+            # wrote them; its sequences (the only owners) are gone, so forgetting every unowned
+            # block's hash keeps those out of later prompts' hits
+            self.block_manager.reset_prefix_cache()
             raise StepError(failed, exc) from exc
         self.scheduler.update_computed(sched)
         if not sample_idx:
@@ -315,12 +326,13 @@ class LLMEngine:
             for rid in dict.fromkeys(s.request_id for s in plan.seqs):
                 self.abort_request(rid)
                 self.failed[rid] = StepError([rid], exc)
+            self.block_manager.reset_prefix_cache()  # (as in _launch)
             return None
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's tokens, append them, check stops and report the requests."""
         touched: dict[str, RequestState] = {}
-        seqs, out = launched.seqs, launched.sampled.out
+        seqs, out = launched.seqs, launched.sampled.host
         tokens, invalid = launched.sampled.wait()
         for row, (seq, token) in enumerate(zip(seqs, tokens)):
             state = self.requests.get(seq.request_id)

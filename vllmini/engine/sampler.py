@@ -140,7 +140,8 @@ def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, log_min_p: Ten
         kth = torch.where(top_k > 0, kth, _NEG_INF)
         tau = kth
     if t.top_p_rows:
-        idx = torch.tensor(t.top_p_rows, device=z.device)
+        idx = t.top_p_idx
+        assert idx is not None
         reuse = best is not None and t.top_p_rows_have_top_k and t.max_top_k <= _TOP_P_PREFIX
         prefix = (best.values[idx], best.indices[idx]) if reuse else None
         tau_p = top_p_threshold(z[idx], None if kth is None else kth[idx], top_p[idx], prefix)
@@ -190,7 +191,7 @@ class Sampler:
             x, owned = x.masked_fill(t.disallowed, _NEG_INF), True
         if t.ban_rows is not None:
             x, owned = (x if owned else x.clone()), True
-            x.index_put_((t.ban_rows, t.ban_ids), torch.tensor(_NEG_INF, device=x.device))
+            x.index_put_((t.ban_rows, t.ban_ids), torch.full((), _NEG_INF, device=x.device))
         if t.do_penalties:
             x, owned = apply_penalties(x, t), True
         if owned:
@@ -204,7 +205,7 @@ class Sampler:
         processed = None
         if R:
             every = R == B
-            ridx = None if every else torch.tensor(t.random_rows, device=x.device)
+            ridx = t.random_idx
 
             def sub(v: Tensor) -> Tensor:
                 return v if every else v[ridx]
@@ -234,8 +235,7 @@ class Sampler:
             else:
                 lp = x.log_softmax(-1)
                 if processed is not None:
-                    idx = torch.tensor(t.random_rows, device=x.device)
-                    lp = processed if R == B else lp.index_copy(0, idx, processed)
+                    lp = processed if R == B else lp.index_copy(0, t.random_idx, processed)
             logprobs = lp.gather(1, tokens[:, None]).squeeze(1)
             ranks = (lp >= logprobs[:, None]).sum(-1)
             if t.num_logprobs > 0:

@@ -141,6 +141,10 @@ class SamplingTensors:
     do_temperature: bool  # some random row has temperature != 1
     num_logprobs: int | None  # max logprobs over rows; None = no row asked
     generator: torch.Generator | None = None  # for unseeded rows; None = torch's default
+    # random_rows and top_p_rows on the device (built with the rest, so that indexing with them
+    # never copies from the host mid-sampler, which on a GPU waits for the forward)
+    random_idx: Tensor | None = None  # only when some rows are greedy and some not
+    top_p_idx: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -199,6 +203,7 @@ class SamplingTensors:
         ]
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
+        top_p_rows = [j for j, i in enumerate(random_rows) if top_p[i] < 1.0]
 
         # per-row parameters in two copies (one per dtype), not one per field
         log_min_p = [math.log(m) if m > 0 else -math.inf for m in min_p]
@@ -228,7 +233,7 @@ class SamplingTensors:
             disallowed=_disallowed(ps, V, device),
             seeds=seeds,
             random_rows=random_rows,
-            top_p_rows=[j for j, i in enumerate(random_rows) if top_p[i] < 1.0],
+            top_p_rows=top_p_rows,
             top_p_rows_have_top_k=all(top_k[i] > 0 for i in random_rows if top_p[i] < 1.0),
             max_top_k=max((top_k[i] for i in random_rows), default=0),
             do_penalties=do_penalties,
@@ -237,4 +242,6 @@ class SamplingTensors:
             do_temperature=any(temperature[i] != 1.0 for i in random_rows),
             num_logprobs=min(max(asked), V) if asked else None,
             generator=generator,
+            random_idx=to_device(torch.tensor(random_rows), device) if 0 < len(random_rows) < len(rows) else None,
+            top_p_idx=to_device(torch.tensor(top_p_rows), device) if top_p_rows else None,
         )

@@ -10,6 +10,12 @@ Every block is in exactly one of three states:
     later prompt with the same prefix; handed out (evicted, LRU first) when no free block is left;
   * referenced: ref > 0, in the block table of one or more live sequences.
 
+With a sliding window (every layer attends only to its last ``sliding_window`` positions),
+a sequence's leading blocks fall out of every future query's reach as it advances; they are
+released (to the prefix cache if hashed) at its next allocation, and their table entries
+keep block 0 as a placeholder so that positions still map to table indices. No backend
+reads a placeholder unmasked: each one limits its keys to the window.
+
 Prefix-cache hashes are registered when :meth:`BlockManager.allocate` hands out the slots,
 i.e. *before* the forward pass that writes the KV. This is sound as long as every allocated
 step is actually run: the forward writes all new K/V of a layer before any sequence of the
@@ -56,17 +62,23 @@ class _SeqState:
     num_tokens: int  # token slots covered (computed + scheduled)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_cached_tokens: int = 0  # prefix tokens taken from the prefix cache at admission
+    num_released: int = 0  # leading table entries behind the sliding window (placeholders, not owned)
 
 
 class BlockManager:
     """Allocates KV blocks to sequences, shares full blocks through the prefix cache and fork."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
@@ -101,6 +113,19 @@ class BlockManager:
 
     def num_cached_tokens(self, seq_id: SeqId) -> int:
         return self._seqs[seq_id].num_cached_tokens
+
+    def num_owned_blocks(self, seq_id: SeqId) -> int:
+        """Blocks the sequence holds (its table less the entries released behind the window)."""
+        seq = self._seqs[seq_id]
+        return len(seq.block_table) - seq.num_released
+
+    def max_blocks_per_step(self, max_new_tokens: int) -> int | None:
+        """With a sliding window, the most blocks one sequence holds in a step that computes at
+        most ``max_new_tokens`` tokens, however long it is (None: no window, it grows without
+        bound): the window behind its first new token plus the new tokens, block-aligned."""
+        if self.sliding_window is None:
+            return None
+        return -(-(self.sliding_window - 1 + max_new_tokens) // self.block_size) + 1
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
@@ -139,8 +164,10 @@ class BlockManager:
 
         A new sequence starts from ``cached_blocks`` (from :meth:`find_cached_prefix`, just
         before). ``token_ids`` is every token known now; newly full blocks get hashed and
-        registered incrementally. All-or-nothing: returns False and changes nothing when the
-        pool is short. Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
+        registered incrementally. All-or-nothing for the new slots: returns False and takes no
+        block when the pool is short (with a sliding window, the blocks behind the window of
+        the first new token are released either way: no query from there on reads them).
+        Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         bs = self.block_size
@@ -149,21 +176,25 @@ class BlockManager:
         if seq is not None:
             if cached:
                 raise ValueError(f"cached_blocks given for already allocated sequence {seq_id!r}")
-            table, num_computed, reclaimed, hashes = seq.block_table, seq.num_tokens, 0, []
+            self._release_behind_window(seq)
+            table, num_computed, reclaimed, hashes, skip = seq.block_table, seq.num_tokens, 0, [], 0
         else:
             hashes = self._check_cached(token_ids, cached)
-            table, num_computed = cached, len(cached) * bs
+            num_computed = len(cached) * bs
+            # cached blocks behind the window are not taken: they stay in the cache as they are
+            skip = min(len(cached), self._blocks_behind_window(num_computed))
+            table = [0] * skip + cached[skip:]
             # Cached blocks at ref 0 leave the allocatable pool when we take them.
-            reclaimed = sum(1 for bid in cached if bid in self._evictable)
+            reclaimed = sum(1 for bid in cached[skip:] if bid in self._evictable)
         total = num_computed + num_new_tokens
         needed = max(0, -(-total // bs) - len(table))
         if needed > self.num_free_blocks - reclaimed:
             return False
         if seq is None:
-            for bid in cached:
+            for bid in cached[skip:]:
                 self._evictable.pop(bid, None)
                 self.blocks[bid].ref_count += 1
-            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed)
+            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed, skip)
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(token_ids)
                 self.prefix_cache_hits += num_computed
@@ -184,14 +215,8 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
-        for bid in reversed(seq.block_table):
-            blk = self.blocks[bid]
-            blk.ref_count -= 1
-            if blk.ref_count == 0:
-                if blk.block_hash is not None:
-                    self._evictable[bid] = None
-                else:
-                    self._free.append(bid)
+        for bid in reversed(seq.block_table[seq.num_released :]):
+            self._release(bid)
 
     def can_fork(self, parent_id: SeqId, num_tokens: int) -> bool:
         """Whether :meth:`fork` would find a block for the copy of the partial block."""
@@ -209,11 +234,14 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} already exists")
         if not 0 <= num_tokens <= parent.num_tokens:
             raise ValueError(f"num_tokens {num_tokens} outside [0, {parent.num_tokens}]")
+        if parent.num_released > self._blocks_behind_window(num_tokens):
+            raise ValueError(f"cannot fork {parent_id!r} at {num_tokens}: its sliding window reaches released blocks")
         n_full, rem = divmod(num_tokens, self.block_size)
         if rem and not self.num_free_blocks:
             raise NoFreeBlocksError(f"no free block to fork {parent_id!r} into {child_id!r}")
         table = parent.block_table[:n_full]
-        for bid in table:
+        released = parent.num_released
+        for bid in table[released:]:
             self.blocks[bid].ref_count += 1
         copies: list[tuple[int, int]] = []
         if rem:
@@ -222,11 +250,38 @@ class BlockManager:
             table.append(dst)
             copies.append((parent.block_table[n_full], dst))
         self._seqs[child_id] = _SeqState(
-            table, num_tokens, parent.block_hashes[:n_full], min(parent.num_cached_tokens, num_tokens)
+            table, num_tokens, parent.block_hashes[:n_full], min(parent.num_cached_tokens, num_tokens), released
         )
         return copies
 
     # ---- internals -----------------------------------------------------------------------
+    def _blocks_behind_window(self, first_query: int) -> int:
+        """How many leading blocks hold only positions that a query at ``first_query`` or later
+        cannot see: with window W it sees keys after ``first_query - W``."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
+    def _release_behind_window(self, seq: _SeqState) -> None:
+        """Release the blocks behind the window of the sequence's next query (at ``num_tokens``:
+        its earlier slots are computed, or computing in a forward launched before any that could
+        write a released block)."""
+        behind = min(self._blocks_behind_window(seq.num_tokens), len(seq.block_table))
+        for i in range(seq.num_released, behind):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = 0
+        seq.num_released = max(seq.num_released, behind)
+
+    def _release(self, bid: int) -> None:
+        """Drop one reference; an unreferenced block is evictable if hashed, else free."""
+        blk = self.blocks[bid]
+        blk.ref_count -= 1
+        if blk.ref_count == 0:
+            if blk.block_hash is not None:
+                self._evictable[bid] = None
+            else:
+                self._free.append(bid)
+
     def _check_cached(self, token_ids: Sequence[int], cached: list[int]) -> list[bytes]:
         """Hashes of the cached prefix blocks; raises if they are not (or no longer) what
         the prefix cache holds for these tokens, e.g. evicted since find_cached_prefix."""
@@ -253,6 +308,8 @@ class BlockManager:
         for i in range(len(seq.block_hashes), min(seq.num_tokens, len(token_ids)) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(parent)
+            if i < seq.num_released:  # (a window of a few tokens) released before its last token was known
+                continue
             blk = self.blocks[seq.block_table[i]]
             # First writer wins: a duplicate of an already cached block stays unhashed and
             # goes back to the free pool when released.
@@ -280,7 +337,7 @@ class BlockManager:
             if not cond:
                 raise AssertionError(msg)
 
-        refs = Counter(bid for s in self._seqs.values() for bid in s.block_table)
+        refs = Counter(bid for s in self._seqs.values() for bid in s.block_table[s.num_released :])
         free, evictable = set(self._free), set(self._evictable)
         check(len(free) == len(self._free), "duplicate block in the free list")
         check(not free & evictable, f"blocks both free and evictable: {free & evictable}")
@@ -302,6 +359,8 @@ class BlockManager:
         for sid, s in self._seqs.items():
             check(len(s.block_table) == -(-s.num_tokens // bs), f"seq {sid!r}: table size != ceil(tokens/bs)")
             check(len(s.block_hashes) <= s.num_tokens // bs, f"seq {sid!r}: hash of a non-full block")
-            for i, h in enumerate(s.block_hashes):
+            check(s.num_released <= self._blocks_behind_window(s.num_tokens), f"seq {sid!r}: released a block in the window")
+            check(all(bid == 0 for bid in s.block_table[: s.num_released]), f"seq {sid!r}: placeholder is not 0")
+            for i, h in enumerate(s.block_hashes[s.num_released :], start=s.num_released):
                 bh = self.blocks[s.block_table[i]].block_hash
                 check(bh is None or bh == h, f"seq {sid!r}: block {i} hashed for other tokens")

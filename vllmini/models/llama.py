@@ -154,6 +154,13 @@ class LlamaForCausalLM(nn.Module):
         return next((layer.self_attn.attn.window for layer in self.model.layers if layer.self_attn.attn.window), None)
 
     @property
+    def kv_window(self) -> int | None:
+        """The window when every layer has the same one (None otherwise): then no layer reads
+        the KV behind it, and the cache can release those blocks as a sequence advances."""
+        windows = {layer.self_attn.attn.window for layer in self.model.layers}
+        return windows.pop() if len(windows) == 1 else None
+
+    @property
     def num_kv_heads(self) -> int:
         return self.model.layers[0].self_attn.num_kv_heads
 

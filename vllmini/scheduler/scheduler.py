@@ -135,10 +135,11 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
-            seq.num_cached_tokens = num_cached
-            if seq.first_scheduled_time is None:
+            cached_prompt = min(num_cached, seq.num_prompt_tokens)  # a recompute's hit may cover outputs too
+            if seq.first_scheduled_time is None:  # as vLLM: the request's hit is its first admission's
                 seq.first_scheduled_time = time.monotonic()
-            self.stats.num_cached_prompt_tokens += num_cached
+                seq.num_cached_tokens = cached_prompt
+            self.stats.num_cached_prompt_tokens += cached_prompt
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new

@@ -37,7 +37,7 @@ class Sequence:
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the first admission
     num_preemptions: int = 0
     # prompt_logprobs: the first prompt position whose logits are still wanted (None: none are).
     # Positions before it are recorded; the scheduler takes no prefix-cache hit past it.

@@ -1,0 +1,85 @@
+"""KV blocks behind a sliding window are released as a sequence advances (vLLM's sliding-window
+KV manager): a model whose every layer slides holds a window's worth of blocks per sequence,
+so sequences longer than the whole cache run, with transformers' greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import assert_greedy_matches, hf_greedy
+from test_architectures import tiny_dir
+from test_engine import assert_no_leaks, kv_bytes
+from vllmini import LLM, SamplingParams
+
+WINDOW, BLOCKS = 12, 10  # a 160-slot pool; each sequence below reaches 150-190 tokens
+
+
+def track_owned_blocks(llm) -> dict[int, int]:
+    """Record, after every allocation, the most blocks each sequence has held."""
+    bm = llm.llm_engine.block_manager
+    most: dict[int, int] = {}
+    allocate = bm.allocate
+
+    def recording(seq_id, *args, **kwargs):
+        ok = allocate(seq_id, *args, **kwargs)
+        if seq_id in bm:
+            most[seq_id] = max(most.get(seq_id, 0), bm.num_owned_blocks(seq_id))
+        return ok
+
+    bm.allocate = recording
+    return most
+
+
+@pytest.mark.parametrize(("backend", "async_scheduling"), [("cpu", False), ("cpu", True), ("torch", False)])
+def test_sequences_longer_than_the_cache_run_within_their_window(tmp_path_factory, default_model_dir, backend,
+                                                                 async_scheduling):  # fmt: skip
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, "mistral", num_hidden_layers=3,
+                             sliding_window=WINDOW)  # fmt: skip
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, BLOCKS),
+              enable_prefix_caching=True, async_scheduling=async_scheduling, attention_backend=backend)  # fmt: skip
+    eng = llm.llm_engine
+    assert eng.block_manager.sliding_window == WINDOW and eng.num_blocks == BLOCKS
+    assert eng.capacity_tokens == eng.max_model_len  # a window plus a step's chunk fits the pool
+    most = track_owned_blocks(llm)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (150, 131, 40)]
+    prompts.append(prompts[0][:100] + prompts[2][:30])  # a prefix-cache hit longer than the window
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, n=2), use_tqdm=False)  # fmt: skip
+    for p, out in zip(prompts, outs):
+        want, gaps = hf_greedy(hf, p, 40)
+        for completion in out.outputs:  # n = 2: the forked sibling too
+            assert_greedy_matches(completion.token_ids, want, gaps, f"prompt of {len(p)}")
+    assert max(most.values()) <= eng.block_manager.max_blocks_per_step(16) == 3  # never the whole sequence
+    assert eng.block_manager.prefix_cache_hits > 0
+    assert_no_leaks(llm)
+
+
+def test_preempted_windowed_sequence_recomputes_exactly(tmp_path_factory, default_model_dir):
+    """Four long sequences on a pool that holds two windows: preemption frees and recomputes
+    them (the recompute takes prefix-cache hits, skipping the blocks behind the window)."""
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, "phi3", num_hidden_layers=2, sliding_window=9)
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, 5),
+              enable_prefix_caching=True)  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (70, 45, 90, 20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    for p, out in zip(prompts, outs):
+        want, gaps = hf_greedy(hf, p, 30)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"prompt of {len(p)}")
+    assert_no_leaks(llm)
+
+
+def test_blocks_stay_when_some_layer_attends_to_everything(tmp_path_factory, default_model_dir):
+    """Qwen2 with max_window_layers: its first layer reads every position, so nothing is released
+    and a sequence must fit the cache whole."""
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, "qwen2", num_hidden_layers=2,
+                             use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)  # fmt: skip
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, BLOCKS))
+    eng = llm.llm_engine
+    assert eng.model.sliding_window == WINDOW and eng.block_manager.sliding_window is None
+    assert eng.capacity_tokens == BLOCKS * 16
+    with pytest.raises(ValueError, match="KV"):
+        llm.generate({"prompt_token_ids": list(range(100, 250))}, SamplingParams(max_tokens=40), use_tqdm=False)
