@@ -393,3 +393,76 @@ async def test_a_request_submitted_during_a_failing_step_is_not_failed(tiny_dir,
         outs = await late
         assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
         assert_no_leaks(engine)
+
+
+async def test_the_request_keeps_its_own_sampling_params(tiny_dir):
+    """As vLLM, the engine clones the caller's SamplingParams: reusing and changing the object
+    while its request runs changes nothing for that request."""
+    engine = make_engine(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    stream = engine.generate({"prompt_token_ids": [5, 6, 7]}, params, "r")
+    first_out = await stream.__anext__()
+    params.stop_token_ids = list(range(49152))  # every token: would stop it at once
+    outs = [first_out] + [o async for o in stream]
+    assert len(outs[-1].outputs[0].token_ids) == 30 and outs[-1].outputs[0].finish_reason == "length"
+    await engine.shutdown()
+
+
+async def test_shutdown_is_a_plain_call_as_in_vllm(tiny_dir):
+    """``engine.shutdown()`` without await (vLLM's is synchronous) stops the engine: new requests
+    are refused at once, running streams end with "abort", and nothing warns of an un-awaited
+    coroutine. Awaiting what it returns waits for the clean-up."""
+    import warnings
+
+    engine = make_engine(tiny_dir)
+    stream = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=500, ignore_eos=True), "r")
+    await stream.__anext__()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        await engine.generate("hi", SamplingParams(max_tokens=2)).__anext__()
+    rest = [o async for o in stream]
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    await engine.shutdown()  # the same clean-up, done
+    assert not engine.is_running
+    assert_no_leaks(engine)
+
+
+async def test_generation_rate_counts_new_tokens_of_cumulative_streams(tiny_dir):
+    """get_stats().generation_tokens_per_s counts the tokens generated, not the lengths of
+    cumulative outputs (which repeat every earlier token)."""
+    engine = make_engine(tiny_dir)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)  # cumulative outputs
+    start = time.monotonic()
+    outs = await asyncio.gather(*(consume(engine, [i + 1, 2, 3], params, f"r{i}", kind="cumulative") for i in range(4)))
+    elapsed = time.monotonic() - start
+    assert all(len(o[-1].outputs[0].token_ids) == 60 for o in outs)
+    rate = engine.get_stats().generation_tokens_per_s
+    assert 0 < rate <= 1.5 * 240 / min(elapsed, 5.0)  # cumulative counting would be ~30x that
+    await engine.shutdown()
+
+
+async def test_chat_messages_with_content_parts_and_the_templated_prompt(tiny_dir, offline):
+    """OpenAI-style content parts are joined into the string the template expects (as vLLM does
+    for such templates), and RequestOutput.prompt is the templated text, as in vLLM; the same
+    from LLM.chat."""
+    tok = offline.get_tokenizer()
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?\nAnd 3 + 3?"}]
+    parts = [plain[0], {"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"},
+                                                   {"type": "text", "text": "And 3 + 3?"}]}]  # fmt: skip
+    text = tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    ids = list(tok.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False))
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    async with make_engine(tiny_dir) as engine:
+        for messages in (plain, parts):
+            out = [o async for o in engine.generate(messages, params)][-1]
+            assert out.prompt == text and out.prompt_token_ids == ids
+        with pytest.raises(ValueError, match=r"messages\[1\].content\[0\]: only text parts"):
+            await engine.generate([plain[0], {"role": "user", "content": [{"type": "image_url"}]}], params).__anext__()
+    outs = offline.chat([plain, parts], params, use_tqdm=False)
+    assert [o.prompt for o in outs] == [text, text] and outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"messages\[1\] must be a dict with a string 'role'"):
+        offline.chat([plain[0], {"content": "hi"}], params)
+    with pytest.raises(ValueError, match="prompts must be a prompt or a list of prompts, got NoneType"):
+        offline.generate(None, params)

@@ -91,3 +91,52 @@ def test_sampling_flags_over_model_defaults_over_cli_defaults():
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 9)
     p = _sampling_params(build_parser().parse_args(["generate", "x"]), SamplingParams())
     assert (p.temperature, p.top_k, p.max_tokens, p.ignore_eos) == (0.0, 0, 64, False)
+
+
+def test_chat_cuts_its_default_length_and_survives_a_history_too_long(tiny_dir, monkeypatch, capsys):
+    """With a small max_model_len the CLI's default reply length (256) is cut to what is left;
+    once the history outgrows max_model_len, that turn fails with an error and the session goes
+    on (/reset, then a new question is answered)."""
+    long_line = " ".join(["word"] * 60)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"hi\n{long_line}\n{long_line}\n/reset\nhello again\n/exit\n"))
+    rc = main(["chat", "--model", str(tiny_dir), "--max-model-len", "128", "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "max_model_len" in captured.err and "/reset clears the history" in captured.err
+    replies = [line for line in captured.out.splitlines() if line and not line.startswith(("chat with", "(history"))]
+    assert len(replies) >= 2  # the first turn and the one after /reset
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--attention-backend", "magic"], "attention_backend='magic'"),
+        (["--block-size", str(2**20)], "block_size must be at most"),
+        (["--top-p", "2"], "top_p"),
+    ],
+)
+def test_bad_flags_fail_before_the_model_loads(flags, message, capsys, monkeypatch):
+    import vllmini.engine.llm_engine as llm_engine
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "__init__", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert main(["generate", *flags, "x"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_log_level_is_checked_and_the_environment_kept(capsys):
+    import logging
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--log-level", "LOUD", "x"])
+    assert "invalid choice" in capsys.readouterr().err
+    logger = logging.getLogger("vllmini")
+    before = logger.level
+    try:
+        logger.setLevel("WARNING")  # as VLLMINI_LOGGING_LEVEL=WARNING sets it at import
+        main(["generate", "--max-tokens", "0", "x"])  # fails before loading; the level stays
+        assert logger.level == logging.WARNING
+        main(["generate", "--log-level", "error", "--max-tokens", "0", "x"])
+        assert logger.level == logging.ERROR
+    finally:
+        logger.setLevel(before)

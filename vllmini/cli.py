@@ -29,7 +29,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from vllmini.config import EngineArgs
 
     defaults = EngineArgs()
-    p.add_argument("--log-level", default="INFO", help="logging level (INFO shows load and KV cache sizes)")
+    p.add_argument("--log-level", type=str.upper, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="logging level (default: $VLLMINI_LOGGING_LEVEL, else INFO: load and KV cache sizes)")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -59,6 +60,17 @@ def _engine_args(ns: argparse.Namespace):
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _given_sampling_flags(ns: argparse.Namespace) -> dict:
+    """The sampling flags given on the command line, checked (a bad value fails before the model loads)."""
+    from vllmini import SamplingParams
+
+    given = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
+             "min_p": ns.min_p, "seed": ns.sampling_seed, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
+    given = {k: v for k, v in given.items() if v is not None}
+    SamplingParams(**given)
+    return given
+
+
 def _sampling_params(ns: argparse.Namespace, model_defaults):
     """The flags given, over what the model's generation config sets, over the CLI's defaults."""
     from vllmini import SamplingParams
@@ -66,9 +78,7 @@ def _sampling_params(ns: argparse.Namespace, model_defaults):
     plain = SamplingParams()
     from_model = {f: getattr(model_defaults, f) for f in model_defaults.__struct_fields__
                   if getattr(model_defaults, f) != getattr(plain, f)}  # fmt: skip
-    given = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
-             "min_p": ns.min_p, "seed": ns.sampling_seed, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
-    given = {k: v for k, v in given.items() if v is not None}
+    given = _given_sampling_flags(ns)
     return SamplingParams(**{**ns.cli_sampling_defaults, **from_model, **given, "output_kind": "delta"})
 
 
@@ -158,11 +168,13 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 async def _chat(ns: argparse.Namespace) -> int:
     from vllmini import AsyncLLMEngine
+    from vllmini.engine.chat import render_chat
 
     loop = asyncio.get_running_loop()
     history: list[dict[str, str]] = []
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
         params = _sampling_params(ns, engine.engine.get_default_sampling_params())
+        max_len = engine.engine.max_model_len
         print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
         while True:
             try:
@@ -179,10 +191,21 @@ async def _chat(ns: argparse.Namespace) -> int:
             if not line:
                 continue
             history.append({"role": "user", "content": line})
+            prompt = render_chat(engine.engine.tokenizer, history, add_generation_prompt=True)
+            room = max_len - len(prompt["prompt_token_ids"])
+            turn = params
+            if room > 0 and (params.max_tokens or room) > room and ns.max_tokens is None:
+                turn = params.clone()  # the default length, cut to what max_model_len leaves
+                turn.max_tokens = room
             reply = ""
-            async for out in engine.generate(history, params):
-                reply += out.outputs[0].text
-                print(out.outputs[0].text, end="", flush=True)  # tokens as they come
+            try:
+                async for out in engine.generate(prompt, turn):
+                    reply += out.outputs[0].text
+                    print(out.outputs[0].text, end="", flush=True)  # tokens as they come
+            except ValueError as exc:  # e.g. the history outgrew max_model_len: the session goes on
+                history.pop()
+                print(f"error: {exc}\n(/reset clears the history)", file=sys.stderr, flush=True)
+                continue
             print(flush=True)
             history.append({"role": "assistant", "content": reply})
 
@@ -233,8 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] not in ("generate", "chat", "-h", "--help"):
         argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
-    logging.getLogger("vllmini").setLevel(ns.log_level.upper())
+    if ns.log_level is not None:
+        logging.getLogger("vllmini").setLevel(ns.log_level)
     try:
+        _engine_args(ns).validate()  # bad flags fail before the model loads
+        _given_sampling_flags(ns)
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

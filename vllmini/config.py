@@ -61,6 +61,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         ) from None
 
 
+# a block is the unit of KV allocation and of the attention kernels' tiles: CPU uses 16, CUDA 256
+# (flash-attn's paged kernels need a multiple of 256); far larger blocks only waste memory
+MAX_BLOCK_SIZE = 1024
+
+
 @dataclass
 class EngineArgs:
     """Engine settings, with vLLM's names."""
@@ -106,6 +111,8 @@ class EngineArgs:
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)
         positive_int("block_size", self.block_size, allow_none=True)
+        if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, flag), bool):
@@ -120,5 +127,9 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        from vllmini.models.backend_select import BACKEND_NAMES
+
+        if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {list(BACKEND_NAMES)} (or None: auto)")
         device = resolve_device(self.device)
         resolve_dtype(self.dtype, device)

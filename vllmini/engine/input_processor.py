@@ -107,6 +107,7 @@ class InputProcessor:
             params = self.defaults(**({"output_kind": output_kind} if output_kind else {}))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params = params.clone()  # the request's own copy: the caller may change theirs meanwhile
         self._check_params(params)
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:

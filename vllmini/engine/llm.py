@@ -7,6 +7,7 @@ import msgspec
 from tqdm.auto import tqdm
 
 from vllmini.config import EngineArgs
+from vllmini.engine.chat import render_chat
 from vllmini.engine.llm_engine import LLMEngine, PromptType
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
@@ -38,9 +39,12 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)  # (a generator of prompts too)
+        except TypeError:
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
@@ -94,10 +98,12 @@ class LLM:
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         # as vLLM: the template kwargs may override the named options
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template, **(chat_template_kwargs or {}), "tokenize": True, "return_dict": False}
+                   "chat_template": chat_template, **(chat_template_kwargs or {})}  # fmt: skip
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a conversation (a list of dicts) or a list of them, got {messages!r}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(conv, **options))} for conv in conversations]
+        prompts = [render_chat(tok, conv, **options) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

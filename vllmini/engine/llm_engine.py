@@ -118,6 +118,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
+        self.num_generated_tokens = 0  # every token sampled and kept since start (for throughput stats)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -342,6 +343,7 @@ class LLMEngine:
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
                 continue
+            self.num_generated_tokens += 1
             try:
                 self.output_processor.append_token(state, seq, row, token, out)
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails

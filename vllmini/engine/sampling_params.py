@@ -7,6 +7,7 @@ same validation runs on decode).
 """
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from typing import Literal
@@ -87,6 +88,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         self._normalize()
         self._validate()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy, validated again (a value changed after construction is checked here). The
+        engine keeps a clone of each request's params, as vLLM does, so that a caller may reuse
+        and change its object while the request runs."""
+        return copy.deepcopy(self)
 
     def _normalize(self) -> None:
         if self.stop is None:
