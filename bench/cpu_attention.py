@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
-    blocks = args.cache_mib * 2**20 // (BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize)
+    block_bytes = BLOCK * KV_HEADS * HEAD_DIM * dtype.itemsize
+    blocks = args.cache_mib * 2**20 // block_bytes
+    needed = max(rows * -(-hi // BLOCK) for rows, _, hi in CASES)  # the largest step's blocks, all distinct
+    if blocks < needed:
+        ap.error(f"--cache-mib {args.cache_mib} holds {blocks} blocks; the largest case needs {needed} "
+                 f"(--cache-mib {-(-needed * block_bytes // 2**20)} or more)")  # fmt: skip
     cache = tuple(torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     results = []
     print(f"{'rows':>5} {'context':>10} {'torch ms':>9} {'cpu ms':>8} {'speedup':>8} {'cpu K/V GB/s':>13}")

@@ -265,3 +265,11 @@ def test_cpu_attention_benchmark_runs_and_checks_its_outputs(tmp_path):
     assert [(r["rows"], tuple(r["context"])) for r in results] == [(n, (lo, hi)) for n, lo, hi in bench.CASES]
     assert all(r["torch_ms"] > 0 and r["cpu_ms"] > 0 and r["speedup"] > 0 for r in results)
     assert json.loads((tmp_path / "r.json").read_text())["cases"] == results
+
+
+def test_cpu_attention_benchmark_refuses_a_cache_too_small(capsys):
+    from bench import cpu_attention as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(["--cache-mib", "16", "--iters", "1"])
+    assert "--cache-mib 16 holds 1365 blocks; the largest case needs 2816" in capsys.readouterr().err

@@ -176,7 +176,8 @@ class BlockManager:
         if seq is not None:
             if cached:
                 raise ValueError(f"cached_blocks given for already allocated sequence {seq_id!r}")
-            self._release_behind_window(seq)
+            if self.sliding_window is not None:
+                self._release_behind_window(seq)
             table, num_computed, reclaimed, hashes, skip = seq.block_table, seq.num_tokens, 0, [], 0
         else:
             hashes = self._check_cached(token_ids, cached)
