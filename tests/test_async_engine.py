@@ -466,3 +466,60 @@ async def test_chat_messages_with_content_parts_and_the_templated_prompt(tiny_di
         offline.chat([plain[0], {"content": "hi"}], params)
     with pytest.raises(ValueError, match="prompts must be a prompt or a list of prompts, got NoneType"):
         offline.generate(None, params)
+
+
+def test_a_bare_shutdown_as_asyncio_run_ends_still_cleans_up(tiny_dir):
+    """``engine.shutdown()`` not awaited, then ``asyncio.run`` returns (cancelling the clean-up
+    task): the clean-up happens then, so no request keeps its blocks and the worker stops."""
+    engine = make_engine(tiny_dir)
+
+    async def main():
+        stream = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=500, ignore_eos=True), "r")
+        await stream.__anext__()
+        engine.shutdown()
+
+    asyncio.run(main())
+    assert not engine.engine.requests and engine._executor_closed
+    assert_no_leaks(engine)
+
+    async def again():
+        return await engine.shutdown()  # done: still awaitable, in a later loop
+
+    assert asyncio.run(again()) is None
+
+
+def test_shutdown_from_another_thread_ends_the_streams_there(tiny_dir):
+    """The streams live on an event loop in another thread: shutdown() from this thread runs the
+    clean-up on that loop and waits, so the consumer gets its "abort" output."""
+    import threading
+
+    engine = make_engine(tiny_dir)
+    started, result = threading.Event(), {}
+
+    async def consume_all():
+        params = SamplingParams(max_tokens=100_000 // 100, ignore_eos=True)
+        async for out in engine.generate({"prompt_token_ids": [1, 2]}, params, "r"):
+            started.set()
+            result["last"] = out
+
+    consumer = threading.Thread(target=lambda: asyncio.run(consume_all()))
+    consumer.start()
+    assert started.wait(30)
+    assert engine.shutdown() is None
+    consumer.join(30)
+    assert not consumer.is_alive()
+    assert result["last"].finished and result["last"].outputs[0].finish_reason == "abort"
+    assert_no_leaks(engine)
+
+
+async def test_requests_not_yet_admitted_end_with_an_abort_output(tiny_dir):
+    engine = make_engine(tiny_dir)
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    streams = [engine.generate({"prompt_token_ids": [i + 1, 2]}, params, f"r{i}") for i in range(8)]
+    tasks = [asyncio.ensure_future(s.__anext__()) for s in streams]
+    await asyncio.sleep(0)
+    await engine.shutdown()
+    for t in tasks:
+        out = await t
+        assert out.finished and out.outputs and out.outputs[0].finish_reason == "abort"
+    assert_no_leaks(engine)

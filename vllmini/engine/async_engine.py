@@ -108,24 +108,36 @@ class AsyncLLMEngine:
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="vllmini-engine-loop")
 
-    def shutdown(self) -> asyncio.Task | None:
+    def shutdown(self) -> asyncio.Future | None:
         """Stop the step loop; every open stream ends with a final "abort" output. A plain call,
-        as vLLM's: the engine refuses new requests at once, and the clean-up runs on the event
-        loop (``await engine.shutdown()`` waits for it). Without a running loop the clean-up is
-        done here and None is returned."""
-        if self._shutdown_task is not None:
-            return self._shutdown_task
+        as vLLM's: new requests are refused at once. On the step loop's event loop the clean-up
+        runs there as a task, returned (``await engine.shutdown()`` waits for it; if the loop
+        ends first, e.g. ``asyncio.run`` returning, it is done then). From another thread it
+        is run on that loop and waited for; with no loop left it is done here."""
         self._dead = True
+        task = self._shutdown_task
+        if task is not None and not task.cancelled():
+            return task
+        engine_loop = None if self._loop_task is None else self._loop_task.get_loop()
         try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop (e.g. it has ended): no stream to deliver to
-            if not self._executor_closed:
-                self._executor_closed = True
-                self._executor.submit(self.engine.abort_request, list(self.engine.requests)).result()
-                self._executor.shutdown(wait=True)
-            return None
-        self._shutdown_task = loop.create_task(self._shutdown(), name="vllmini-engine-shutdown")
-        return self._shutdown_task
+            current = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if self._executor_closed:  # done already: something to await all the same
+            if current is None:
+                return None
+            done = current.create_future()
+            done.set_result(None)
+            return done
+        if current is not None and engine_loop in (None, current):
+            self._shutdown_task = current.create_task(self._shutdown(), name="vllmini-engine-shutdown")
+            self._shutdown_task.add_done_callback(lambda t: self._close_now() if t.cancelled() else None)
+            return self._shutdown_task
+        if engine_loop is not None and engine_loop.is_running():  # the streams live on another thread's loop
+            asyncio.run_coroutine_threadsafe(self._shutdown(), engine_loop).result()
+        else:  # no loop left to deliver to
+            self._close_now()
+        return None
 
     async def _shutdown(self) -> None:
         if self._loop_task is not None:
@@ -134,14 +146,31 @@ class AsyncLLMEngine:
         pending, self._aborts = self._aborts, []
         for abort in pending:  # the engine is stopping: everything is aborted below
             self._aborted(abort)
-        loop = asyncio.get_running_loop()
-        outs = await loop.run_in_executor(self._executor, self.engine.abort_request, list(self.engine.requests))
+        outs = await asyncio.get_running_loop().run_in_executor(self._executor, self._abort_everything)
         for out in outs:
             self._deliver(out)
-        for rid in list(self._streams):  # streams not yet known to the engine
+        for rid in list(self._streams):  # (a request the engine refused as it was admitted)
             self._deliver(RequestOutput(rid, None, [], [], True, None))
-        self._executor_closed = True
-        self._executor.shutdown(wait=True)
+        self._close_now()
+
+    def _abort_everything(self) -> list[RequestOutput]:
+        """On the worker: admit what is still in the inbox (so that those requests, too, end with
+        a proper "abort" output) and abort every request."""
+        with self._lock:
+            new, self._new = self._new, []
+        for state in new:
+            try:
+                self.engine.enqueue(state)
+            except ValueError:  # its id is taken: the stream ends without outputs (below)
+                pass
+        return self.engine.abort_request(list(self.engine.requests))
+
+    def _close_now(self) -> None:
+        """Abort everything and stop the worker, blocking (no stream is told)."""
+        if not self._executor_closed:
+            self._executor_closed = True
+            self._executor.submit(self._abort_everything).result()
+            self._executor.shutdown(wait=True)
 
     # ---- requests ------------------------------------------------------------------------
     def _prompt(self, prompt: PromptType | list[dict[str, str]]) -> PromptType:

@@ -45,6 +45,9 @@ def _bad(field: str, accepted: str, value: object) -> ValueError:
     return ValueError(f"{field} must be {accepted}, got {value!r}")
 
 
+_CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Sampling options for one request (field names and defaults follow vLLM).
 
@@ -90,10 +93,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._validate()
 
     def clone(self) -> SamplingParams:
-        """A deep copy, validated again (a value changed after construction is checked here). The
-        engine keeps a clone of each request's params, as vLLM does, so that a caller may reuse
-        and change its object while the request runs."""
-        return copy.deepcopy(self)
+        """A copy with its own containers, validated again (a value changed after construction is
+        checked here). The engine keeps a clone of each request's params, as vLLM does, so that a
+        caller may reuse and change its object while the request runs."""
+        own = {name: copy.copy(value) for name in _CONTAINERS if (value := getattr(self, name)) is not None}
+        return msgspec.structs.replace(self, **own)
 
     def _normalize(self) -> None:
         if self.stop is None:
