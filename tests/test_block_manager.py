@@ -352,7 +352,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if ok:
             self.tokens[sid], self.nslots[sid], self.first_query[sid] = prompt, n + num_new, n
             assert self.bm.num_cached_tokens(sid) == n
-            assert self.bm.block_table(sid)[: len(blocks)] == [0] * skip + blocks[skip:]
+            assert self.bm.block_table(sid)[: len(blocks)] == [NB] * skip + blocks[skip:]  # NB: the null block
             self._write(sid, n, n + num_new)
         else:
             assert snapshot(self.bm) == before and sid not in self.bm
@@ -429,7 +429,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             table, n = bm.block_table(sid), self.nslots[sid]
             assert bm.num_tokens(sid) == n and len(table) == -(-n // BS)
             released = len(table) - bm.num_owned_blocks(sid)
-            assert released <= self._behind_window(self.first_query[sid]) and table[:released] == [0] * released
+            assert released <= self._behind_window(self.first_query[sid]) and table[:released] == [NB] * released
             owned = table[released:]
             assert len(set(owned)) == len(owned)
             for i, b in enumerate(owned, start=released):

@@ -83,3 +83,35 @@ def test_blocks_stay_when_some_layer_attends_to_everything(tmp_path_factory, def
     assert eng.capacity_tokens == BLOCKS * 16
     with pytest.raises(ValueError, match="KV"):
         llm.generate({"prompt_token_ids": list(range(100, 250))}, SamplingParams(max_tokens=40), use_tqdm=False)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_released_entries_read_a_zeroed_block_so_nan_kv_stays_in_its_request(tmp_path, default_model_dir, backend):
+    """Released table entries point at a null block outside the pool, which stays zero. Were they
+    a pool block, K/V another request left there (here NaN, from a token whose embedding
+    overflows) would poison this request's attention through the masked positions."""
+    from helpers import save_tiny_model, tiny_mistral_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_mistral_config(vocab_size=49152, num_hidden_layers=2,
+                                                              sliding_window=WINDOW)).eval()  # fmt: skip
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[5] = float("inf")  # that token's K/V become NaN
+    model_dir = save_tiny_model(hf, tmp_path / "m", default_model_dir)
+    llm = LLM(model=str(model_dir), block_size=4, kv_cache_memory=kv_bytes(hf.config, 32, block_size=4),
+              max_num_batched_tokens=16, attention_backend=backend, enable_prefix_caching=False)  # fmt: skip
+    eng = llm.llm_engine
+    assert eng.block_manager.null_block == eng.num_blocks == 32
+    assert eng.runner.kv_caches[0][0].shape[0] == 33  # the pool and the null block
+    g = torch.Generator().manual_seed(4)
+    bad = [5] + torch.randint(100, 4000, (6,), generator=g).tolist()
+    good = torch.randint(100, 4000, (60,), generator=g).tolist()
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    # the poisoned prompt first: it takes the pool's first blocks (block 0 among them)
+    poisoned, healthy = llm.generate([{"prompt_token_ids": bad}, {"prompt_token_ids": good}], params, use_tqdm=False)
+    alone = llm.generate({"prompt_token_ids": good}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert poisoned.outputs[0].finish_reason == "error"
+    assert healthy.outputs[0].finish_reason == "length" and healthy.outputs[0].token_ids == alone
+    assert all(not k[32].any() and not v[32].any() for k, v in eng.runner.kv_caches)  # never written
+    assert_no_leaks(llm)

@@ -96,13 +96,18 @@ class LLMEngine:
         budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows)
         num_blocks = num_blocks_for_budget(spec, budget)
         self.num_blocks = num_blocks
-        self.block_manager = BlockManager(num_blocks, block_size, args.enable_prefix_caching, self.model.kv_window)
+        # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
+        # then, with a window to release blocks behind, a zeroed null block for released entries
+        pad = PAD_BLOCKS if use_graphs else 0
+        null = 1 if self.model.kv_window else 0
+        self.block_manager = BlockManager(
+            num_blocks, block_size, args.enable_prefix_caching, self.model.kv_window, null_block=num_blocks + pad
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows),
             self.block_manager,
         )
-        # with graphs, one extra block (outside the block manager's pool) takes the padding rows' K/V
-        kv_caches = allocate_kv_cache(spec, num_blocks + (PAD_BLOCKS if use_graphs else 0), self.device)
+        kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, self.device)
         graphs = None
         if use_graphs:
             graphs = capture_decode_graphs(

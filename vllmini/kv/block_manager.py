@@ -13,8 +13,10 @@ Every block is in exactly one of three states:
 With a sliding window (every layer attends only to its last ``sliding_window`` positions),
 a sequence's leading blocks fall out of every future query's reach as it advances; they are
 released (to the prefix cache if hashed) at its next allocation, and their table entries
-keep block 0 as a placeholder so that positions still map to table indices. No backend
-reads a placeholder unmasked: each one limits its keys to the window.
+hold ``null_block`` instead, so that positions still map to table indices: a block outside
+the pool that the KV cache keeps zeroed (nothing writes it). Backends that read whole tiles
+or tables mask it out, and its zeros keep that masking exact (stale K/V of another sequence
+could be NaN, and a masked NaN still poisons a softmax or a product with zero weight).
 
 Prefix-cache hashes are registered when :meth:`BlockManager.allocate` hands out the slots,
 i.e. *before* the forward pass that writes the KV. This is sound as long as every allocated
@@ -69,8 +71,9 @@ class BlockManager:
     """Allocates KV blocks to sequences, shares full blocks through the prefix cache and fork."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None
-    ) -> None:
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
+        null_block: int | None = None,
+    ) -> None:  # fmt: skip
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         if sliding_window is not None and sliding_window <= 0:
@@ -79,6 +82,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
+        self.null_block = num_blocks if null_block is None else null_block  # the placeholder's id
+        if 0 <= self.null_block < num_blocks:
+            raise ValueError(f"null_block must lie outside the pool [0, {num_blocks}), got {self.null_block}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
@@ -184,7 +190,7 @@ class BlockManager:
             num_computed = len(cached) * bs
             # cached blocks behind the window are not taken: they stay in the cache as they are
             skip = min(len(cached), self._blocks_behind_window(num_computed))
-            table = [0] * skip + cached[skip:]
+            table = [self.null_block] * skip + cached[skip:]
             # Cached blocks at ref 0 leave the allocatable pool when we take them.
             reclaimed = sum(1 for bid in cached[skip:] if bid in self._evictable)
         total = num_computed + num_new_tokens
@@ -270,7 +276,7 @@ class BlockManager:
         behind = min(self._blocks_behind_window(seq.num_tokens), len(seq.block_table))
         for i in range(seq.num_released, behind):
             self._release(seq.block_table[i])
-            seq.block_table[i] = 0
+            seq.block_table[i] = self.null_block
         seq.num_released = max(seq.num_released, behind)
 
     def _release(self, bid: int) -> None:
@@ -361,7 +367,7 @@ class BlockManager:
             check(len(s.block_table) == -(-s.num_tokens // bs), f"seq {sid!r}: table size != ceil(tokens/bs)")
             check(len(s.block_hashes) <= s.num_tokens // bs, f"seq {sid!r}: hash of a non-full block")
             check(s.num_released <= self._blocks_behind_window(s.num_tokens), f"seq {sid!r}: released a block in the window")
-            check(all(bid == 0 for bid in s.block_table[: s.num_released]), f"seq {sid!r}: placeholder is not 0")
+            check(all(b == self.null_block for b in s.block_table[: s.num_released]), f"seq {sid!r}: not the null block")
             for i, h in enumerate(s.block_hashes[s.num_released :], start=s.num_released):
                 bh = self.blocks[s.block_table[i]].block_hash
                 check(bh is None or bh == h, f"seq {sid!r}: block {i} hashed for other tokens")
