@@ -140,3 +140,21 @@ def test_log_level_is_checked_and_the_environment_kept(capsys):
         assert logger.level == logging.ERROR
     finally:
         logger.setLevel(before)
+
+
+def test_chat_turn_fits_the_kv_cache_and_skips_a_line_that_is_not_text(tiny_dir, monkeypatch, capsys):
+    """The reply length is cut to what the KV cache leaves too (here 128 token slots, less than
+    max_model_len and the CLI's default 256); a line of bytes that are not UTF-8 (lone
+    surrogates from stdin) is refused and the next line is answered."""
+    from transformers import AutoConfig
+
+    from test_engine import kv_bytes
+
+    kv = kv_bytes(AutoConfig.from_pretrained(tiny_dir), 8)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\udcff there\nhello\n/exit\n"))
+    rc = main(["chat", "--model", str(tiny_dir), "--kv-cache-memory", str(kv), "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert rc == 0
+    assert "not valid UTF-8" in captured.err and "exceeds" not in captured.err
+    replies = [line for line in captured.out.splitlines() if line.strip("> ") and not line.startswith("chat with")]
+    assert len(replies) == 1  # "hello" answered, within the cache (the default 256 tokens would not fit)

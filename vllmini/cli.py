@@ -174,14 +174,18 @@ async def _chat(ns: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
         params = _sampling_params(ns, engine.engine.get_default_sampling_params())
-        max_len = engine.engine.max_model_len
+        max_len = min(engine.engine.max_model_len, engine.engine.capacity_tokens)  # what one sequence may hold
         print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
         while True:
             try:
                 line = (await loop.run_in_executor(None, input, "> ")).strip()
+                line.encode()  # bytes that are not UTF-8 arrive as lone surrogates
             except EOFError:
                 print()
                 return 0
+            except UnicodeError:  # that line only
+                print("error: the input is not valid UTF-8 text", file=sys.stderr, flush=True)
+                continue
             if line == "/exit":
                 return 0
             if line == "/reset":
@@ -191,14 +195,14 @@ async def _chat(ns: argparse.Namespace) -> int:
             if not line:
                 continue
             history.append({"role": "user", "content": line})
-            prompt = render_chat(engine.engine.tokenizer, history, add_generation_prompt=True)
-            room = max_len - len(prompt["prompt_token_ids"])
-            turn = params
-            if room > 0 and (params.max_tokens or room) > room and ns.max_tokens is None:
-                turn = params.clone()  # the default length, cut to what max_model_len leaves
-                turn.max_tokens = room
             reply = ""
             try:
+                prompt = render_chat(engine.engine.tokenizer, history, add_generation_prompt=True)
+                room = max_len - len(prompt["prompt_token_ids"])
+                turn = params
+                if room > 0 and (params.max_tokens or room) > room and ns.max_tokens is None:
+                    turn = params.clone()  # the default length, cut to what max_model_len and the cache leave
+                    turn.max_tokens = room
                 async for out in engine.generate(prompt, turn):
                     reply += out.outputs[0].text
                     print(out.outputs[0].text, end="", flush=True)  # tokens as they come

@@ -42,6 +42,8 @@ def _flatten(i: int, msg: Any) -> Message:
             texts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+        elif isinstance(part, dict) and part.get("type") == "text":
+            raise ValueError(f"messages[{i}].content[{j}].text must be a string, got {part.get('text')!r}")
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
