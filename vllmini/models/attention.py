@@ -176,19 +176,22 @@ def torch_attention(
 
     for i in plan.prefill_seqs:
         start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
+        first = 0  # the first key position read: with a window, from the block its earliest query sees
         if kv_cache is None or q_len == seq_len:  # nothing cached before this chunk: no gather needed
             keys, vals = k[start : start + q_len], v[start : start + q_len]
         else:
-            blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
-            keys = gather_blocks(kv_cache[0], blocks[None])[0, :seq_len]
-            vals = gather_blocks(kv_cache[1], blocks[None])[0, :seq_len]
+            if window is not None:
+                first = max(0, seq_len - q_len - window + 1) // block_size * block_size
+            blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
+            keys = gather_blocks(kv_cache[0], blocks[None])[0, : seq_len - first]
+            vals = gather_blocks(kv_cache[1], blocks[None])[0, : seq_len - first]
         qi = q[start : start + q_len].transpose(0, 1)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
         if q_len == seq_len and (window is None or window >= seq_len):
             oi = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            pos_k = torch.arange(seq_len, device=q.device)[None, :]
+            pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
             oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = oi.transpose(0, 1)
