@@ -283,3 +283,33 @@ def test_chat_template_options(small_llm, monkeypatch):
         small_llm.chat(msgs, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         small_llm.chat(msgs, greedy, chat_template_kwargs=["mood"])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_nan_kv_left_in_a_reused_block_reaches_no_other_request(tmp_path, default_model_dir, backend):
+    """A request whose K/V are NaN (a token whose embedding overflows) fails alone; its freed
+    blocks are reused, and the slots it left there, masked for the next owner, must not change
+    that owner's tokens (0 * NaN is NaN: the torch path zeroes the masked K/V it gathers)."""
+    from transformers import LlamaForCausalLM
+
+    from helpers import tiny_llama_config
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(tiny_llama_config(vocab_size=49152, num_hidden_layers=2)).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[5] = float("inf")
+    model_dir = save_tiny_model(hf, tmp_path / "m", default_model_dir)
+    llm = LLM(model=str(model_dir), block_size=4, attention_backend=backend, enable_prefix_caching=False,
+              kv_cache_memory=kv_bytes(hf.config, 16, block_size=4))  # fmt: skip
+    g = torch.Generator().manual_seed(4)
+    bad = [5] + torch.randint(100, 4000, (40,), generator=g).tolist()
+    good = torch.randint(100, 4000, (6,), generator=g).tolist()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    poisoned = llm.generate({"prompt_token_ids": bad}, params, use_tqdm=False)[0]
+    after = llm.generate({"prompt_token_ids": good}, params, use_tqdm=False)[0]  # on the freed blocks
+    assert poisoned.outputs[0].finish_reason == "error"
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[5] = 0.0  # (transformers' reference; token 5 is not in ``good``)
+    tokens, gaps = hf_greedy(hf, good, 20)
+    assert_greedy_matches(after.outputs[0].token_ids, tokens, gaps, f"{backend}, after a NaN request")
+    assert_no_leaks(llm)

@@ -171,6 +171,7 @@ def torch_attention(
             if window is not None:  # the row's query sits at seq_len - 1: keys from seq_len - window
                 pos = torch.arange(mask.shape[-1], device=mask.device)
                 mask = mask & (pos >= group.seq_lens[:, None, None, None] - window)
+            keys, vals = _zero_masked(keys, vals, mask)
             od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=scale)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
@@ -215,8 +216,18 @@ def _static_decode(
     if window is not None:
         mask = mask & (pos >= meta.seq_lens[:, None] - window)
     qd = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    keys, vals = _zero_masked(keys, vals, mask[:, None, None, :])
     out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _zero_masked(keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the gathered K/V (``[B, Hkv, L, D]``) where ``mask`` (``[B, 1, 1, L]``) hides them.
+    Masked slots hold whatever their block's last owner left (a reused block's tail, another
+    sequence's block in a padded table column); were that NaN or inf, the masked softmax
+    weight 0 times it is still NaN, and one request's NaN would reach others."""
+    hidden = ~mask.transpose(-1, -2)  # [B, 1, L, 1]
+    return keys.masked_fill_(hidden, 0.0), vals.masked_fill_(hidden, 0.0)  # (fresh gathers: in place)
 
 
 def flash_attention(
