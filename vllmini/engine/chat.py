@@ -40,11 +40,11 @@ def _flatten(i: int, msg: Any) -> Message:
     for j, part in enumerate(content):
         if isinstance(part, str):
             texts.append(part)
-        elif isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif isinstance(part, dict) and part.get("type") == "text":
-            raise ValueError(f"messages[{i}].content[{j}].text must be a string, got {part.get('text')!r}")
-        else:
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            continue
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
             raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"messages[{i}].content[{j}].text must be a string, got {part.get('text')!r}")
+        texts.append(part["text"])
     return {**msg, "content": "\n".join(texts)}

@@ -70,8 +70,9 @@ class LLMEngine:
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
         if args.max_model_len is not None and args.max_model_len > model_max:
             raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        kv_window = self.model.kv_window  # every layer's window, if they share one: blocks behind it are released
         if (window := getattr(self.model, "sliding_window", None)) is not None:
-            released = "released behind it" if self.model.kv_window else "kept: some layers attend to all tokens"
+            released = "released behind it" if kv_window else "kept: some layers attend to all tokens"
             logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
         self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
@@ -99,9 +100,9 @@ class LLMEngine:
         # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
         # then, with a window to release blocks behind, a zeroed null block for released entries
         pad = PAD_BLOCKS if use_graphs else 0
-        null = 1 if self.model.kv_window else 0
+        null = 1 if kv_window else 0
         self.block_manager = BlockManager(
-            num_blocks, block_size, args.enable_prefix_caching, self.model.kv_window, null_block=num_blocks + pad
+            num_blocks, block_size, args.enable_prefix_caching, kv_window, null_block=num_blocks + pad
         )
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows),
