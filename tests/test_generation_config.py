@@ -57,7 +57,9 @@ def test_defaults_are_copies_clamped_and_lenient(model_dir, tmp_path):
     llm = LLM(model=str(model_dir), max_model_len=64)
     mine = llm.get_default_sampling_params()
     mine.max_tokens = 2  # the caller's copy: the engine's defaults stay
+    mine.stop.append("x")  # its containers too
     assert llm.get_default_sampling_params().max_tokens == 5
+    assert llm.get_default_sampling_params().stop == []
     assert len(llm.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 5
 
     # the model's max_new_tokens beyond max_model_len: cut to what is left (vLLM stops there too)

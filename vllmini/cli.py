@@ -201,8 +201,7 @@ async def _chat(ns: argparse.Namespace) -> int:
                 room = max_len - len(prompt["prompt_token_ids"])
                 turn = params
                 if room > 0 and (params.max_tokens or room) > room and ns.max_tokens is None:
-                    turn = params.clone()  # the default length, cut to what max_model_len and the cache leave
-                    turn.max_tokens = room
+                    turn = params.clone(max_tokens=room)  # the default length, cut to what max_model_len and the cache leave
                 async for out in engine.generate(prompt, turn):
                     reply += out.outputs[0].text
                     print(out.outputs[0].text, end="", flush=True)  # tokens as they come

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 
@@ -96,7 +94,7 @@ class InputProcessor:
 
     def defaults(self, **replace: Any) -> SamplingParams:
         """A fresh copy of the default sampling parameters (callers may change their own)."""
-        return msgspec.structs.replace(self.default_params, **replace)
+        return self.default_params.clone(**replace)
 
     def process(self, prompt: PromptType, params: SamplingParams | None, output_kind: str | None = None) -> ProcessedInput:
         """``params`` None: the defaults (``output_kind``, if given, replacing theirs), whose
@@ -107,7 +105,8 @@ class InputProcessor:
             params = self.defaults(**({"output_kind": output_kind} if output_kind else {}))
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params = params.clone()  # the request's own copy: the caller may change theirs meanwhile
+        if not from_defaults:  # (the defaults were just copied for this request)
+            params = params.clone()  # the request's own copy: the caller may change theirs meanwhile
         self._check_params(params)
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:

@@ -92,12 +92,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._normalize()
         self._validate()
 
-    def clone(self) -> SamplingParams:
-        """A copy with its own containers, validated again (a value changed after construction is
-        checked here). The engine keeps a clone of each request's params, as vLLM does, so that a
-        caller may reuse and change its object while the request runs."""
+    def clone(self, **changes: object) -> SamplingParams:
+        """A copy with its own containers and ``changes`` applied, validated again (a value changed
+        after construction is checked here). The engine keeps a clone of each request's params, as
+        vLLM does, so that a caller may reuse and change its object while the request runs."""
         own = {name: copy.copy(value) for name in _CONTAINERS if (value := getattr(self, name)) is not None}
-        return msgspec.structs.replace(self, **own)
+        return msgspec.structs.replace(self, **{**own, **changes})
 
     def _normalize(self) -> None:
         if self.stop is None:
