@@ -40,8 +40,8 @@ def staggered_workload(vocab: int, n: int = 48, max_len: int = 600, seed: int = 
     return prompts, max_tokens
 
 
-def check_exact_under_pressure(model_dir, hf, kv_blocks: int) -> LLM:
-    prompts, max_tokens = staggered_workload(hf.config.vocab_size)
+def check_exact_under_pressure(model_dir, hf, kv_blocks: int, n: int = 48, max_len: int = 600) -> LLM:
+    prompts, max_tokens = staggered_workload(hf.config.vocab_size, n, max_len)
     llm = LLM(
         model=str(model_dir), max_num_batched_tokens=96, max_num_seqs=16,
         kv_cache_memory=kv_bytes(hf.config, kv_blocks),
@@ -76,7 +76,9 @@ def test_continuous_batching_exact_tiny_qwen3(tiny_qwen3):
 @pytest.mark.slow
 def test_continuous_batching_exact_default_model(default_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    check_exact_under_pressure(default_model_dir, hf, kv_blocks=60)
+    # Half the tiny model's workload (real weights cost ~10x per token on 2 cores); the smaller
+    # pool keeps the pressure: chunks and preemptions are still asserted.
+    check_exact_under_pressure(default_model_dir, hf, kv_blocks=40, n=24, max_len=400)
 
 
 def test_prefix_caching_exact_and_skips_shared_prefix(tiny_qwen3):
