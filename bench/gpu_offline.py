@@ -175,7 +175,8 @@ def run_vllmini_phases(record: dict, save, model_dir: Path, prompts: list[list[i
     # the same engine and workload with async scheduling (the next step launched before this
     # one's tokens are read): what overlapping host and device work buys here; from a cold prefix
     # cache, as the first run had it
-    eng.block_manager.reset_prefix_cache()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("requests left over from the first run hold KV blocks")
     eng.args.async_scheduling = True
     overlapped = run_vllmini(llm, prompts, outs)
     eng.args.async_scheduling = False

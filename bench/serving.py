@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
             for k, (rate, conc) in enumerate(points):
                 bm, sched = eng.block_manager, eng.scheduler
                 if not args.keep_prefix_cache:  # each point starts cold (nothing is in flight here)
-                    bm.reset_prefix_cache()
+                    if not await engine.reset_prefix_cache():
+                        raise RuntimeError("requests left over from the last point hold KV blocks")
                 q0, h0, p0 = bm.prefix_cache_queries, bm.prefix_cache_hits, sched.stats.num_preemptions
                 if eng.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(eng.device)

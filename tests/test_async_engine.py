@@ -408,6 +408,36 @@ async def test_the_request_keeps_its_own_sampling_params(tiny_dir):
     await engine.shutdown()
 
 
+async def test_health_tokenizer_and_prefix_cache_reset(tiny_dir):
+    """vLLM's AsyncLLM calls: ``check_health()`` passes until shutdown and raises
+    EngineDeadError after it; ``reset_prefix_cache()`` runs between steps, refused (False)
+    while a stream is open; ``get_tokenizer()`` is the engine's tokenizer."""
+    prompt = {"prompt_token_ids": [100 + i for i in range(40)]}  # 2 full blocks
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, output_kind="final")
+    engine = make_engine(tiny_dir)
+    assert engine.get_tokenizer() is engine.engine.tokenizer
+    await engine.check_health()
+    outs = []
+    for _ in range(2):
+        outs.append([o async for o in engine.generate(prompt, params)][-1])
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, 32]
+    stream = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=500, ignore_eos=True))
+    await stream.__anext__()
+    assert await engine.reset_prefix_cache() is False
+    await stream.aclose()
+    assert await engine.reset_prefix_cache() is True
+    cold = [o async for o in engine.generate(prompt, params)][-1]
+    assert cold.metrics.num_cached_tokens == 0 and cold.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert not engine.is_stopped
+    await engine.shutdown()
+    assert engine.is_stopped
+    with pytest.raises(EngineDeadError):
+        await engine.check_health()
+    with pytest.raises(EngineDeadError):
+        await engine.reset_prefix_cache()
+    assert_no_leaks(engine)
+
+
 async def test_shutdown_is_a_plain_call_as_in_vllm(tiny_dir):
     """``engine.shutdown()`` without await (vLLM's is synchronous) stops the engine: new requests
     are refused at once, running streams end with "abort", and nothing warns of an un-awaited

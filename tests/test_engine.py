@@ -131,6 +131,26 @@ def test_a_failed_forward_leaves_nothing_in_the_prefix_cache(tiny_qwen3, async_s
     assert_no_leaks(llm)
 
 
+def test_reset_prefix_cache_only_when_idle(tiny_qwen3):
+    """vLLM's ``LLM.reset_prefix_cache()``: afterwards the same prompt is computed again from
+    scratch; while a request is unfinished it is refused (False) and the cache is kept."""
+    model_dir, hf = tiny_qwen3
+    prompt = {"prompt_token_ids": list(range(1, 51))}  # 3 full blocks
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(model_dir))
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert llm.generate(prompt, params, use_tqdm=False)[0].metrics.num_cached_tokens == 48
+    llm.llm_engine.add_request("busy", {"prompt_token_ids": [7, 8, 9]}, params)
+    assert llm.reset_prefix_cache() is False
+    llm.llm_engine.abort_request("busy")
+    assert llm.generate(prompt, params, use_tqdm=False)[0].metrics.num_cached_tokens == 48
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.metrics.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
 def test_num_cached_tokens_is_the_first_admissions_prompt_hit(tiny_qwen3):
     """vLLM's num_cached_tokens: prompt tokens served from the prefix cache when the request was
     first scheduled. A preempted request's recompute hits its own blocks, prompt and output

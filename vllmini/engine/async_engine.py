@@ -32,7 +32,6 @@ T = TypeVar("T")
 logger = logging.getLogger("vllmini")
 
 
-
 class EngineDeadError(RuntimeError):
     """Raised by calls made after ``shutdown()``."""
 
@@ -96,6 +95,26 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def is_stopped(self) -> bool:
+        """True once ``shutdown()`` was called: new requests are refused."""
+        return self._dead
+
+    async def check_health(self) -> None:
+        """Raise ``EngineDeadError`` once the engine is shut down (vLLM's health probe). A failed
+        step does not kill the engine: only its requests fail."""
+        if self._dead:
+            raise EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, between two steps; False (nothing done) while requests
+        are unfinished, as in vLLM."""
+        await self.check_health()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
 
     async def __aenter__(self) -> AsyncLLMEngine:
         return self
@@ -186,8 +205,7 @@ class AsyncLLMEngine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative, delta or final per ``output_kind``)."""
-        if self._dead:
-            raise EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
+        await self.check_health()
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id is None:  # an id no caller's request holds

@@ -27,6 +27,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests are unfinished."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use when given no SamplingParams: the model's generation config
         (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), as in vLLM."""

@@ -230,6 +230,16 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next prompts start cold (a benchmark's
+        points, a weight swap). As in vLLM, refused (False, with a warning) while requests
+        are unfinished: the blocks they hold would keep their hashes."""
+        if self.requests:
+            logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
