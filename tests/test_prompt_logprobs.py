@@ -6,6 +6,7 @@ positions are not recorded twice), n > 1, delta outputs and async scheduling. Al
 from __future__ import annotations
 
 import asyncio
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -155,7 +156,7 @@ def test_prompt_rows_never_make_a_decode_graph_step():
 
 def test_logprob_fields_are_validated_and_capped(tiny):
     model_dir, _ = tiny
-    for bad in (-1, "2", True, 1.5):
+    for bad in (-2, "2", True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
     with pytest.raises(ValueError, match="max_logprobs"):
@@ -166,9 +167,18 @@ def test_logprob_fields_are_validated_and_capped(tiny):
             llm.generate("hi", SamplingParams(**{field: 21}), use_tqdm=False)
     assert_no_leaks(llm)
     assert len(llm.generate("hi", SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)[0].outputs[0].logprobs) == 2
+    vocab = llm.llm_engine.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs=-1 \(the whole vocabulary, {vocab}\) exceeds max_logprobs=20"):
+        llm.generate("hi", SamplingParams(logprobs=-1), use_tqdm=False)
     unlimited = LLM(model=model_dir, max_logprobs=-1)
     out = unlimited.generate("hi there", SamplingParams(max_tokens=1, logprobs=100, prompt_logprobs=100), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0]) in (100, 101) and len(out.prompt_logprobs[1]) in (100, 101)
+    params = SamplingParams(max_tokens=1, logprobs=-1, prompt_logprobs=-1)  # vLLM's "every token"
+    out = unlimited.generate({"prompt_token_ids": [5, 6]}, params, use_tqdm=False)[0]
+    assert params.logprobs == -1  # the caller's object is left as it was
+    for entry in (out.outputs[0].logprobs[0], out.prompt_logprobs[1]):
+        assert sorted(entry) == list(range(vocab))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in entry.values()), 1.0, rel_tol=1e-4)
 
 
 def test_scheduler_caps_the_prompt_positions_scored_per_step():

@@ -71,12 +71,14 @@ def params_st(seeded=True, greedy_ok=True):
 
 
 def ref_keep(z: list[float], k: int, p: float, min_p: float) -> set[int]:
-    """float64 reference of the kept set: top-k (ties kept), top-p nucleus (ties kept), min-p."""
+    """float64 reference of the kept set in vLLM v1's order: min-p (p >= min_p * max p) and
+    top-k (ties kept), then the top-p nucleus (ties kept) of what they leave, renormalized."""
     idx = [i for i, v in enumerate(z) if v > -INF]
+    m = max(z[i] for i in idx)
+    idx = [i for i in idx if math.exp(z[i] - m) >= min_p]  # p / max p
     if k > 0:
         kth = sorted((z[i] for i in idx), reverse=True)[min(k, len(idx)) - 1]
         idx = [i for i in idx if z[i] >= kth]
-    m = max(z[i] for i in idx)
     w = {i: math.exp(z[i] - m) for i in idx}
     s = sum(w.values())
     probs = {i: w[i] / s for i in idx}
@@ -87,8 +89,17 @@ def ref_keep(z: list[float], k: int, p: float, min_p: float) -> set[int]:
                 break
             cum, last = cum + probs[i], probs[i]
         idx = [i for i in idx if probs[i] >= last]
-    pmax = max(probs[i] for i in idx)
-    return {i for i in idx if probs[i] >= min_p * pmax}
+    return set(idx)
+
+
+def test_min_p_applies_before_top_p_as_in_vllm_v1():
+    """vLLM v1 drops the tokens under min_p first, and top-p's nucleus is taken on what is left,
+    renormalized: here {1, 2} have mass 0.69 < 0.7 before min-p removes token 0, 1.0 after."""
+    z = [0.0, 0.125, 1.25]
+    assert ref_keep(z, 0, 0.7, 0.3) == {2}
+    for seed in range(40):
+        out = run(torch.tensor([z]), [SamplingParams(top_p=0.7, min_p=0.3, seed=seed)])
+        assert out.token_ids.item() == 2
 
 
 # ---------------------------------------------------------------- greedy
@@ -103,12 +114,15 @@ def test_greedy_is_argmax_any_logits(logits):
 
 
 @FAST
-@given(logits_st(), st.sampled_from([1e-3, 2e-5]), st.integers(0, 2**32))
-def test_temperature_to_zero_agrees_with_greedy(logits, temp, seed):
-    # logits differ by >= 1/8, so at T <= 1e-3 every non-max token has prob exp(-125) == 0 in fp32
-    out = run(logits, [SamplingParams(temperature=temp, seed=seed + i) for i in range(logits.shape[0])])
-    x = logits.float()
-    assert torch.equal(x.gather(1, out.token_ids[:, None]).squeeze(1), x.amax(-1))
+@given(logits_st(), st.sampled_from([1e-3, 2e-5, 0.0099]), st.integers(0, 2**32))
+def test_a_temperature_under_001_samples_as_001(logits, temp, seed):
+    """vLLM raises a temperature in (0, 0.01) to 0.01 (dividing by less overflows): such a row
+    draws what a 0.01 row with its seed draws, and is not greedy."""
+    n = logits.shape[0]
+    low = run(logits, [SamplingParams(temperature=temp, seed=seed + i) for i in range(n)])
+    hundredth = run(logits, [SamplingParams(temperature=0.01, seed=seed + i) for i in range(n)])
+    assert torch.equal(low.token_ids, hundredth.token_ids)
+    assert not SamplingParams(temperature=temp).is_greedy
 
 
 @FAST
@@ -320,6 +334,23 @@ def test_penalties_steer_greedy_choice():
     assert run(neg, [SamplingParams(temperature=0, repetition_penalty=1.2)], prompts=[[0]]).token_ids.item() == 1
     # presence/frequency ignore the prompt
     assert run(logits, [SamplingParams(temperature=0, presence_penalty=2)], prompts=[[0]]).token_ids.item() == 0
+
+
+def test_a_penalty_overflow_stays_finite():
+    """A penalty pushing a logit past float32's range clamps it to +-max: an overflow to -inf
+    would ban the token (here the only allowed one, and the row would fall back to its raw
+    logits), one to +inf would make NaN. A token banned before the penalties stays banned."""
+    fmax = torch.finfo(torch.float32).max
+    logits = torch.tensor([[5.0, -1e30, 3e30]])
+    p = SamplingParams(temperature=0, repetition_penalty=1e20, allowed_token_ids=[1])
+    assert run(logits, [p], prompts=[[1]]).token_ids.item() == 1
+    t = SamplingTensors.from_rows(rows_for([SamplingParams(repetition_penalty=1e20)], prompts=[[0, 1, 2]]), 3)
+    assert apply_penalties(logits, t)[0, 1].item() == -fmax
+    t = SamplingTensors.from_rows(rows_for([SamplingParams(repetition_penalty=1e-20)], prompts=[[2]]), 3)
+    assert apply_penalties(logits, t)[0, 2].item() == fmax
+    t = SamplingTensors.from_rows(rows_for([SamplingParams(repetition_penalty=2.0, frequency_penalty=-2.0)],
+                                           outputs=[[0, 1]]), 2)  # fmt: skip
+    assert apply_penalties(torch.tensor([[-INF, 1.0]]), t)[0, 0].item() == -INF
 
 
 @FAST

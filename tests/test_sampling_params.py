@@ -25,8 +25,10 @@ def test_keyword_construction_and_greedy():
     p = SamplingParams(max_tokens=32, temperature=0)
     assert p.max_tokens == 32 and p.temperature == 0.0 and isinstance(p.temperature, float)
     assert p.is_greedy and p.sampling_type is SamplingType.GREEDY
-    assert SamplingParams(temperature=1e-6).is_greedy
-    assert not SamplingParams(temperature=1e-5).is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
+    low = SamplingParams(temperature=1e-6)  # vLLM raises (0, 0.01) to 0.01: only 0 is greedy
+    assert low.temperature == 0.01 and not low.is_greedy and low.clone().temperature == 0.01
+    assert SamplingParams(temperature=0.02).temperature == 0.02
     assert SamplingParams(seed=3).sampling_type is SamplingType.RANDOM_SEED
     assert SamplingParams(seed=3, temperature=0).sampling_type is SamplingType.GREEDY
     with pytest.raises(TypeError):
@@ -45,6 +47,9 @@ def test_normalization():
     assert SamplingParams(min_tokens=5, max_tokens=5).min_tokens == 5
     assert SamplingParams(min_tokens=100, max_tokens=None).min_tokens == 100
     assert SamplingParams(logprobs=0).logprobs == 0
+    assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1  # the whole vocabulary (the engine resolves it)
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-1).sampling_type is SamplingType.RANDOM  # vLLM's "no seed"
+    assert SamplingParams(seed=-2).seed == -2
 
 
 def test_default_lists_are_not_shared():
@@ -67,8 +72,11 @@ BAD = [
     ("stop_token_ids", [1.0]), ("stop_token_ids", ["1"]), ("stop_token_ids", [-1]), ("stop_token_ids", [True]),
     ("stop_token_ids", 3),
     ("ignore_eos", 1), ("ignore_eos", "yes"),
-    ("logprobs", -1), ("logprobs", 1.0), ("logprobs", True),
+    ("logprobs", -2), ("logprobs", 1.0), ("logprobs", True), ("prompt_logprobs", -2),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
+    # finite in float64, not in the sampler's float32 (inf temperature, a penalty that rounds to 0)
+    ("temperature", 1e39), ("repetition_penalty", 1e39), ("repetition_penalty", 1e-50),
+    ("presence_penalty", 10**400),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01), ("presence_penalty", math.nan),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
     ("include_stop_str_in_output", 0), ("skip_special_tokens", None), ("detokenize", 0),
@@ -96,6 +104,7 @@ def test_min_tokens_above_max_tokens():
 def test_boundaries_accepted():
     SamplingParams(top_p=1.0, min_p=1.0, top_k=1, presence_penalty=-2, frequency_penalty=2,
                    repetition_penalty=1e-3, temperature=100, n=8, seed=-5, logprobs=20)  # fmt: skip
+    SamplingParams(temperature=3.4e38, repetition_penalty=2.0**-149)  # the float32 extremes
 
 
 params_st = st.builds(

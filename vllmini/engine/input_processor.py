@@ -159,10 +159,17 @@ class InputProcessor:
         return text, ids
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary."""
+        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary.
+        A logprobs count of -1 (the whole vocabulary) becomes the vocabulary size in ``params``,
+        the request's own copy."""
         for name in ("logprobs", "prompt_logprobs"):
-            if (asked := getattr(params, name)) is not None and asked > self.max_logprobs:
-                raise ValueError(f"{name}={asked} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)")
+            if (asked := getattr(params, name)) is None:
+                continue
+            count = self.vocab_size if asked == -1 else asked
+            if count > self.max_logprobs:
+                what = f"{name}=-1 (the whole vocabulary, {count})" if asked == -1 else f"{name}={asked}"
+                raise ValueError(f"{what} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)")
+            setattr(params, name, count)
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")

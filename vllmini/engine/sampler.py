@@ -15,8 +15,8 @@ Order of operations (as vLLM): logit_bias, then allowed_token_ids and the
 bans (bad_words, min_tokens) set to -inf, then penalties (repetition
 over prompt + output tokens, presence/frequency over output tokens), then
 greedy rows take the argmax; random rows go
-through temperature, top-k, top-p, min-p (each a per-row threshold on the
-logits) and are drawn by inverse CDF: one uniform per row against the row's
+through temperature, then min-p and top-k, then top-p over what those leave (vLLM
+v1's order; each a per-row threshold on the logits) and are drawn by inverse CDF: one uniform per row against the row's
 cumulative sum. A seeded row draws its uniform from a generator seeded with a
 hash of (seed, seed_offset, number of output tokens so far), so its tokens do
 not depend on the batch it lands in or on its row index.
@@ -76,14 +76,17 @@ def apply_penalties(x: Tensor, t: SamplingTensors) -> Tensor:
     y[:, :V] = x
     y[:, V] = 0.0
     g = y.gather(1, ids)
+    finite = g > _NEG_INF  # (banned tokens stay banned)
     srt = out.sort(dim=-1).values
     count = (torch.searchsorted(srt, ids, right=True) - torch.searchsorted(srt, ids)).to(torch.float32)
     if t.do_repetition:  # every id in ``ids`` was seen in the prompt or the output
         r = t.repetition_penalty[:, None]
         g = torch.where(g > 0, g / r, g * r)
     g = g - t.frequency_penalty[:, None] * count - t.presence_penalty[:, None] * (count > 0)
-    # duplicates of an id all carry the same value, so the scatter is deterministic
-    y.scatter_(1, ids, g.clamp_(max=_FMAX))  # an overflow to +inf would turn into NaN later
+    # duplicates of an id all carry the same value, so the scatter is deterministic. A finite
+    # logit stays finite: an overflow to +inf would turn into NaN later, one to -inf would ban
+    # the token (and a row whose other tokens are banned would fall back to its raw logits).
+    y.scatter_(1, ids, torch.where(finite, g.clamp(-_FMAX, _FMAX), _NEG_INF))
     return y[:, :V]
 
 
@@ -103,19 +106,20 @@ def _nucleus(vals: Tensor, probs: Tensor, top_p: Tensor, complete: bool) -> tupl
     return torch.where(found, last, _NEG_INF), settled  # not found but settled: rounding, keep all
 
 
-def top_p_threshold(z: Tensor, kth: Tensor | None, top_p: Tensor,
+def top_p_threshold(z: Tensor, floor: Tensor | None, top_p: Tensor,
                     prefix: tuple[Tensor, Tensor] | None = None) -> Tensor:
-    """Top-p on the top-k-renormalized distribution of rows ``z`` (max 0), as a logit threshold.
+    """Top-p on the distribution of rows ``z`` (max 0) renormalized over the tokens >= ``floor``
+    (what top-k and min-p left), as a logit threshold.
 
     ``prefix``: (values, ids) of each row's best tokens, descending, when already
     known (from top-k); else the best ``_TOP_P_PREFIX`` are taken."""
-    if kth is not None:
-        z = z.masked_fill(z < kth[:, None], _NEG_INF)
+    if floor is not None:
+        z = z.masked_fill(z < floor[:, None], _NEG_INF)
     probs = z.softmax(-1)
     V = z.shape[1]
     vals, ids = prefix if prefix is not None else z.topk(min(V, _TOP_P_PREFIX), dim=-1)
-    if kth is not None:
-        vals = vals.masked_fill(vals < kth[:, None], _NEG_INF)
+    if floor is not None:
+        vals = vals.masked_fill(vals < floor[:, None], _NEG_INF)
     tau, settled = _nucleus(vals, probs.gather(1, ids), top_p, vals.shape[1] == V)
     if not bool(settled.all()):  # flat distributions: sort those rows in full
         rows = (~settled).nonzero().squeeze(1)
@@ -128,26 +132,27 @@ def top_p_threshold(z: Tensor, kth: Tensor | None, top_p: Tensor,
 def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, log_min_p: Tensor, t: SamplingTensors) -> Tensor:
     """Per-row logit threshold: top-k, top-p and min-p keep exactly the tokens with z >= it.
 
-    ``z`` is temperature-scaled with row max 0, so the max always survives. Top-k
-    keeps every token >= the k-th largest (ties kept); top-p keeps the smallest
-    prefix of the sorted top-k distribution whose mass reaches top_p, plus ties of
-    its last token; min-p keeps p >= min_p * max p, i.e. z >= log(min_p)."""
+    ``z`` is temperature-scaled with row max 0, so the max always survives. vLLM v1's
+    order: min-p keeps p >= min_p * max p, i.e. z >= log(min_p), and top-k every token
+    >= the k-th largest (ties kept); both keep a prefix of the sorted row, so their order
+    does not matter. Top-p then keeps the smallest prefix of the distribution they leave,
+    renormalized, whose mass reaches top_p, plus ties of its last token."""
     tau = torch.full(z.shape[:1], _NEG_INF, device=z.device)
-    kth = best = None
+    best = None
     if t.max_top_k > 0:
         best = z.topk(t.max_top_k, dim=-1)
         kth = best.values.gather(1, (top_k.clamp(min=1) - 1)[:, None]).squeeze(1)
-        kth = torch.where(top_k > 0, kth, _NEG_INF)
-        tau = kth
+        tau = torch.where(top_k > 0, kth, _NEG_INF)
+    if t.do_min_p:
+        tau = torch.maximum(tau, log_min_p)
     if t.top_p_rows:
         idx = t.top_p_idx
         assert idx is not None
         reuse = best is not None and t.top_p_rows_have_top_k and t.max_top_k <= _TOP_P_PREFIX
         prefix = (best.values[idx], best.indices[idx]) if reuse else None
-        tau_p = top_p_threshold(z[idx], None if kth is None else kth[idx], top_p[idx], prefix)
+        floor = tau[idx] if best is not None or t.do_min_p else None
+        tau_p = top_p_threshold(z[idx], floor, top_p[idx], prefix)
         tau = tau.index_copy(0, idx, torch.maximum(tau[idx], tau_p))
-    if t.do_min_p:
-        tau = torch.maximum(tau, log_min_p)
     return tau
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import logging
 import math
 from typing import Literal
 
@@ -16,6 +17,10 @@ import msgspec
 
 # vLLM's threshold: a temperature below this is treated as greedy (argmax).
 SAMPLING_EPS = 1e-5
+# vLLM raises a temperature in (0, MIN_TEMPERATURE) to it: dividing logits by less overflows.
+MIN_TEMPERATURE = 0.01
+
+logger = logging.getLogger("vllmini")
 
 OutputKind = Literal["cumulative", "delta", "final"]
 _OUTPUT_KINDS = ("cumulative", "delta", "final")
@@ -35,6 +40,7 @@ def _is_int(v: object) -> bool:
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_TINY = 2.0**-149  # the least positive float32: anything smaller rounds to 0 in the sampler
 
 
 def _is_real(v: object) -> bool:
@@ -51,8 +57,9 @@ _CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Sampling options for one request (field names and defaults follow vLLM).
 
-    ``temperature`` below ``SAMPLING_EPS`` (e.g. 0) means greedy decoding.
-    ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 and ``min_p`` 0.0 disable
+    ``temperature`` 0 means greedy decoding; as in vLLM, one in (0, 0.01) is raised to 0.01
+    (with a warning) and ``seed=-1`` means no seed. Numbers must fit float32, as the sampler
+    computes in it. ``top_k`` 0 or -1 disables top-k; ``top_p`` 1.0 and ``min_p`` 0.0 disable
     theirs. ``max_tokens=None`` generates until the model's context is full.
     ``stop`` may be a string or a list of strings; it is stored as a list.
     ``logit_bias`` adds {token id: bias} to the logits, ``allowed_token_ids`` keeps only those
@@ -60,7 +67,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     of it (a one-token word is always banned), each word taken with and without a leading space.
     ``logprobs=N`` returns the chosen token's logprob plus the top-N per step;
     ``prompt_logprobs=N`` the same for every prompt token after the first
-    (``RequestOutput.prompt_logprobs``). Both are capped by ``EngineArgs.max_logprobs``.
+    (``RequestOutput.prompt_logprobs``); -1 means the whole vocabulary. Both are capped by
+    ``EngineArgs.max_logprobs``.
     """
 
     n: int = 1
@@ -112,6 +120,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == -1:  # vLLM's other spelling of "off"
             self.top_k = 0
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed"
+            self.seed = None
+        if _is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
+            self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -144,14 +158,14 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"stop strings need detokenize=True (the text is matched), got stop={self.stop!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 0):
-                raise _bad(name, "an int >= 0 or None", value)
+            if value is not None and (not _is_int(value) or value < -1):
+                raise _bad(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
         if self.truncate_prompt_tokens is not None and (
             not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
         ):
             raise _bad("truncate_prompt_tokens", "an int >= 1, -1 (max_model_len) or None", self.truncate_prompt_tokens)
         self._validate_logit_controls()
-        self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v > 0)
+        self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v >= _FLOAT32_TINY)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
         if self.output_kind not in _OUTPUT_KINDS:
@@ -180,10 +194,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.bad_words = list(words)
 
     def _real(self, name: str, accepted: str, ok) -> float:
-        """A finite real number for which ``ok`` holds, returned as float."""
+        """A real number, finite in float32 (the sampler's precision), for which ``ok`` holds,
+        returned as float."""
         v = getattr(self, name)
-        if not _is_real(v) or not math.isfinite(v) or not ok(v):
-            raise _bad(name, f"a finite number {accepted}", v)
+        if not _is_real(v) or not abs(v) <= _FLOAT32_MAX or not ok(v):
+            raise _bad(name, f"a finite float32 number {accepted}", v)
         return float(v)
 
     @property
