@@ -28,6 +28,36 @@ def test_generate_streams_each_prompt_and_summarizes(tiny_dir, capsys):
     assert "2 requests, 10 tokens" in out and "TTFT p50" in out
 
 
+def test_generate_cuts_its_default_length_and_reports_a_refused_prompt_alone(tiny_dir, capsys):
+    """--max-model-len 48 with no --max-tokens: the CLI's default 64 is cut to what each prompt
+    leaves (as vLLM stops at max_model_len) instead of refusing every prompt. A prompt longer
+    than max_model_len is refused with an error naming it; the others stream to the end."""
+    too_long = " ".join(["word"] * 80)
+    rc = main(["generate", "--model", str(tiny_dir), "--max-model-len", "48", "--ignore-eos", "--raw",
+               "short one", too_long, "another"])  # fmt: skip
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "error: prompt 1: prompt has" in captured.err and "max_model_len is 48" in captured.err
+    assert "prompt 0" not in captured.err and "prompt 2" not in captured.err
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    room = sum(48 - len(tok(p).input_ids) for p in ("short one", "another"))
+    assert f"2 requests, {room} tokens" in captured.out and "1 refused" in captured.out  # both ran to max_model_len
+
+
+def test_generate_keeps_an_explicit_max_tokens_and_names_it_when_too_long(tiny_dir, capsys):
+    """An explicit --max-tokens is not cut to the KV cache: a prompt it cannot fit is refused, naming it."""
+    from transformers import AutoConfig
+
+    from test_engine import kv_bytes
+
+    kv = str(kv_bytes(AutoConfig.from_pretrained(tiny_dir), 4))  # 64 token slots
+    rc = main(["generate", "--model", str(tiny_dir), "--kv-cache-memory", kv, "--max-tokens", "100", "--raw", "hi"])
+    assert rc == 1
+    assert "max_tokens (100)" in capsys.readouterr().err
+
+
 class RecordingStdout(io.StringIO):
     """Keeps every write, so the test can see a reply arrive in pieces."""
 
@@ -91,6 +121,11 @@ def test_sampling_flags_over_model_defaults_over_cli_defaults():
     assert (p.temperature, p.top_k, p.max_tokens) == (0.0, 20, 9)
     p = _sampling_params(build_parser().parse_args(["generate", "x"]), SamplingParams())
     assert (p.temperature, p.top_k, p.max_tokens, p.ignore_eos) == (0.0, 0, 64, False)
+    flags = ["--stop", "a b", "--stop", "\n", "--min-tokens", "2", "--repetition-penalty", "1.2",
+             "--presence-penalty", "0.5", "--frequency-penalty", "-0.5", "x"]  # fmt: skip
+    p = _sampling_params(build_parser().parse_args(["generate", *flags]), model)
+    assert (p.stop, p.min_tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (
+        ["a b", "\n"], 2, 1.2, 0.5, -0.5)
 
 
 def test_chat_cuts_its_default_length_and_survives_a_history_too_long(tiny_dir, monkeypatch, capsys):
@@ -114,6 +149,8 @@ def test_chat_cuts_its_default_length_and_survives_a_history_too_long(tiny_dir, 
         (["--attention-backend", "magic"], "attention_backend='magic'"),
         (["--block-size", str(2**20)], "block_size must be at most"),
         (["--top-p", "2"], "top_p"),
+        (["--repetition-penalty", "0"], "repetition_penalty"),
+        (["--stop", ""], "stop"),
     ],
 )
 def test_bad_flags_fail_before_the_model_loads(flags, message, capsys, monkeypatch):

@@ -71,8 +71,10 @@ def test_defaults_are_copies_clamped_and_lenient(model_dir, tmp_path):
     assert (defaults.top_p, defaults.top_k, defaults.max_tokens) == (1.0, 1, 2048)
     out = roomy.generate({"prompt_token_ids": list(range(100, 160))}, use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
-    with pytest.raises(ValueError, match="exceeds max_model_len"):  # a caller's own max_tokens is still checked
-        roomy.generate({"prompt_token_ids": list(range(100, 160))}, SamplingParams(max_tokens=2048), use_tqdm=False)
+    # a caller's own max_tokens past max_model_len stops there too, as vLLM's LLM.generate does
+    out = roomy.generate({"prompt_token_ids": list(range(100, 160))}, SamplingParams(max_tokens=2048, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]  # fmt: skip
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
 
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -122,6 +122,20 @@ def test_stop_string_across_token_boundaries(tiny_llm, include):
     assert_no_leaks(tiny_llm)
 
 
+def test_min_tokens_defers_stop_strings_as_vllm(tiny_llm):
+    """vLLM looks for stop strings only once more than min_tokens tokens are out: a stop string
+    whose text is the min_tokens-th token does not stop the request; one token later it does."""
+    ref = gen(tiny_llm, PROMPT, temperature=0, max_tokens=24, ignore_eos=True).outputs[0]
+    pieces = [tiny_llm.get_tokenizer().decode([t]) for t in ref.token_ids]
+    k = next(i for i in range(3, len(pieces) - 2) if len(pieces[i]) >= 2 and ref.text.count(pieces[i]) == 1)
+    kw = dict(temperature=0, max_tokens=24, ignore_eos=True, stop=[pieces[k]])
+    stopped = gen(tiny_llm, PROMPT, min_tokens=k, **kw).outputs[0]  # token k+1 is past min_tokens
+    assert stopped.finish_reason == "stop" and stopped.token_ids == ref.token_ids[: k + 1]
+    deferred = gen(tiny_llm, PROMPT, min_tokens=k + 1, **kw).outputs[0]  # the (k+1)-th token is within it
+    assert deferred.finish_reason == "length" and deferred.token_ids == ref.token_ids
+    assert_no_leaks(tiny_llm)
+
+
 def test_eos_ignore_eos_and_min_tokens_on_the_default_model(smol):
     chat = smol.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, tokenize=True, return_dict=False

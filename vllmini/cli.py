@@ -51,6 +51,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--sampling-seed", type=int, default=None, help="SamplingParams.seed")
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeat the flag for several)")
+    for penalty in ("repetition", "presence", "frequency"):
+        p.add_argument(f"--{penalty}-penalty", type=float, default=None)
     p.add_argument("--ignore-eos", action="store_true")
 
 
@@ -65,7 +69,9 @@ def _given_sampling_flags(ns: argparse.Namespace) -> dict:
     from vllmini import SamplingParams
 
     given = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
-             "min_p": ns.min_p, "seed": ns.sampling_seed, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
+             "min_p": ns.min_p, "seed": ns.sampling_seed, "min_tokens": ns.min_tokens, "stop": ns.stop,
+             "repetition_penalty": ns.repetition_penalty, "presence_penalty": ns.presence_penalty,
+             "frequency_penalty": ns.frequency_penalty, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
     SamplingParams(**given)
     return given
@@ -125,8 +131,25 @@ def _run(coro) -> int:
     return uvloop.run(coro)
 
 
-def _chat_prompt(text: str, raw: bool) -> str | list[dict[str, str]]:
-    return text if raw else [{"role": "user", "content": text}]
+def _render(engine, messages_or_text: list[dict[str, str]] | str) -> dict:
+    """The prompt as ``{"prompt", "prompt_token_ids"}``: chat messages through the chat template,
+    raw text tokenized as the engine would."""
+    from vllmini.engine.chat import render_chat
+
+    if isinstance(messages_or_text, str):
+        text, ids = engine.engine.input_processor.tokenize(messages_or_text)
+        return {"prompt": text, "prompt_token_ids": ids}
+    return render_chat(engine.engine.tokenizer, messages_or_text, add_generation_prompt=True)
+
+
+def _fit(engine, prompt: dict, params, ns: argparse.Namespace):
+    """``params`` for this prompt: a default length (no --max-tokens) is cut to what
+    max_model_len and the KV cache leave, as vLLM stops such a request there instead of
+    refusing it; an explicit --max-tokens is kept (too long is an error naming it)."""
+    room = min(engine.engine.max_model_len, engine.engine.capacity_tokens) - len(prompt["prompt_token_ids"])
+    if ns.max_tokens is None and room > 0 and (params.max_tokens or room) > room:
+        return params.clone(max_tokens=room)
+    return params
 
 
 async def _generate(ns: argparse.Namespace, prompts: list[str]) -> int:
@@ -140,22 +163,33 @@ async def _generate(ns: argparse.Namespace, prompts: list[str]) -> int:
         tokens = 0
         start = time.perf_counter()
 
+        errors: dict[int, str] = {}
+
         async def one(i: int) -> None:
+            """One prompt's stream; a prompt the engine refuses is reported and the others go on."""
             nonlocal tokens
-            async for out in engine.generate(_chat_prompt(prompts[i], ns.raw), params):
-                texts[i] += out.outputs[0].text
-                tokens += len(out.outputs[0].token_ids)
-                live.update(i, texts[i], out.finished)
-                if out.finished and out.metrics and out.metrics.first_token_time:
-                    ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+            try:
+                prompt = _render(engine, prompts[i] if ns.raw else [{"role": "user", "content": prompts[i]}])
+                async for out in engine.generate(prompt, _fit(engine, prompt, params, ns)):
+                    texts[i] += out.outputs[0].text
+                    tokens += len(out.outputs[0].token_ids)
+                    live.update(i, texts[i], out.finished)
+                    if out.finished and out.metrics and out.metrics.first_token_time:
+                        ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+            except ValueError as exc:
+                errors[i] = str(exc)
+                live.update(i, f"error: {exc}", True)
 
         await asyncio.gather(*(one(i) for i in range(len(prompts))))
         elapsed = time.perf_counter() - start
     live.close()
+    for i, message in sorted(errors.items()):
+        print(f"error: prompt {i}: {message}", file=sys.stderr)
     ttft = f"{statistics.median(ttfts) * 1e3:.0f} ms" if ttfts else "n/a"
-    print(f"{len(prompts)} requests, {tokens} tokens in {elapsed:.1f}s "
-          f"({tokens / elapsed:.1f} tok/s), TTFT p50 {ttft}")  # fmt: skip
-    return 0
+    done = len(prompts) - len(errors)
+    print(f"{done} requests, {tokens} tokens in {elapsed:.1f}s ({tokens / elapsed:.1f} tok/s), TTFT p50 {ttft}"
+          + (f"; {len(errors)} refused" if errors else ""))  # fmt: skip
+    return 1 if errors else 0
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -168,13 +202,11 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 async def _chat(ns: argparse.Namespace) -> int:
     from vllmini import AsyncLLMEngine
-    from vllmini.engine.chat import render_chat
 
     loop = asyncio.get_running_loop()
     history: list[dict[str, str]] = []
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
         params = _sampling_params(ns, engine.engine.get_default_sampling_params())
-        max_len = min(engine.engine.max_model_len, engine.engine.capacity_tokens)  # what one sequence may hold
         print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
         while True:
             try:
@@ -197,12 +229,8 @@ async def _chat(ns: argparse.Namespace) -> int:
             history.append({"role": "user", "content": line})
             reply = ""
             try:
-                prompt = render_chat(engine.engine.tokenizer, history, add_generation_prompt=True)
-                room = max_len - len(prompt["prompt_token_ids"])
-                turn = params
-                if room > 0 and (params.max_tokens or room) > room and ns.max_tokens is None:
-                    turn = params.clone(max_tokens=room)  # the default length, cut to what max_model_len and the cache leave
-                async for out in engine.generate(prompt, turn):
+                prompt = _render(engine, history)
+                async for out in engine.generate(prompt, _fit(engine, prompt, params, ns)):
                     reply += out.outputs[0].text
                     print(out.outputs[0].text, end="", flush=True)  # tokens as they come
             except ValueError as exc:  # e.g. the history outgrew max_model_len: the session goes on

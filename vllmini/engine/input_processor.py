@@ -99,7 +99,9 @@ class InputProcessor:
     def process(self, prompt: PromptType, params: SamplingParams | None, output_kind: str | None = None) -> ProcessedInput:
         """``params`` None: the defaults (``output_kind``, if given, replacing theirs), whose
         max_tokens (the model's max_new_tokens) is cut to what max_model_len and the cache
-        leave, as vLLM stops such a request at max_model_len instead of refusing it."""
+        leave. Any max_tokens is cut to what max_model_len leaves, as vLLM's offline engine
+        stops such a request there instead of refusing it; one that cannot fit the whole KV
+        cache is refused (it could never finish)."""
         from_defaults = params is None
         if from_defaults:
             params = self.defaults(**({"output_kind": output_kind} if output_kind else {}))
@@ -117,14 +119,11 @@ class InputProcessor:
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
             )
         room = min(self.max_model_len, self.capacity_tokens) - len(ids)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        # as vLLM's offline engine: a request stops at max_model_len ("length"), whatever max_tokens says
+        max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
         if from_defaults and room > 0:
             max_tokens = min(max_tokens, room)
         total = len(ids) + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} exceeds max_model_len={self.max_model_len}"
-            )
         if total > self.capacity_tokens:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "

@@ -107,7 +107,9 @@ class OutputProcessor:
         old_len = len(detok.text)
         if params.detokenize:
             detok.step(seq.token_ids)
-        if past_min and params.stop and (stop := self._find_stop_string(detok, params, old_len)) is not None:
+        # vLLM's rule: stop strings count once more than min_tokens tokens are out
+        past_min_text = seq.num_output_tokens > params.min_tokens
+        if past_min_text and params.stop and (stop := self._find_stop_string(detok, params, old_len)) is not None:
             self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
