@@ -19,6 +19,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (-n N) the cores are shared out between the workers: most tests are
+# bound by Python, not by one matmul, so N workers of cores/N threads finish sooner.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from vllmini.models.weight_loader import DEFAULT_INSTALL_HINT, default_cache_dir, default_gguf_path, resolve_model_dir
 
 
