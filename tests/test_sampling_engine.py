@@ -186,7 +186,8 @@ def test_logprobs_are_vllm_logprob_objects(tiny_llm):
         assert [v.rank for v in by_rank][:2] == [1, 2] and by_rank == sorted(by_rank, reverse=True)
         if len(entry) == 3:  # the sampled token is outside the top 2
             assert entry[token].rank > 2
-        assert all(v.decoded_token == tok.decode([t]) for t, v in entry.items())
+        # a piece of a multi-byte character is read in context (tests/test_output_text.py)
+        assert all(v.decoded_token == tok.decode([t]) for t, v in entry.items() if not tok.decode([t]).endswith("\ufffd"))
     greedy = gen(tiny_llm, PROMPT, temperature=0, max_tokens=4, logprobs=0).outputs[0]
     assert all(e[t].rank == 1 and len(e) == 1 for t, e in zip(greedy.token_ids, greedy.logprobs))
     quiet = gen(tiny_llm, PROMPT, temperature=0, max_tokens=2, logprobs=1, detokenize=False).outputs[0]

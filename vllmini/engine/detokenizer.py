@@ -43,7 +43,8 @@ class IncrementalDetokenizer:
 
     def step(self, token_ids: list[int], final: bool = False) -> str:
         """Feed the sequence's full token list; returns the new text (may be empty).
-        ``final`` flushes an incomplete trailing character as U+FFFD, as a full decode would."""
+        ``final`` flushes an incomplete trailing character as U+FFFD, as a full decode would
+        (the tests compare with one so; a request ends without it, leaving the pieces out as vLLM)."""
         prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
         end, text = len(token_ids), self._decode(token_ids[self.prefix_offset :])
         if text.endswith(_FFFD) and not final:

@@ -7,6 +7,8 @@ lives here, so that ``llm_engine`` reads as schedule -> forward -> sample.
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence as _Seq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,9 @@ from vllmini.engine.sampler import SamplerOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
+
+_FFFD = "\ufffd"
+_UTF8_MAX = 4  # bytes in a UTF-8 character, so at most this many tokens before one complete it
 
 
 @dataclass
@@ -62,16 +67,42 @@ class OutputProcessor:
             text = self._token_texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
+    def token_text_in_context(self, token: int, context: _Seq[int]) -> str:
+        """``token_text``, except that a token whose text ends in U+FFFD (a piece of a multi-byte
+        character) gets, as in vLLM, what it adds after the tokens before it (``context``: the
+        position's preceding tokens, oldest first): the whole character on the token that
+        completes it ("" on the ones before), "" if the last few tokens complete nothing (so
+        always "" for the first sampled token or the second prompt token, which have none)."""
+        text = self.token_text(token)
+        if not text.endswith(_FFFD):
+            return text
+        context = list(context[-_UTF8_MAX:])
+        for k in range(1, len(context) + 1):
+            ctx = context[-k:]
+            joined = self.tokenizer.decode(ctx + [token], skip_special_tokens=False)
+            if joined.endswith(_FFFD):
+                continue
+            clean = len(ctx)  # context tokens that are themselves pieces belong to this character
+            while clean and self.token_text(ctx[clean - 1]).endswith(_FFFD):
+                clean -= 1
+            before = self.tokenizer.decode(ctx[:clean], skip_special_tokens=False) if clean else ""
+            common = len(os.path.commonprefix([before, joined]))
+            return joined[common:]
+        return ""
+
     def logprob_entry(
-        self, state: RequestState, token: int, value: float, rank: int, top_values: list[float], top_ids: list[int]
+        self, state: RequestState, token: int, value: float, rank: int, top_values: list[float], top_ids: list[int],
+        context: _Seq[int] = (),
     ) -> LogprobsEntry:
         """vLLM's shape of one position's logprobs: the actual token first, then the top-N
-        (the actual token appears once, so the dict has N or N + 1 entries)."""
-        text = self.token_text if state.params.detokenize else lambda t: None
-        entry = {token: Logprob(value, rank, text(token))}
+        (the actual token appears once, so the dict has N or N + 1 entries). ``context``: the
+        tokens before this position that vLLM reads a split character's pieces against (the
+        sampled tokens before it, or the prompt tokens after the first)."""
+        detokenize = state.params.detokenize
+        entry = {token: Logprob(value, rank, self.token_text_in_context(token, context) if detokenize else None)}
         for i, (v, t) in enumerate(zip(top_values, top_ids)):
             if (t := int(t)) not in entry:
-                entry[t] = Logprob(float(v), i + 1, text(t))
+                entry[t] = Logprob(float(v), i + 1, self.token_text_in_context(t, context) if detokenize else None)
         return entry
 
     def append_token(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
@@ -91,7 +122,10 @@ class OutputProcessor:
         if out.top_logprobs is not None:
             values, ids = out.top_logprobs
             top_values, top_ids = values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()
-        entry = self.logprob_entry(state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids)
+        context = seq.output_token_ids[-1 - _UTF8_MAX : -1]  # the sampled tokens before this one
+        entry = self.logprob_entry(
+            state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids, context
+        )
         state.logprobs[seq.index].append(entry)
 
     def check_stop(self, state: RequestState, seq: Sequence) -> None:
@@ -116,38 +150,40 @@ class OutputProcessor:
 
     @staticmethod
     def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams, old_len: int) -> str | None:
-        """Find the earliest stop string that ends in the text added this step (it may start
-        in earlier text) and cut the text there, keeping it when include_stop_str_in_output.
+        """Find a stop string that ends in the text added this step (it may start in earlier
+        text) and cut the text there, keeping it when include_stop_str_in_output. As vLLM, the
+        stop strings are tried in the order given and the first one found wins (not the one that
+        starts first: with stop=["\\n", "."] and a new token ".\\n", the text keeps its ".").
         Searching only the tail keeps the check O(new text) per step."""
-        best: tuple[int, str] | None = None
+        text = detok.text
         for stop in params.stop:
-            pos = detok.text.find(stop, max(0, old_len - len(stop) + 1))
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        if best is None:
-            return None
-        pos, stop = best
-        detok.text = detok.text[: pos + len(stop)] if params.include_stop_str_in_output else detok.text[:pos]
-        return stop
+            pos = text.find(stop, max(0, old_len - len(stop) + 1))
+            if pos != -1:
+                detok.text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+                return stop
+        return None
 
     def finish(self, state: RequestState, seq: Sequence, status: SequenceStatus, reason: int | str | None) -> None:
-        """End the sequence and flush its text. A sequence stopped by a token (EOS or a stop id)
-        leaves that token's text out unless include_stop_str_in_output (vLLM's rule; the token
-        stays in token_ids); one stopped by a stop string was already cut."""
+        """End the sequence. A sequence stopped by a token (EOS or a stop id) leaves that token's
+        text out unless include_stop_str_in_output (vLLM's rule; the token stays in token_ids);
+        one stopped by a stop string was already cut. As in vLLM, the text is not flushed: a
+        character still incomplete at the end (max_tokens cut it, or EOS came after part of it)
+        is left out rather than shown as U+FFFD (token_ids keep its pieces)."""
         stopped = status is SequenceStatus.FINISHED_STOPPED
-        if state.params.detokenize and not (stopped and isinstance(reason, str)):
-            by_token = stopped and not state.params.include_stop_str_in_output
-            state.detoks[seq.index].step(seq.token_ids[:-1] if by_token else seq.token_ids, final=True)
+        if state.params.detokenize and stopped and not isinstance(reason, str) and state.params.include_stop_str_in_output:
+            state.detoks[seq.index].step(seq.token_ids)  # the stop token's own text (check_stop returned before it)
         self.scheduler.finish(seq, status, reason)
 
     @staticmethod
     def _visible_text_len(state: RequestState, seq: Sequence) -> int:
         """How much text may be shown now: while a stop string could still complete, its
         possible beginning (the last ``len(longest stop) - 1`` characters) is held back, so
-        streamed text never contains a piece of a stop string that is later cut."""
+        streamed text never contains a piece of a stop string that is later cut. With
+        include_stop_str_in_output nothing is cut before the stop string's end, which lies in
+        new text, so nothing is held back (as vLLM)."""
         text_len = len(state.detoks[seq.index].text)
-        if seq.status.finished or not state.params.stop:
-            return text_len
+        if seq.status.finished or not state.params.stop or state.params.include_stop_str_in_output:
+            return text_len  # (a kept stop string cuts nothing already shown: vLLM holds nothing back)
         held = max(map(len, state.params.stop)) - 1
         return max(state.sent[seq.index][0], text_len - held)
 

@@ -74,7 +74,9 @@ def record(
         # rows start at prompt_logits_from (flatten_step), so a recomputed prompt scores nothing twice
         assert first == len(recorded) - 1, f"prompt logprobs at {first}, {len(recorded) - 1} recorded"
         targets = seq.prompt_token_ids[first + 1 : first + 1 + count]
-        for token, scored in zip(targets, score_rows(rows, targets, state.params.prompt_logprobs)):
-            recorded.append(output_processor.logprob_entry(state, token, *scored))
+        prompt = seq.prompt_token_ids
+        for i, (token, scored) in enumerate(zip(targets, score_rows(rows, targets, state.params.prompt_logprobs))):
+            pos = first + 1 + i  # vLLM's context: the prompt tokens before, from the second (the first has no entry)
+            recorded.append(output_processor.logprob_entry(state, token, *scored, context=prompt[max(1, pos - 4) : pos]))
         end = first + count
         seq.prompt_logits_from = None if end >= seq.num_prompt_tokens - 1 else end

@@ -89,6 +89,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's field; accepted for compatibility. Fast tokenizers (the only detokenizer path here and
+    # vLLM's DecodeStream path) put no spaces between special tokens either way.
+    spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -151,7 +154,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise _bad("stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, "a bool", getattr(self, name))
         if self.stop and not self.detokenize:
