@@ -4,6 +4,7 @@ invalid logits fails alone."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -134,6 +135,23 @@ def test_min_tokens_defers_stop_strings_as_vllm(tiny_llm):
     deferred = gen(tiny_llm, PROMPT, min_tokens=k + 1, **kw).outputs[0]  # the (k+1)-th token is within it
     assert deferred.finish_reason == "length" and deferred.token_ids == ref.token_ids
     assert_no_leaks(tiny_llm)
+
+
+def test_generation_config_eos_ids_stop_with_their_id_as_reason(tmp_path, default_model_dir):
+    """An EOS id that generation_config.json adds (Llama 3's <|eot_id|>) stops a request as vLLM
+    does: as a stop id (stop_reason is the id, its text left out); ignore_eos runs past it."""
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    model_dir = save_tiny_model(hf, tmp_path / "m", default_model_dir)
+    ref = gen(LLM(model=str(model_dir)), PROMPT, temperature=0, max_tokens=12, ignore_eos=True).outputs[0]
+    extra = next(t for t in ref.token_ids[3:] if t not in ref.token_ids[:3])
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra]}))
+    llm = LLM(model=str(model_dir), generation_config="vllm")
+    out = gen(llm, PROMPT, temperature=0, max_tokens=12).outputs[0]
+    cut = ref.token_ids.index(extra)
+    assert out.finish_reason == "stop" and out.stop_reason == extra and out.token_ids == ref.token_ids[: cut + 1]
+    assert out.text == llm.get_tokenizer().decode(ref.token_ids[:cut])
+    assert gen(llm, PROMPT, temperature=0, max_tokens=12, ignore_eos=True).outputs[0].token_ids == ref.token_ids
 
 
 def test_eos_ignore_eos_and_min_tokens_on_the_default_model(smol):

@@ -57,6 +57,8 @@ class OutputProcessor:
     def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], max_model_len: int, tokenizer: Any) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = frozenset(eos_token_ids)
+        # vLLM treats the generation config's other EOS ids as stop ids: they are the stop_reason
+        self.eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self._token_texts: dict[int, str] = {}  # decoded_token of logprobs, per token id
@@ -132,7 +134,7 @@ class OutputProcessor:
         params, token = state.params, seq.token_ids[-1]
         past_min = seq.num_output_tokens >= params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
-            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None)
+            self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None if token == self.eos_token_id else token)
             return
         if past_min and token in params.stop_token_ids:
             self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, token)
