@@ -162,6 +162,8 @@ def run_vllmini_phases(record: dict, save, model_dir: Path, prompts: list[list[i
     eng = llm.llm_engine
     record["engine_start_s"] = round(time.perf_counter() - t0, 1)
     run_vllmini(llm, prompts[:2], [4, 4])  # warm-up, not counted
+    if not llm.reset_prefix_cache():  # the measured run starts cold: the warm-up's prompts are measured ones
+        raise RuntimeError("requests left over from the warm-up hold KV blocks")
     ours = run_vllmini(llm, prompts, outs)
     record["vllmini"] = {
         "requests": len(prompts), "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outs), "detokenize": False,

@@ -124,6 +124,12 @@ def main(argv: list[str] | None = None) -> dict:
         wl = (uniform_workload(tok, args.num_requests) if name == "uniform"
               else mixed_workload(eng.vocab_size, args.num_requests))  # fmt: skip
         run_vllmini(llm, Workload(wl.name, wl.prompts[:2], [4, 4]))  # warm-up, not counted
+        # the warm-up cached its prompts' prefixes: forget them, so that the measured run prefills
+        # every prompt itself, as HF does (prefix hits between the measured requests still count)
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("requests left over from the warm-up hold KV blocks")
+        bm, p0 = eng.block_manager, eng.scheduler.stats.num_preemptions
+        q0, h0 = bm.prefix_cache_queries, bm.prefix_cache_hits
         ours = run_vllmini(llm, wl)
         theirs = run_hf_static(hf, pad_id, wl, args.hf_batch_size) if hf is not None else None
         row = {
@@ -136,7 +142,9 @@ def main(argv: list[str] | None = None) -> dict:
             "hf_static_s": round(theirs, 2) if theirs else None,
             "hf_static_tok_s": round(wl.requested_tokens / theirs, 1) if theirs else None,
             "ratio": round(theirs / ours, 2) if theirs else None,
-            "preemptions": eng.scheduler.stats.num_preemptions,
+            "preemptions": eng.scheduler.stats.num_preemptions - p0,  # this workload's run only
+            "prefix_cache_hits": bm.prefix_cache_hits - h0,
+            "prefix_cache_queries": bm.prefix_cache_queries - q0,
         }
         rows.append(row)
         print(json.dumps(row))

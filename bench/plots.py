@@ -29,7 +29,7 @@ def plot_sweep(results: list[RunRecord], path: Path) -> Path | None:
     series: dict[str, list] = {"vllmini": [r.metrics for r in results]}
     for r in results:
         for b in r.baselines:
-            if b.metrics is not None:
+            if b.metrics is not None and b.ratio is not None:  # driven with this point's arrivals
                 series.setdefault(b.name, []).append(b.metrics)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "itl_s", "ITL")):

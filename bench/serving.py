@@ -254,28 +254,65 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
 def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, schedules: list[list[float]],
                    results: list[RunRecord], series: list[dict]) -> None:  # fmt: skip
     """HF (same process, our engine idle) then vLLM (subprocess), appended to each point's record."""
-    def add(k: int, name: str, duration: float, tput: float, metrics=None, startup=None) -> None:
+    def add(k: int, name: str, duration: float, tput: float, metrics=None, startup=None, same_arrivals=True) -> None:
+        """``same_arrivals``: the baseline ran this point's arrival pattern, so a ratio means something."""
         ours = results[k].metrics.output_throughput
+        if not same_arrivals:
+            results[k].baselines.append(Baseline(name, duration, tput, None, metrics, startup, note=(
+                "run with every request sent at t=0" if name.startswith("hf-static") else "run one request at a time")
+                + f", not this point's arrivals ({_label(args.workload, *points[k])}): no ratio, no latencies"))  # fmt: skip
+            return
         results[k].baselines.append(Baseline(name, duration, tput, ours / tput if tput else 0.0, metrics, startup))
 
+    n = len(wl.prompts)
+    # HF runs once, outside the send loop: static batches have every request at t=0 (an offline
+    # point, or a closed loop no tighter than the whole workload), hf-single one after another
+    all_at_once = [math.isinf(r) and (c is None or c >= n) for r, c in points]
+    one_at_a_time = [math.isinf(r) and c == 1 for r, c in points]
+
+    def failed(names: list[str], exc: Exception) -> None:
+        """A baseline that raised gets a row saying so (the others, and vllmini's, are kept)."""
+        msg = f"{type(exc).__name__}: {exc}"
+        print(f"baseline {', '.join(names)} failed: {msg}", file=sys.stderr)
+        for name in names:
+            for k in range(len(results)):
+                results[k].baselines.append(Baseline(name, 0.0, 0.0, None, error=msg[-2000:]))
+
     req_tokens = sum(wl.output_lens)
-    if chk["hf_sizes"] or args.hf_single:
+    hf_names = [f"hf-static-{b}" for b in chk["hf_sizes"]] + (["hf-single"] if args.hf_single else [])
+    hf = None
+    if hf_names:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(eng.model_dir, dtype=eng.dtype).to(eng.device).eval()
-        pad_id = eng.tokenizer.pad_token_id if eng.tokenizer.pad_token_id is not None else 0
-        if warm.prompts:
-            run_hf_static(hf, pad_id, Workload("warm", warm.prompts[:1], [2]), 1)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(eng.model_dir, dtype=eng.dtype).to(eng.device).eval()
+            pad_id = eng.tokenizer.pad_token_id if eng.tokenizer.pad_token_id is not None else 0
+            if warm.prompts:
+                run_hf_static(hf, pad_id, Workload("warm", warm.prompts[:1], [2]), 1)
+        except Exception as e:
+            failed(hf_names, e)
+            hf = None
+    if hf is not None:
         for b in chk["hf_sizes"]:
-            s = run_hf_static(hf, pad_id, wl, b)
+            try:
+                s = run_hf_static(hf, pad_id, wl, b)
+            except Exception as e:
+                failed([f"hf-static-{b}"], e)
+                continue
             for k in range(len(results)):
-                add(k, f"hf-static-{b}", s, req_tokens / s)
+                add(k, f"hf-static-{b}", s, req_tokens / s, same_arrivals=all_at_once[k])
         if args.hf_single:
-            s, recs = run_hf_single(hf, wl, progress=not args.no_progress)
-            m = compute_metrics(recs, s)
-            for k in range(len(results)):
-                add(k, "hf-single", s, m.output_throughput, m)
-                series[k]["hf-single"] = recs
+            try:
+                s, recs = run_hf_single(hf, wl, progress=not args.no_progress)
+            except Exception as e:
+                failed(["hf-single"], e)
+            else:
+                m = compute_metrics(recs, s)
+                for k in range(len(results)):
+                    same = all_at_once[k] or one_at_a_time[k]
+                    add(k, "hf-single", s, m.output_throughput, m, same_arrivals=same)
+                    if same:
+                        series[k]["hf-single"] = recs
         del hf
     engine_cfg = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                   "max_model_len": eng.max_model_len, "seed": args.seed,
@@ -283,8 +320,13 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, s
     vpoints = [VllmPoint(_label(args.workload, r, c), wl, offs, c) for (r, c), offs in zip(points, schedules)]
     for mode in chk["vllm_modes"]:
         budget = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM takes whole GiB
-        res, startup, cut = run_vllm(args.vllm_python, mode, eng.model_dir, str(eng.dtype).removeprefix("torch."),
-                                     engine_cfg, warm, vpoints, kv_cache_gib=budget)  # fmt: skip
+        try:
+            res, startup, cut = run_vllm(args.vllm_python, mode, eng.model_dir, str(eng.dtype).removeprefix("torch."),
+                                         engine_cfg, warm, vpoints, kv_cache_gib=budget,
+                                         reset_prefix_cache=not args.keep_prefix_cache)  # fmt: skip
+        except Exception as e:  # e.g. the driver exited with an error: say so, run the other mode
+            failed([f"vllm-{mode}"], e)
+            continue
         for k, r in enumerate(res):
             m = compute_metrics(r.records, r.duration_s)
             m.peak_rss_bytes = r.peak_rss_bytes

@@ -89,6 +89,7 @@ class ServingMetrics(msgspec.Struct):
     peak_kv_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
+    first_error: str | None = None  # why the first failed request failed (None: none failed)
 
 
 def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingMetrics:
@@ -96,6 +97,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingM
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
     inp = sum(r.prompt_len for r in done)
     out = sum(r.output_len for r in done)
     return ServingMetrics(
@@ -111,6 +113,7 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingM
         tpot_s=Stat.of([t for r in done if (t := r.tpot) is not None]),
         itl_s=Stat.of([g for r in done for g in r.itls]),
         e2el_s=Stat.of([r.e2e for r in done]),
+        first_error=(failed[0].error or "no token received") if failed else None,
     )
 
 
@@ -120,9 +123,13 @@ class Baseline(msgspec.Struct):
     name: str  # hf-single | hf-static-B | vllm-eager | vllm-compile
     duration_s: float
     output_throughput: float
-    ratio: float  # vllmini output tok/s / baseline output tok/s
+    # vllmini output tok/s / baseline output tok/s; None where the baseline did not run this
+    # point's arrival pattern (HF runs all requests at t=0 or one at a time, once for every point)
+    ratio: float | None
     metrics: ServingMetrics | None = None  # full latency metrics where the baseline streams (hf-single, vllm-*)
     startup_s: float | None = None  # vLLM's engine start-up (load, profile, compile), not in duration_s
+    note: str = ""  # why there is no ratio, when there is none
+    error: str | None = None  # the baseline could not be run: what went wrong (no figures)
 
 
 class RunRecord(msgspec.Struct):
@@ -208,13 +215,32 @@ def format_comparison(m: ServingMetrics, baselines: list[Baseline]) -> str:
     head = f"{'engine':<16}{'out tok/s':>11}{'vllmini x':>11}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
     lines = [head + "   (latencies in ms)", "-" * len(head)]
 
-    def row(name: str, tput: float, ratio: str, mm: ServingMetrics | None) -> None:
+    def row(name: str, tput: float, ratio: str, mm: ServingMetrics | None) -> None:  # mm None: no latencies
         lat = ("".join(f"{v * 1e3:>{w}.1f}" for v, w in ((mm.ttft_s.median, 10), (mm.ttft_s.p99, 10),
                                                        (mm.itl_s.median, 9), (mm.itl_s.p99, 9)))  # fmt: skip
                if mm is not None else f"{'-':>10}{'-':>10}{'-':>9}{'-':>9}")
         lines.append(f"{name:<16}{tput:>11.1f}{ratio:>11}{lat}")
 
     row("vllmini", m.output_throughput, "", m)
+    warnings = []
+
+    def check(name: str, mm: ServingMetrics) -> None:
+        if mm.failed:
+            warnings.append(f"! {name}: {mm.failed} of {mm.completed + mm.failed} request(s) failed ({mm.first_error});"
+                            " its tok/s and latencies cover the others only")  # fmt: skip
+
+    check("vllmini", m)
     for b in baselines:
-        row(b.name, b.output_throughput, f"{b.ratio:.2f}x", b.metrics)
+        if b.error is not None:
+            lines.append(f"{b.name:<16}{'failed':>11}")
+            warnings.append(f"! {b.name} could not be run: {b.error.strip().splitlines()[-1] if b.error.strip() else b.error}")
+            continue
+        comparable = b.ratio is not None
+        row(b.name, b.output_throughput, f"{b.ratio:.2f}x" if comparable else "n/a", b.metrics if comparable else None)
+        if b.metrics is not None:
+            check(b.name, b.metrics)
+            if b.metrics.total_output_tokens != m.total_output_tokens:
+                warnings.append(f"! {b.name} generated {b.metrics.total_output_tokens} tokens, vllmini "
+                                f"{m.total_output_tokens}: not the same work")  # fmt: skip
+    lines += [f"  {b.name}: {b.note}" for b in baselines if b.note] + warnings
     return "\n".join(lines)

@@ -71,7 +71,8 @@ async def _main(job: dict, result_path: str) -> None:
         if warm and warm["prompts"]:
             await _drive(engine, {**warm, "label": "warmup"}, "warmup")
         for k, run in enumerate(job["runs"]):
-            await engine.reset_prefix_cache()
+            if job.get("reset_prefix_cache", True):  # off with bench.serving's --keep-prefix-cache, as for vllmini
+                await engine.reset_prefix_cache()
             res = await _drive(engine, run, f"r{k}")
             res["peak_rss_bytes"] = _peak_rss()
             results["runs"].append(res)

@@ -208,3 +208,113 @@ def test_model_that_does_not_load_is_a_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("could not be loaded") == 2 and "Traceback" not in err
     assert not list(tmp_path.glob("serving-*.json"))  # nothing was measured, nothing written
+
+
+FAKE_VLLM = {  # just enough of vllm's API for bench/vllm_driver.py, counting prefix-cache resets
+    "vllm/__init__.py": textwrap.dedent('''
+        import asyncio, os
+        __version__ = "fake"
+        class SamplingParams:
+            def __init__(self, max_tokens, **kw):
+                self.max_tokens = max_tokens
+        class TokensPrompt(dict):
+            def __init__(self, prompt_token_ids):
+                super().__init__(prompt_token_ids=prompt_token_ids)
+        class _Out:
+            def __init__(self, ids):
+                self.token_ids = ids
+        class _ReqOut:
+            def __init__(self, ids):
+                self.outputs = [_Out(ids)]
+        class AsyncLLMEngine:
+            @classmethod
+            def from_engine_args(cls, args):
+                return cls()
+            async def generate(self, prompt, params, request_id):
+                for _ in range(params.max_tokens):
+                    await asyncio.sleep(0)
+                    yield _ReqOut([7])
+            async def reset_prefix_cache(self):
+                with open(os.environ["FAKE_VLLM_RESETS"], "a") as f:
+                    f.write("reset\\n")
+            def shutdown(self):
+                pass
+    '''),
+    "vllm/sampling_params.py": "class RequestOutputKind:\n    DELTA = 1\n",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": "class AsyncEngineArgs:\n    def __init__(self, **kw):\n        pass\n",
+}
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_vllm_driver_resets_its_prefix_cache_as_ours_is(tmp_path, tiny_model, keep):
+    """--keep-prefix-cache keeps vllmini's cache across sweep points; vLLM's must be kept too
+    (else vllmini's later points hit the prompts the earlier ones cached and vLLM's do not)."""
+    from bench.baselines import VllmPoint, run_vllm
+
+    for rel, text in FAKE_VLLM.items():
+        (tmp_path / "site" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "site" / rel).write_text(text)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nPYTHONPATH="{tmp_path / "site"}" exec "{sys.executable}" "$@"\n')
+    exe.chmod(0o755)
+    resets = tmp_path / "resets.txt"
+    os.environ["FAKE_VLLM_RESETS"] = str(resets)
+    try:
+        wl = Workload("t", [[1, 2, 3], [4, 5]], [2, 3])
+        points = [VllmPoint(f"c{c}", wl, [0.0, 0.0], c) for c in (1, 2)]
+        res, _, cut = run_vllm(str(exe), "eager", str(tiny_model), "float32", {"max_num_seqs": 4,
+                               "max_num_batched_tokens": 64, "max_model_len": 64}, Workload("w", [], []), points,
+                               reset_prefix_cache=not keep)  # fmt: skip
+    finally:
+        del os.environ["FAKE_VLLM_RESETS"]
+    assert not cut and [sum(r.output_len for r in p.records) for p in res] == [5, 5]
+    n = len(resets.read_text().splitlines()) if resets.exists() else 0
+    assert n == (0 if keep else 2)
+
+
+FLAKY_DRIVER = textwrap.dedent(
+    """
+    # A vLLM stand-in whose eager engine refuses every other request and whose compile mode crashes.
+    import json, sys
+    if sys.argv[1] == "-c":
+        sys.exit(0)
+    job = json.load(open(sys.argv[2]))
+    if not job["enforce_eager"]:
+        print("compile: the engine failed"); sys.exit(3)
+    runs = []
+    for run in job["runs"]:
+        recs = []
+        for i, (p, n) in enumerate(zip(run["prompts"], run["output_lens"])):
+            bad = i % 2 == 1
+            recs.append({"send_time": 0.0, "chunk_times": [] if bad else [0.1 + 0.01 * j for j in range(n)],
+                         "prompt_len": len(p), "output_len": 0 if bad else n, "error": "ValueError: refused" if bad else None})
+        runs.append({"label": run["label"], "duration_s": 2.0, "records": recs, "peak_rss_bytes": 1})
+    json.dump({"startup_s": 1.0, "runs": runs}, open(sys.argv[3], "w"))
+    """
+)
+
+
+def test_baseline_failures_are_reported_not_dropped(tmp_path, tiny_model, capsys):
+    """Failed baseline requests show in the comparison (not only a lower tok/s and survivors'
+    latencies), and a baseline that cannot run becomes a row saying so: the rows measured
+    before it (HF, the other vLLM mode) stay in the record and the table."""
+    script = tmp_path / "flaky.py"
+    script.write_text(FLAKY_DRIVER)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    exe.chmod(0o755)
+    out = tmp_path / "res"
+    (rec,) = main(["--model", str(tiny_model), "--workload", "offline", "--dataset", "random", "--input-len", "8:20",
+                   "--output-len", "3", "--num-requests", "4", "--num-warmup", "0", "--hf-batch-size", "2",
+                   "--vllm-python", str(exe), "--no-progress", "--kv-cache-memory", str(2**20), "--out", str(out)])  # fmt: skip
+    by = {b.name: b for b in rec.baselines}
+    assert list(by) == ["hf-static-2", "vllm-eager", "vllm-compile"]
+    assert by["vllm-eager"].metrics.failed == 2 and by["vllm-eager"].metrics.first_error == "ValueError: refused"
+    assert "exited with 3" in by["vllm-compile"].error and by["vllm-compile"].ratio is None
+    (json_path,) = out.glob("serving-*.json")
+    assert decode(json_path.read_bytes()) == rec
+    text = capsys.readouterr().out
+    assert "vllm-eager: 2 of 4 request(s) failed (ValueError: refused)" in text
+    assert "vllm-eager generated 6 tokens, vllmini 12" in text
+    assert "vllm-compile could not be run" in text

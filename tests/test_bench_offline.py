@@ -55,3 +55,27 @@ def test_git_revision_says_when_the_code_differs_from_head(tmp_path, monkeypatch
     assert offline.git_revision() == head
     (tmp_path / "vllmini" / "a.py").write_text("x = 2\n")
     assert offline.git_revision() == f"{head}-dirty"
+
+
+def test_offline_measured_run_starts_from_a_cold_prefix_cache(tmp_path, default_model_dir, monkeypatch):
+    """The warm-up runs the first two measured prompts: their cached prefixes must not carry into
+    the measured run (HF prefills every prompt), and each row's preemptions are its own run's."""
+    import bench.offline as offline
+
+    torch.manual_seed(0)
+    model_dir = save_tiny_model(HFLlama(tiny_llama_config(vocab_size=49152)).eval(), tmp_path / "tiny", default_model_dir)
+    hits = []
+    real = offline.run_vllmini
+
+    def counting(llm, wl):
+        bm = llm.llm_engine.block_manager
+        h0 = bm.prefix_cache_hits
+        elapsed = real(llm, wl)
+        hits.append(bm.prefix_cache_hits - h0)
+        return elapsed
+
+    monkeypatch.setattr(offline, "run_vllmini", counting)
+    record = main(["--model", str(model_dir), "--workload", "mixed", "--num-requests", "3", "--skip-hf",
+                   "--out", str(tmp_path / "res")])  # fmt: skip
+    assert len(hits) == 2 and hits[1] == 0  # random prompts share no prefix: any hit came from the warm-up
+    assert record["results"][0]["prefix_cache_hits"] == 0

@@ -175,3 +175,23 @@ def test_cancelled_drive_keeps_what_it_measured(tiny_model):
     assert peak["kv_usage"] > 0
     m = compute_metrics(records, 1.0)
     assert m.completed == 2 and m.total_output_tokens == 6
+
+
+def test_hf_rows_have_no_ratio_at_points_they_did_not_run(tmp_path, tiny_model, capsys):
+    """HF runs once, all requests at t=0 (static) or one after another (single): beside a Poisson
+    point (throughput bound by the arrival rate) its tok/s is another workload's, so no ratio."""
+    (rec,) = main(["--model", str(tiny_model), "--workload", "poisson", "--rate", "20", "--dataset", "random",
+                   "--input-len", "8:20", "--output-len", "3", "--num-requests", "3", "--num-warmup", "0",
+                   "--hf-batch-size", "2", "--hf-single", "--no-progress", "--kv-cache-memory", str(2**20),
+                   "--out", str(tmp_path)])  # fmt: skip
+    assert [b.name for b in rec.baselines] == ["hf-static-2", "hf-single"]
+    assert all(b.ratio is None and "not this point's arrivals" in b.note for b in rec.baselines)
+    assert all(b.output_throughput > 0 for b in rec.baselines)  # still measured and recorded
+    assert "n/a" in capsys.readouterr().out
+    recs = main(["--model", str(tiny_model), "--workload", "concurrency", "--sweep", "1,3", "--dataset", "random",
+                 "--input-len", "8:20", "--output-len", "3", "--num-requests", "3", "--num-warmup", "0",
+                 "--hf-batch-size", "2", "--hf-single", "--no-progress", "--kv-cache-memory", str(2**20),
+                 "--out", str(tmp_path / "sweep")])  # fmt: skip
+    ratios = {(r.max_concurrency, b.name): b.ratio for r in recs for b in r.baselines}
+    assert ratios[(1, "hf-static-2")] is None and ratios[(1, "hf-single")] is not None  # closed loop of one
+    assert ratios[(3, "hf-static-2")] is not None and ratios[(3, "hf-single")] is not None  # all in flight at t=0
