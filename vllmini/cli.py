@@ -1,4 +1,4 @@
-"""``vllmini`` command line: ``generate`` (the default) and ``chat``.
+"""The vllmini command line: generate (the default), chat and bench.
 
 ``vllmini`` with no arguments submits a few prompts concurrently to the async engine on
 the default model and streams all of them live (one line each, redrawn in place on a

