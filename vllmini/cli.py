@@ -146,7 +146,7 @@ def _fit(engine, prompt: dict, params, ns: argparse.Namespace):
     """``params`` for this prompt: a default length (no --max-tokens) is cut to what
     max_model_len and the KV cache leave, as vLLM stops such a request there instead of
     refusing it; an explicit --max-tokens is kept (too long is an error naming it)."""
-    room = min(engine.engine.max_model_len, engine.engine.capacity_tokens) - len(prompt["prompt_token_ids"])
+    room = engine.engine.input_processor.room(len(prompt["prompt_token_ids"]))
     if ns.max_tokens is None and room > 0 and (params.max_tokens or room) > room:
         return params.clone(max_tokens=room)
     return params

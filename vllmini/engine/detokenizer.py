@@ -14,9 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 _CONTEXT = 5  # prompt tokens decoded before the first output token, for correct leading spaces
-_LOOKBACK = 4  # token boundaries tried behind a trailing U+FFFD (a UTF-8 character has <= 4 bytes)
+UTF8_MAX_BYTES = 4  # a UTF-8 character has <= 4 bytes: the token boundaries tried behind a trailing U+FFFD
 _MAX_WINDOW = 16  # tokens decoded to no new text (skipped special tokens) stop keeping the window start
-_FFFD = "\ufffd"
+FFFD = "\ufffd"  # what decode gives for bytes that are not (yet) a whole character
 
 
 class IncrementalDetokenizer:
@@ -28,7 +28,7 @@ class IncrementalDetokenizer:
         self._backend = tokenizer.backend_tokenizer if getattr(tokenizer, "is_fast", False) else None
         self.read_offset = len(prompt_token_ids)
         self.prefix_offset = max(self.read_offset - _CONTEXT, 0)
-        if self._decode(prompt_token_ids[self.prefix_offset :]).endswith(_FFFD):
+        if self._decode(prompt_token_ids[self.prefix_offset :]).endswith(FFFD):
             # The prompt may end inside a character: decode the output on its own, as
             # ``decode(output_ids)`` does, rather than joining its first bytes to the prompt's.
             self.prefix_offset = self.read_offset
@@ -47,7 +47,7 @@ class IncrementalDetokenizer:
         (the tests compare with one so; a request ends without it, leaving the pieces out as vLLM)."""
         prefix = self._decode(token_ids[self.prefix_offset : self.read_offset])
         end, text = len(token_ids), self._decode(token_ids[self.prefix_offset :])
-        if text.endswith(_FFFD) and not final:
+        if text.endswith(FFFD) and not final:
             end, text = self._stable_end(token_ids, text)
         if end == self.read_offset:
             return ""
@@ -62,7 +62,7 @@ class IncrementalDetokenizer:
         the window's text up to it: decoding ``[:m]`` and ``[m:]`` apart gives the same text as
         together, and ``[m:]`` has text, so any bytes pending at ``m`` are already resolved."""
         n = len(token_ids)
-        for m in range(n - 1, max(self.read_offset, n - 1 - _LOOKBACK), -1):
+        for m in range(n - 1, max(self.read_offset, n - 1 - UTF8_MAX_BYTES), -1):
             head, tail = self._decode(token_ids[self.prefix_offset : m]), self._decode(token_ids[m:])
             if tail and head + tail == text:
                 return m, head

@@ -96,6 +96,10 @@ class InputProcessor:
         """A fresh copy of the default sampling parameters (callers may change their own)."""
         return self.default_params.clone(**replace)
 
+    def room(self, num_prompt_tokens: int) -> int:
+        """Output tokens a prompt of this length leaves before max_model_len or the whole KV cache."""
+        return min(self.max_model_len, self.capacity_tokens) - num_prompt_tokens
+
     def process(self, prompt: PromptType, params: SamplingParams | None, output_kind: str | None = None) -> ProcessedInput:
         """``params`` None: the defaults (``output_kind``, if given, replacing theirs), whose
         max_tokens (the model's max_new_tokens) is cut to what max_model_len and the cache
@@ -118,7 +122,7 @@ class InputProcessor:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
             )
-        room = min(self.max_model_len, self.capacity_tokens) - len(ids)
+        room = self.room(len(ids))
         # as vLLM's offline engine: a request stops at max_model_len ("length"), whatever max_tokens says
         max_tokens = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
         if from_defaults and room > 0:

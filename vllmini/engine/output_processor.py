@@ -12,15 +12,12 @@ from collections.abc import Sequence as _Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.detokenizer import FFFD, UTF8_MAX_BYTES, IncrementalDetokenizer
 from vllmini.engine.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import SamplerOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
-
-_FFFD = "\ufffd"
-_UTF8_MAX = 4  # bytes in a UTF-8 character, so at most this many tokens before one complete it
 
 
 @dataclass
@@ -76,16 +73,16 @@ class OutputProcessor:
         completes it ("" on the ones before), "" if the last few tokens complete nothing (so
         always "" for the first sampled token or the second prompt token, which have none)."""
         text = self.token_text(token)
-        if not text.endswith(_FFFD):
+        if not text.endswith(FFFD):
             return text
-        context = list(context[-_UTF8_MAX:])
+        context = list(context[-UTF8_MAX_BYTES:])
         for k in range(1, len(context) + 1):
             ctx = context[-k:]
             joined = self.tokenizer.decode(ctx + [token], skip_special_tokens=False)
-            if joined.endswith(_FFFD):
+            if joined.endswith(FFFD):
                 continue
             clean = len(ctx)  # context tokens that are themselves pieces belong to this character
-            while clean and self.token_text(ctx[clean - 1]).endswith(_FFFD):
+            while clean and self.token_text(ctx[clean - 1]).endswith(FFFD):
                 clean -= 1
             before = self.tokenizer.decode(ctx[:clean], skip_special_tokens=False) if clean else ""
             common = len(os.path.commonprefix([before, joined]))
@@ -124,7 +121,7 @@ class OutputProcessor:
         if out.top_logprobs is not None:
             values, ids = out.top_logprobs
             top_values, top_ids = values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()
-        context = seq.output_token_ids[-1 - _UTF8_MAX : -1]  # the sampled tokens before this one
+        context = seq.output_token_ids[-1 - UTF8_MAX_BYTES : -1]  # the sampled tokens before this one
         entry = self.logprob_entry(
             state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids, context
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from vllmini.engine.detokenizer import UTF8_MAX_BYTES
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence
@@ -77,6 +78,6 @@ def record(
         prompt = seq.prompt_token_ids
         for i, (token, scored) in enumerate(zip(targets, score_rows(rows, targets, state.params.prompt_logprobs))):
             pos = first + 1 + i  # vLLM's context: the prompt tokens before, from the second (the first has no entry)
-            recorded.append(output_processor.logprob_entry(state, token, *scored, context=prompt[max(1, pos - 4) : pos]))
+            recorded.append(output_processor.logprob_entry(state, token, *scored, context=prompt[max(1, pos - UTF8_MAX_BYTES) : pos]))
         end = first + count
         seq.prompt_logits_from = None if end >= seq.num_prompt_tokens - 1 else end
