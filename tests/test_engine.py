@@ -199,6 +199,20 @@ def test_bad_requests_rejected_at_submit_without_side_effects(small_llm, prompt,
     assert_no_leaks(small_llm)
 
 
+def test_a_request_that_fills_the_whole_cache_exactly_runs(small_llm, tiny_qwen3):
+    """The last sampled token is never fed back, so a sequence one token longer than the cache
+    (20 blocks, 320 tokens) fits: it runs to the end, exact and leak-free; one more is refused."""
+    prompt = [(11 * i) % 400 + 20 for i in range(300)]
+    params = SamplingParams(max_tokens=21, temperature=0, ignore_eos=True)
+    out = small_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length"
+    assert_greedy_matches(out.token_ids, *hf_greedy(tiny_qwen3[1], prompt, 21), "a cache-filling request")
+    assert small_llm.llm_engine.input_processor.room(300) == 21
+    with pytest.raises(ValueError, match="whole KV cache"):
+        small_llm.generate({"prompt_token_ids": prompt}, params.clone(max_tokens=22), use_tqdm=False)
+    assert_no_leaks(small_llm)
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(small_llm, tiny_qwen3):
     """vLLM's left truncation: the request runs on the last k prompt tokens, exactly as if only
     those had been sent; -1 keeps what max_model_len leaves beside max_tokens."""

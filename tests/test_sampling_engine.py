@@ -13,7 +13,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from helpers import save_tiny_model, tiny_llama_config
 from test_engine import assert_no_leaks
-from vllmini import LLM, SamplingParams
+from vllmini import LLM, RequestOutputKind, SamplingParams
 
 PROMPT = {"prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 8287, 30, 198, 40, 837]}
 
@@ -257,7 +257,7 @@ def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
     final = gen(tiny_llm, PROMPT, **base).outputs[0]
     cumulative = _stream(tiny_llm, "c", PROMPT, SamplingParams(**base, output_kind="cumulative"))
     deltas = _stream(tiny_llm, "d", PROMPT, SamplingParams(**base, output_kind="delta"))
-    finals = _stream(tiny_llm, "f", PROMPT, SamplingParams(**base, output_kind="final"))
+    finals = _stream(tiny_llm, "f", PROMPT, SamplingParams(**base, output_kind=RequestOutputKind.FINAL_ONLY))
     assert len(finals) == 1 and finals[0].finished and finals[0].outputs[0].text == final.text
     assert len(cumulative) == len(final.token_ids) and cumulative[-1].outputs[0].text == final.text
     for out in cumulative:  # every streamed text is a prefix of the final one: no piece of a cut stop string

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllmini.engine.sampling_params import SamplingParams, SamplingType
+from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -50,6 +50,10 @@ def test_normalization():
     assert SamplingParams(logprobs=-1, prompt_logprobs=-1).logprobs == -1  # the whole vocabulary (the engine resolves it)
     assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-1).sampling_type is SamplingType.RANDOM  # vLLM's "no seed"
     assert SamplingParams(seed=-2).seed == -2
+    for kind, name in ((RequestOutputKind.CUMULATIVE, "cumulative"), (RequestOutputKind.DELTA, "delta"),
+                       (RequestOutputKind.FINAL_ONLY, "final")):  # fmt: skip
+        p = SamplingParams(output_kind=kind)  # vLLM's enum, stored as our string (and so JSON-safe)
+        assert p.output_kind == name and msgspec.json.decode(msgspec.json.encode(p), type=SamplingParams) == p
 
 
 def test_default_lists_are_not_shared():

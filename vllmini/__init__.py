@@ -22,11 +22,11 @@ def _configure_logging() -> None:
 _configure_logging()
 
 from vllmini.config import EngineArgs
-from vllmini.engine.async_engine import AsyncLLMEngine
+from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -38,5 +38,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "RequestMetrics",
+    "RequestOutputKind",
+    "EngineDeadError",
 ]
 __version__ = "0.1.0"

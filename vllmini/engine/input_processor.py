@@ -98,7 +98,8 @@ class InputProcessor:
 
     def room(self, num_prompt_tokens: int) -> int:
         """Output tokens a prompt of this length leaves before max_model_len or the whole KV cache."""
-        return min(self.max_model_len, self.capacity_tokens) - num_prompt_tokens
+        # the last sampled token is never fed back, so the cache holds one token fewer than the sequence
+        return min(self.max_model_len, self.capacity_tokens + 1) - num_prompt_tokens
 
     def process(self, prompt: PromptType, params: SamplingParams | None, output_kind: str | None = None) -> ProcessedInput:
         """``params`` None: the defaults (``output_kind``, if given, replacing theirs), whose
@@ -128,10 +129,11 @@ class InputProcessor:
         if from_defaults and room > 0:
             max_tokens = min(max_tokens, room)
         total = len(ids) + max_tokens
-        if total > self.capacity_tokens:
+        if total - 1 > self.capacity_tokens:  # (the last token is never stored)
             raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) = {total} tokens exceeds the whole KV cache "
-                f"({self.capacity_tokens} tokens); raise kv_cache_memory or lower max_tokens"
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {total - 1} KV slots (the last token is "
+                f"never stored), more than the whole KV cache ({self.capacity_tokens} tokens); raise kv_cache_memory or "
+                "lower max_tokens"
             )
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         self._check_something_allowed(params, bad_words)

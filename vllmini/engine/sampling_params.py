@@ -26,6 +26,14 @@ OutputKind = Literal["cumulative", "delta", "final"]
 _OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's spelling of ``output_kind``; a member is stored as its string ("delta", ...)."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final"
+
+
 class SamplingType(enum.IntEnum):
     """How a row draws its token; seeded greedy is still greedy."""
 
@@ -121,6 +129,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = self.output_kind.value
         if self.top_k == -1:  # vLLM's other spelling of "off"
             self.top_k = 0
         if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed"
