@@ -3,38 +3,82 @@
 
 Messages may carry OpenAI-style content parts (``[{"type": "text", "text": ...}]``); most
 templates (SmolLM2's, Qwen's) expect a string, so the text parts are joined with newlines
-first, as vLLM does for such templates. The prompt keeps the templated text, which
-``RequestOutput.prompt`` reports, as vLLM's does.
+first, as vLLM does for such templates (``content_format="openai"`` keeps them as a list of
+``{"type": "text", "text": ...}`` for templates that loop over the parts). A message without
+content (an assistant turn that only calls tools) gets "", as in vLLM. The prompt keeps the
+templated text, which ``RequestOutput.prompt`` reports.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 Message = dict[str, Any]
 
+# vLLM's text-like content parts, and the key holding each one's text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+CONTENT_FORMATS = ("auto", "string", "openai")
 
-def render_chat(tokenizer: Any, messages: Sequence[Message], **options: Any) -> dict[str, Any]:
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[Message], content_format: str = "string", **options: Any
+) -> dict[str, Any]:
     """``{"prompt": templated text, "prompt_token_ids": its tokens}`` for one conversation.
-    ``options`` reach ``apply_chat_template`` (add_generation_prompt, chat_template, ...).
-    Raises ValueError naming the message at fault."""
+    ``options`` reach ``apply_chat_template`` (add_generation_prompt, chat_template, tools, ...).
+    Raises ValueError naming the message or option at fault."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(f"messages must be a non-empty list of dicts, got {messages!r}")
-    flat = [_flatten(i, msg) for i, msg in enumerate(messages)]
-    text = tokenizer.apply_chat_template(flat, **{**options, "tokenize": False})
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {content_format!r}")
+    options["chat_template"] = resolve_chat_template(tokenizer, options.get("chat_template"))
+    flat = [_flatten(i, msg, as_parts=content_format == "openai") for i, msg in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(flat, **{**options, "tokenize": False})
+    except ValueError:
+        raise
+    except Exception as exc:  # as vLLM: a template's own error (raise_exception, bad syntax) is a ValueError
+        raise ValueError(f"the chat template failed: {type(exc).__name__}: {exc}") from exc
     # what apply_chat_template(tokenize=True) does: the template writes the special tokens itself
     ids = tokenizer(text, add_special_tokens=False).input_ids
     return {"prompt": text, "prompt_token_ids": list(ids)}
 
 
-def _flatten(i: int, msg: Any) -> Message:
-    """The message with list content joined into a string (other keys untouched)."""
+def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | None:
+    """The template to render with: ``chat_template`` as Jinja text, the name of one of the
+    tokenizer's templates, or (as vLLM's ``--chat-template``) the path of a file holding one;
+    None: the tokenizer's own. Refused, naming the tokenizer, where there is none (transformers
+    would otherwise apply no default), and a path-like string naming no file is refused too,
+    instead of being rendered as the literal prompt."""
+    if chat_template is None:
+        if tokenizer.chat_template is None:
+            raise ValueError(
+                f"the tokenizer of {tokenizer.name_or_path!r} has no chat template: pass chat_template= "
+                "(a Jinja template or the path of a .jinja file), or prompt with generate() instead"
+            )
+        return None
+    if not isinstance(chat_template, str):
+        raise ValueError(f"chat_template must be a string, got {type(chat_template).__name__}")
+    named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+    if chat_template in named or any(c in chat_template for c in "{}\n"):
+        return chat_template
+    path = Path(chat_template).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template {chat_template!r} is neither a Jinja template nor an existing file")
+    return path.read_text()
+
+
+def _flatten(i: int, msg: Any, as_parts: bool = False) -> Message:
+    """The message with its content as one string (or, ``as_parts``, a list of text parts);
+    other keys are untouched."""
     if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
         raise ValueError(f"messages[{i}] must be a dict with a string 'role', got {msg!r}")
     content = msg.get("content")
-    if content is None or isinstance(content, str):
-        return msg
-    if not isinstance(content, list):
+    if content is None:  # vLLM: a message without content renders as ""
+        content = []
+    elif isinstance(content, str):
+        content = [content]
+    elif not isinstance(content, list):
         raise ValueError(f"messages[{i}].content must be a string or a list of parts, got {type(content).__name__}")
     texts = []
     for j, part in enumerate(content):
@@ -42,9 +86,12 @@ def _flatten(i: int, msg: Any) -> Message:
             texts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text":
+        if kind not in TEXT_PARTS:
             raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
-        if not isinstance(part.get("text"), str):
-            raise ValueError(f"messages[{i}].content[{j}].text must be a string, got {part.get('text')!r}")
-        texts.append(part["text"])
+        key = TEXT_PARTS[kind]
+        if not isinstance(part.get(key), str):
+            raise ValueError(f"messages[{i}].content[{j}].{key} must be a string, got {part.get(key)!r}")
+        texts.append(part[key])
+    if as_parts:
+        return {**msg, "content": [{"type": "text", "text": t} for t in texts]}
     return {**msg, "content": "\n".join(texts)}

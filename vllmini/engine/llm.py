@@ -1,7 +1,7 @@
 """Offline batch API (``LLM.generate`` / ``LLM.chat``), as in vLLM."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgspec
 from tqdm.auto import tqdm
@@ -12,7 +12,7 @@ from vllmini.engine.llm_engine import LLMEngine, PromptType
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -40,9 +40,10 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
+        progress bar, or (as vLLM) the tqdm-like factory that makes it."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         try:
@@ -69,7 +70,8 @@ class LLM:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise
         finals: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+        bar_args: dict[str, Any] = {"total": len(ids), "desc": "Processed prompts"}
+        with use_tqdm(**bar_args) if callable(use_tqdm) else tqdm(**bar_args, disable=not use_tqdm) as bar:
             try:
                 while engine.has_unfinished_requests():
                     outputs = engine.step()
@@ -88,26 +90,35 @@ class LLM:
         self,
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
-        """Apply the chat template (the model's, or ``chat_template``) to each conversation, then
-        generate. As in vLLM: ``continue_final_message`` leaves the last (assistant) message open
-        for the model to continue, and ``chat_template_kwargs`` reach the template (e.g. Qwen3's
-        ``enable_thinking``)."""
+        """Apply the chat template (the model's, or ``chat_template``: Jinja text or a file's path)
+        to each conversation, then generate. As in vLLM: ``continue_final_message`` leaves the last
+        (assistant) message open for the model to continue, ``tools`` and ``chat_template_kwargs``
+        reach the template (e.g. Qwen3's ``enable_thinking``), an empty list is an empty batch, and
+        ``chat_template_content_format="openai"`` hands the template content as a list of text
+        parts ("auto" is "string" here: the supported models' templates take strings)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         # as vLLM: the template kwargs may override the named options
         options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template, **(chat_template_kwargs or {})}  # fmt: skip
+                   "chat_template": chat_template, "tools": tools, **(chat_template_kwargs or {})}  # fmt: skip
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
-        if not isinstance(messages, (list, tuple)) or not messages:
+        if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a conversation (a list of dicts) or a list of them, got {messages!r}")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
-        prompts = [render_chat(tok, conv, **options) for conv in conversations]
+        prompts = []
+        for i, conv in enumerate(conversations):
+            try:
+                prompts.append(render_chat(tok, conv, content_format=chat_template_content_format, **options))
+            except ValueError as exc:  # which conversation of a batch is at fault
+                raise ValueError(f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)) from exc
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
