@@ -195,3 +195,26 @@ def test_chat_turn_fits_the_kv_cache_and_skips_a_line_that_is_not_text(tiny_dir,
     assert "not valid UTF-8" in captured.err and "exceeds" not in captured.err
     replies = [line for line in captured.out.splitlines() if line.strip("> ") and not line.startswith("chat with")]
     assert len(replies) == 1  # "hello" answered, within the cache (the default 256 tokens would not fit)
+
+
+def test_a_model_without_a_chat_template_stops_chat_and_generate_at_once(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A tokenizer without a chat template: chat and generate (without --raw) stop before the
+    first prompt with an error naming the model and what to do (every turn or prompt failed
+    alike, with transformers' message and a misleading '/reset' hint); --raw still generates."""
+    import json
+    import shutil
+
+    plain = tmp_path / "base"
+    shutil.copytree(tiny_dir, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    assert main(["chat", "--model", str(plain), "--max-tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert f"error: the tokenizer of '{plain}' has no chat template; chat needs one" in captured.err
+    assert "chat with the model" not in captured.out
+    assert main(["generate", "--model", str(plain), "--max-tokens", "2", "hi"]) == 2
+    assert "has no chat template; pass --raw" in capsys.readouterr().err
+    assert main(["generate", "--model", str(plain), "--max-tokens", "2", "--raw", "hi"]) == 0

@@ -142,6 +142,14 @@ def _render(engine, messages_or_text: list[dict[str, str]] | str) -> dict:
     return render_chat(engine.engine.tokenizer, messages_or_text, add_generation_prompt=True)
 
 
+def _need_chat_template(engine, instead: str) -> None:
+    """Stop at once (a ValueError naming what to do ``instead``) when the model's tokenizer has no
+    chat template, rather than failing every prompt or turn alike."""
+    tokenizer = engine.engine.tokenizer
+    if tokenizer.chat_template is None:
+        raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; {instead}")
+
+
 def _fit(engine, prompt: dict, params, ns: argparse.Namespace):
     """``params`` for this prompt: a default length (no --max-tokens) is cut to what
     max_model_len and the KV cache leave, as vLLM stops such a request there instead of
@@ -156,6 +164,8 @@ async def _generate(ns: argparse.Namespace, prompts: list[str]) -> int:
     from vllmini import AsyncLLMEngine
 
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        if not ns.raw:
+            _need_chat_template(engine, "pass --raw to send the prompts as plain text")
         params = _sampling_params(ns, engine.engine.get_default_sampling_params())
         live = LiveLines(len(prompts))
         texts = [""] * len(prompts)
@@ -206,6 +216,7 @@ async def _chat(ns: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     history: list[dict[str, str]] = []
     async with AsyncLLMEngine.from_engine_args(_engine_args(ns)) as engine:
+        _need_chat_template(engine, "chat needs one (`vllmini generate --raw` takes plain prompts)")
         params = _sampling_params(ns, engine.engine.get_default_sampling_params())
         print("chat with the model; /reset clears the history, /exit or Ctrl-D quits", flush=True)
         while True:
