@@ -73,14 +73,14 @@ class AsyncLLMEngine:
         self._generated_seen = engine.num_generated_tokens
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLMEngine:
         """Builds the engine on the worker thread that will step it. torch's OpenMP thread
         pool is per calling thread: loading on one thread and stepping on another leaves two
         pools on the machine's cores, and on a 2-core CPU that cost ~10-15% of step time
         (measured: 64 x 64-token offline run, 195 vs 225 tok/s)."""
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
         try:
-            engine = executor.submit(LLMEngine.from_engine_args, args).result()
+            engine = executor.submit(LLMEngine.from_engine_args, engine_args).result()
         except BaseException:
             executor.shutdown(wait=False)
             raise
@@ -94,18 +94,38 @@ class AsyncLLMEngine:
     # ---- lifecycle ------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        """True until ``shutdown()``, as vLLM's (before the first request too: the step loop
+        starts then, and again after an event loop that ran it has ended)."""
+        return not self._dead
 
     @property
     def is_stopped(self) -> bool:
         """True once ``shutdown()`` was called: new requests are refused."""
         return self._dead
 
+    @property
+    def errored(self) -> bool:
+        """vLLM's name: the engine takes no more requests (here: it was shut down; a failed
+        step fails only its own requests)."""
+        return self._dead
+
+    @property
+    def dead_error(self) -> BaseException:
+        return EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
+
+    @property
+    def _loop_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
     async def check_health(self) -> None:
         """Raise ``EngineDeadError`` once the engine is shut down (vLLM's health probe). A failed
         step does not kill the engine: only its requests fail."""
         if self._dead:
-            raise EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
+            raise self.dead_error
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -169,7 +189,7 @@ class AsyncLLMEngine:
         for out in outs:
             self._deliver(out)
         for rid in list(self._streams):  # (a request the engine refused as it was admitted)
-            self._deliver(RequestOutput(rid, None, [], [], True, None))
+            self._deliver(RequestOutput(rid, None, [], None, [], True))
         self._close_now()
 
     def _abort_everything(self) -> list[RequestOutput]:
@@ -232,7 +252,7 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
-            if finished or self._dead or not self.is_running:
+            if finished or self._dead or not self._loop_running:
                 if self._streams.get(rid) is queue:
                     del self._streams[rid]
             else:  # as vLLM: once the stream is closed, the old request is gone and its id free
@@ -247,7 +267,7 @@ class AsyncLLMEngine:
     async def _abort(self, request_ids: list[str], closing: asyncio.Queue | None = None) -> None:
         """Queue the aborts and wait for them. Cancelling the wait does not cancel the aborts,
         and a closing stream's id stays taken until its abort is done."""
-        if not self.is_running or self._dead:
+        if not self._loop_running or self._dead:
             return  # nothing was ever submitted, or shutdown aborts everything
         done = asyncio.Event()
         self._aborts += [_Abort(rid, done, closing) for rid in request_ids]

@@ -19,6 +19,7 @@ from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 logger = logging.getLogger("vllmini")
 
 PromptType = str | list[int] | dict[str, Any]
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt, text only
 
 # generation_config.json fields vLLM takes as default sampling parameters (max_new_tokens -> max_tokens)
 _GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
@@ -142,6 +143,9 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
         if isinstance(prompt, dict):
+            if unknown := sorted(set(prompt) - _PROMPT_KEYS, key=str):
+                # e.g. vLLM's multi_modal_data or cache_salt: ignoring them would silently change the request
+                raise ValueError(f"prompt dict has unsupported key(s) {unknown}; accepted: {sorted(_PROMPT_KEYS)}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
             elif "prompt" in prompt:

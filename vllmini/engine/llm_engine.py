@@ -13,7 +13,8 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Container
+from collections.abc import Container, Iterable
+from typing import Any
 
 import torch
 
@@ -129,8 +130,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        engine = cls(args)
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        """(vLLM's name for the argument, so that ``from_engine_args(engine_args=...)`` works too.)"""
+        engine = cls(engine_args)
         # Everything alive now (imported modules, tokenizer, model) lives as long as the
         # process: moving it out of the collector's reach makes later full collections scan
         # only new objects. Without this a gen-2 collection took ~200 ms here, stalling
@@ -145,6 +147,9 @@ class LLMEngine:
         gen_eos = getattr(self.generation_config, "eos_token_id", None)
         ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
         return tuple(sorted(ids))
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """A copy of what a request without SamplingParams gets (vLLM's name)."""
@@ -170,7 +175,8 @@ class LLMEngine:
         arrival_time: float | None = None, default_output_kind: str | None = None,
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
-        nothing is queued then."""
+        nothing is queued then. ``arrival_time``: a ``time.monotonic()`` value, the clock of
+        ``RequestMetrics`` (vLLM's is ``time.time()``: such a value is refused)."""
         state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind)
         self.enqueue(state)
         return state.request_id
@@ -186,13 +192,22 @@ class LLMEngine:
         inp = self.input_processor.process(prompt, params, default_output_kind)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = self.new_request_id() if request_id is None else str(request_id)
-        now = arrival_time if arrival_time is not None else time.monotonic()
+        now = time.monotonic()
+        if arrival_time is not None:
+            if arrival_time > now + 1.0:  # e.g. time.time(): TTFT and latencies would be nonsense
+                raise ValueError(
+                    f"arrival_time={arrival_time} is in the future of time.monotonic()={now:.3f}; vllmini's "
+                    "RequestMetrics use time.monotonic() (vLLM's arrival_time is time.time())"
+                )
+            now = arrival_time
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
             for i in range(params.n)
         ]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
-        state = RequestState(request_id, inp.text, ids, params, seqs, detoks, now)
+        # the outputs' prompt_token_ids is a copy: a caller changing it cannot reach the sequences'
+        # list, which the sampler's penalties and the prompt logprobs read
+        state = RequestState(request_id, inp.text, list(ids), params, seqs, detoks, now)
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
@@ -213,11 +228,12 @@ class LLMEngine:
         self.requests[state.request_id] = state
         self.scheduler.add(state.seqs[0])
 
-    def abort_request(self, request_id: str | list[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish the request(s) with finish_reason "abort" and free their blocks now;
-        returns their final outputs. Unknown or finished ids are ignored."""
+        returns their final outputs. Unknown or finished ids are ignored. (vLLM's argument
+        name; one id may also be given alone.)"""
         outputs = []
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             state = self.requests.get(rid)
             if state is None:
                 continue

@@ -26,7 +26,7 @@ class RequestState:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # what the outputs show (the sequences hold their own list)
     params: SamplingParams
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
@@ -220,16 +220,17 @@ class OutputProcessor:
             )
         if not outputs and not finished:
             return None
+        metrics = self._metrics(state)
         return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, self._metrics(state),
-            prompt_logprobs=self._prompt_logprobs(state),
-        )
+            state.request_id, state.prompt, state.prompt_token_ids, self._prompt_logprobs(state), outputs, finished,
+            metrics, num_cached_tokens=metrics.num_cached_tokens,
+        )  # fmt: skip
 
     @staticmethod
     def _prompt_logprobs(state: RequestState) -> list[LogprobsEntry | None] | None:
         """Once the whole prompt is scored: in every output, or only the first for "delta"."""
         recorded = state.prompt_logprobs
-        if recorded is None or len(recorded) < len(state.prompt_token_ids):
+        if recorded is None or len(recorded) < state.seqs[0].num_prompt_tokens:
             return None
         if state.params.output_kind == "delta":
             if state.prompt_logprobs_sent:

@@ -62,16 +62,16 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """vLLM's fields in vLLM's positional order (request_id, prompt, prompt_token_ids,
+    prompt_logprobs, outputs, finished, metrics), so that code building one by position, as
+    vLLM's own tests and mocks do, gets the same object."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
-    # SamplingParams.prompt_logprobs: None for the first prompt token, then one dict per token
-    prompt_logprobs: list[LogprobsEntry | None] | None = None
-
-    @property
-    def num_cached_tokens(self) -> int | None:
-        """Prompt tokens served from the prefix cache (vLLM's RequestOutput field)."""
-        return None if self.metrics is None else self.metrics.num_cached_tokens
+    num_cached_tokens: int | None = field(default=None, kw_only=True)  # prompt tokens from the prefix cache

@@ -1,0 +1,125 @@
+"""vLLM's API surface where a user porting vLLM code relies on it: argument names, positional
+orders, properties, and outputs that do not reach into the engine's own state."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from helpers import save_tiny_model, tiny_llama_config
+from vllmini import (
+    AsyncLLMEngine, CompletionOutput, EngineArgs, EngineDeadError, LLMEngine, RequestOutput, SamplingParams,
+)
+
+KV = 2**22
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+
+
+def run(engine: LLMEngine, on_output=None) -> dict[str, RequestOutput]:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if on_output is not None:
+                on_output(out)
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def test_request_output_takes_vllms_positional_order():
+    """vLLM: RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
+    metrics, ..., num_cached_tokens=...); a mock built by position must not swap fields."""
+    comp = CompletionOutput(0, "x", [5], None, None, "length")
+    out = RequestOutput("r", "p", [1, 2], None, [comp], True, None, num_cached_tokens=2)
+    assert out.prompt_logprobs is None and out.outputs == [comp] and out.finished is True
+    assert out.num_cached_tokens == 2 and "num_cached_tokens=2" in repr(out)
+
+
+def test_llm_engine_takes_vllms_argument_names(engine):
+    """from_engine_args(engine_args=...), get_tokenizer(), abort_request(request_ids=[...]); the
+    engine's own outputs carry num_cached_tokens as an attribute."""
+    for cls in (LLMEngine, AsyncLLMEngine):
+        inspect.signature(cls.from_engine_args).bind(engine_args=EngineArgs())
+    assert engine.get_tokenizer() is engine.tokenizer
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    aborted = engine.abort_request(request_ids=["a"])
+    assert [o.outputs[0].finish_reason for o in aborted] == ["abort"]
+    finals = run(engine)
+    assert list(finals) == ["b"] and finals["b"].num_cached_tokens == 0
+
+
+def test_output_prompt_token_ids_is_not_the_engines_list(engine):
+    """A caller changing an output's prompt_token_ids (e.g. extending it into the next prompt) must
+    not change what the engine samples from: repetition_penalty reads the prompt's tokens."""
+    prompt = [7, 8, 9, 10, 11, 12]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, repetition_penalty=3.0, output_kind="delta")
+    engine.add_request("ref", {"prompt_token_ids": prompt}, params)
+    ref = [t for out in run_all(engine) for t in out.outputs[0].token_ids]
+
+    engine.add_request("mut", {"prompt_token_ids": prompt}, params)
+    got: list[int] = []
+
+    def mutate(out: RequestOutput) -> None:
+        got.extend(out.outputs[0].token_ids)
+        out.prompt_token_ids[:] = ref  # were it the engine's list, the penalty would now ban ref's next tokens
+
+    run(engine, mutate)
+    assert got == ref
+
+
+def run_all(engine: LLMEngine) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    run(engine, outs.append)
+    return outs
+
+
+def test_arrival_time_on_another_clock_is_refused(engine):
+    """RequestMetrics use time.monotonic(); vLLM's arrival_time is time.time(), which would make
+    every latency computed from the metrics nonsense, so it is an error naming the clock."""
+    with pytest.raises(ValueError, match="monotonic"):
+        engine.add_request("w", "hi", SamplingParams(max_tokens=2), arrival_time=time.time())
+    assert not engine.has_unfinished_requests()
+    t = time.monotonic() - 0.5
+    engine.add_request("m", "hi", SamplingParams(max_tokens=2), arrival_time=t)
+    assert run(engine)["m"].metrics.arrival_time == t
+
+
+def test_prompt_dict_with_unsupported_keys_is_refused(engine):
+    """vLLM's TextPrompt/TokensPrompt keys this engine cannot honour (multi_modal_data, cache_salt,
+    ...) are an error naming them, not silently dropped."""
+    for extra in ({"multi_modal_data": {"image": object()}}, {"cache_salt": "user-1"}):
+        with pytest.raises(ValueError, match=next(iter(extra))):
+            engine.add_request("x", {"prompt": "hi", **extra}, SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+async def test_async_engine_health_properties_as_vllm(tiny_dir):
+    """vLLM's AsyncLLM: is_running is True from creation until shutdown (before any request too),
+    errored/is_stopped after it, dead_error is what check_health raises; tokenizer attribute."""
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    assert eng.is_running and not eng.errored and not eng.is_stopped
+    assert eng.tokenizer is eng.get_tokenizer()
+    await eng.check_health()
+    outs = [o async for o in eng.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2), "r")]
+    assert outs[-1].finished and eng.is_running
+    await eng.shutdown()
+    assert not eng.is_running and eng.errored and eng.is_stopped
+    assert isinstance(eng.dead_error, EngineDeadError)
+    with pytest.raises(EngineDeadError):
+        await eng.check_health()
