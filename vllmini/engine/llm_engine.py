@@ -175,8 +175,8 @@ class LLMEngine:
         arrival_time: float | None = None, default_output_kind: str | None = None,
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
-        nothing is queued then. ``arrival_time``: a ``time.monotonic()`` value, the clock of
-        ``RequestMetrics`` (vLLM's is ``time.time()``: such a value is refused)."""
+        nothing is queued then. ``arrival_time``: a ``time.time()`` value, as in vLLM (it is moved
+        onto ``time.monotonic()``, the clock of ``RequestMetrics``; a future one counts as now)."""
         state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind)
         self.enqueue(state)
         return state.request_id
@@ -193,13 +193,8 @@ class LLMEngine:
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = self.new_request_id() if request_id is None else str(request_id)
         now = time.monotonic()
-        if arrival_time is not None:
-            if arrival_time > now + 1.0:  # e.g. time.time(): TTFT and latencies would be nonsense
-                raise ValueError(
-                    f"arrival_time={arrival_time} is in the future of time.monotonic()={now:.3f}; vllmini's "
-                    "RequestMetrics use time.monotonic() (vLLM's arrival_time is time.time())"
-                )
-            now = arrival_time
+        if arrival_time is not None:  # vLLM's clock (time.time()), moved onto RequestMetrics' monotonic one
+            now -= min(max(0.0, time.time() - arrival_time), now)
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
             for i in range(params.n)
