@@ -290,3 +290,50 @@ def test_default_model_loads_with_one_copy_of_memory(default_model_dir: Path) ->
     weights = sum(p.stat().st_size for p in default_model_dir.glob("*.safetensors"))
     growth = got["growth"]
     assert growth < 1.35 * weights, f"peak RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny Llama with the default model's tokenizer: enough for a whole engine in ~1 s."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import save_tiny_model, tiny_llama_config
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("engine"), default_model_dir)
+
+
+def test_tokenizer_code_is_never_run(tmp_path: Path, tiny_engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer with its own code (auto_map): with trust_remote_code unset, transformers asks on
+    stdin whether to run it; a "y" there must not run it."""
+    from vllmini import LLM
+
+    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    marker = tmp_path / "pwned"
+    (d / "evil_tok.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\nclass EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    tok_config = json.loads((d / "tokenizer_config.json").read_text())
+    tok_config |= {"tokenizer_class": "EvilTokenizer", "auto_map": {"AutoTokenizer": ["evil_tok.EvilTokenizer", None]}}
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    with pytest.raises(ValueError, match=r"(?s)cannot load a tokenizer from .*never runs a model's code"):
+        LLM(model=str(d), kv_cache_memory=1 << 24)
+    assert not marker.exists()
+
+
+def test_tokenizer_from_another_folder(tmp_path: Path, tiny_engine_dir: Path, default_model_dir: Path) -> None:
+    from vllmini import LLM, SamplingParams
+
+    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    with pytest.raises(ValueError, match=r"(?s)cannot load a tokenizer from .*/m.*EngineArgs\.tokenizer"):
+        LLM(model=str(d), kv_cache_memory=1 << 24)
+    with pytest.raises(FileNotFoundError, match=r"tokenizer '.*/nowhere' is neither an existing folder nor a hub id"):
+        LLM(model=str(d), tokenizer=str(tmp_path / "nowhere"), kv_cache_memory=1 << 24)
+    llm = LLM(model=str(d), tokenizer=str(default_model_dir), kv_cache_memory=1 << 24)
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 4 and out.prompt_token_ids == llm.get_tokenizer()("Hello")["input_ids"]

@@ -35,7 +35,7 @@ from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
 from vllmini.models.packed_linear import packing_available, prepack_linears
-from vllmini.models.weight_loader import load_model, resolve_model_dir
+from vllmini.models.weight_loader import load_model, load_tokenizer, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
@@ -63,9 +63,7 @@ class LLMEngine:
         self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device)
         if packing_available(self.device, self.dtype):
             logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(self.model))
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or self.model_dir)
+        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
         logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
 
         model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048

@@ -26,7 +26,7 @@ from torch import nn
 from vllmini.models import registry
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +181,27 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"transformers cannot read {path}: {exc}") from exc
+
+
+def load_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder or of ``EngineArgs.tokenizer`` (a folder or a hub id).
+
+    ``trust_remote_code=False`` is passed explicitly: left unset, transformers asks on stdin
+    whether to run a tokenizer's own code (``auto_map``), and a "y" typed there or piped in runs it.
+    """
+    from transformers import AutoTokenizer
+
+    path = Path(source).expanduser()
+    if not path.is_dir() and not (_HUB_ID_RE.match(str(source)) and not str(source).startswith((".", "~"))):
+        raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(source), trust_remote_code=False)
+    except Exception as exc:  # transformers raises assorted types (OSError, ValueError, KeyError, ...)
+        raise ValueError(
+            f"cannot load a tokenizer from {str(source)!r} ({type(exc).__name__}: {exc}); it needs tokenizer files "
+            "(tokenizer.json or tokenizer_config.json with its vocabulary) and no code of its own (vllmini never "
+            "runs a model's code); pass another folder or hub id as EngineArgs.tokenizer"
+        ) from exc
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
