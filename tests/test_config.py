@@ -45,3 +45,35 @@ def test_llm_rejects_unknown_keyword_and_bad_model(tmp_path):
         LLM(model="no-such-model", cache_dir=str(tmp_path))
     with pytest.raises(ValueError, match="dtype='int8'"):
         LLM(dtype="int8")
+
+
+def test_max_model_len_is_derived_as_vllm_does(caplog, monkeypatch):
+    import logging
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    from vllmini.config import resolve_max_model_len
+
+    plain = LlamaConfig(max_position_embeddings=4096)
+    assert resolve_max_model_len(None, plain) == 4096
+    assert resolve_max_model_len(1000, plain) == 1000
+    with pytest.raises(ValueError, match=r"max_model_len=4097 exceeds the model's context length 4096 \(config.json\)"):
+        resolve_max_model_len(4097, plain)
+    # linear scaling: max_position_embeddings is the unscaled length (Vicuna-v1.5-16k)
+    linear = LlamaConfig(max_position_embeddings=4096, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    assert resolve_max_model_len(None, linear) == 16384
+    assert resolve_max_model_len(16384, linear) == 16384
+    with pytest.raises(ValueError, match=r"context length 16384 \(config.json, x4.0 linear rope scaling\)"):
+        resolve_max_model_len(16385, linear)
+    # llama3 configs state the scaled length already
+    llama3 = LlamaConfig(max_position_embeddings=131072, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})  # fmt: skip
+    assert resolve_max_model_len(None, llama3) == 131072
+    # no length key at all: vLLM's 2048, with a warning
+    bare = SimpleNamespace(rope_theta=10000.0)
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
+    with caplog.at_level("WARNING", logger="vllmini"):
+        assert resolve_max_model_len(None, bare) == 2048
+    assert "states no context length" in caplog.text

@@ -5,9 +5,13 @@ naming the field and what is accepted, instead of deep inside a forward.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
+
+logger = logging.getLogger("vllmini")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -59,6 +63,38 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
         raise ValueError(
             f"dtype={dtype!r} is not supported; accepted: auto, float32, bfloat16, float16"
         ) from None
+
+
+# config.json keys that state a model's context length, as vLLM reads them (the smallest one present wins)
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions",
+                 "max_sequence_length", "model_max_length")  # fmt: skip
+DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's too, for a config that states none
+
+
+def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+    """``max_model_len``: the model's context length when unset; a longer one is refused, as vLLM does.
+
+    The context length is derived as vLLM derives it: the smallest length key of config.json, times
+    the factor of a linear rope scaling, whose ``max_position_embeddings`` is the unscaled length
+    (Vicuna-v1.5-16k: 4096 with factor 4); llama3 configs already state the scaled one."""
+    from vllmini.models.layers import rope_parameters
+
+    lengths = [int(v) for key in _MAX_LEN_KEYS if isinstance(v := getattr(hf_config, key, None), (int, float)) and v > 0]
+    if lengths:
+        derived, source = min(lengths), "config.json"
+    else:
+        derived, source = DEFAULT_MAX_MODEL_LEN, "default"
+        if requested is None:
+            logger.warning("config.json states no context length (%s); assuming %d tokens",
+                           ", ".join(_MAX_LEN_KEYS), DEFAULT_MAX_MODEL_LEN)  # fmt: skip
+    rope = rope_parameters(hf_config)
+    if rope["rope_type"] == "linear" and rope.get("factor"):
+        derived, source = int(derived * float(rope["factor"])), f"{source}, x{rope['factor']} linear rope scaling"
+    if requested is None:
+        return derived
+    if requested > derived:
+        raise ValueError(f"max_model_len={requested} exceeds the model's context length {derived} ({source})")
+    return requested
 
 
 # a block is the unit of KV allocation and of the attention kernels' tiles: CPU uses 16, CUDA 256

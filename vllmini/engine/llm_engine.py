@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, resolve_device, resolve_dtype
+from vllmini.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
@@ -66,14 +66,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
         logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
 
-        model_max = getattr(self.hf_config, "max_position_embeddings", None) or 2048
-        if args.max_model_len is not None and args.max_model_len > model_max:
-            raise ValueError(f"max_model_len={args.max_model_len} exceeds the model's max_position_embeddings={model_max}")
+        self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
         kv_window = self.model.kv_window  # every layer's window, if they share one: blocks behind it are released
         if (window := getattr(self.model, "sliding_window", None)) is not None:
             released = "released behind it" if kv_window else "kept: some layers attend to all tokens"
             logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
-        self.max_model_len = args.max_model_len or model_max
         self.vocab_size = self.hf_config.vocab_size
         self.generation_config = load_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
