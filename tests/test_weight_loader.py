@@ -337,3 +337,20 @@ def test_tokenizer_from_another_folder(tmp_path: Path, tiny_engine_dir: Path, de
     llm = LLM(model=str(d), tokenizer=str(default_model_dir), kv_cache_memory=1 << 24)
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 4 and out.prompt_token_ids == llm.get_tokenizer()("Hello")["input_ids"]
+
+
+def test_saved_rotary_tables_are_skipped(tmp_path: Path, tiny_dirs) -> None:
+    """Checkpoints may hold RoPE tables (inv_freq, ColossalAI's cos/sin caches): the model recomputes
+    them from config.json and ignores these tensors, as vLLM does; any other unknown tensor is refused."""
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.rotary_emb.{leaf}": torch.randn(8, 16)
+             for i in range(2) for leaf in ("inv_freq", "cos_cached", "sin_cached")}  # fmt: skip
+    save_file({**tensors, **extra}, d / "model.safetensors", metadata={"format": "pt"})
+    model, _ = load_model(d, torch.float32, CPU)
+    ref, _ = load_model(tiny_dirs["single"][0], torch.float32, CPU)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    save_file({**tensors, "model.layers.0.self_attn.foo.weight": torch.zeros(2)}, d / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.foo\.weight' has no matching parameter"):
+        load_model(d, torch.float32, CPU)

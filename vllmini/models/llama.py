@@ -21,7 +21,8 @@ logger = logging.getLogger("vllmini")
 # checkpoint projection -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# rotary tables some exporters save (ColossalAI: cos/sin caches); RoPE is recomputed from the config, as in vLLM
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
 @dataclass(frozen=True)
