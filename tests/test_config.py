@@ -36,6 +36,13 @@ def test_dtype_resolution():
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     assert resolve_dtype("float16", cpu) == torch.float16
     assert resolve_dtype(torch.float32, cpu) == torch.float32
+    # auto follows a 16-bit checkpoint on CUDA, as vLLM (float16 models stay float16); the CPU keeps float32
+    assert resolve_dtype("auto", cuda, torch.float16) == torch.float16
+    assert resolve_dtype("auto", cuda, "float16") == torch.float16
+    assert resolve_dtype("auto", cuda, torch.bfloat16) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, torch.float32) == torch.bfloat16
+    assert resolve_dtype("auto", cpu, torch.bfloat16) == torch.float32
+    assert resolve_dtype("float32", cuda, torch.float16) == torch.float32
 
 
 def test_llm_rejects_unknown_keyword_and_bad_model(tmp_path):

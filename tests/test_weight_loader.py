@@ -354,3 +354,20 @@ def test_saved_rotary_tables_are_skipped(tmp_path: Path, tiny_dirs) -> None:
               metadata={"format": "pt"})  # fmt: skip
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.foo\.weight' has no matching parameter"):
         load_model(d, torch.float32, CPU)
+
+
+def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_engine_dir: Path, caplog,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A bfloat16 checkpoint with dtype="auto" runs in float32 on the CPU (the project's default), and the log says so."""
+    import logging
+
+    from vllmini import LLM
+
+    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
+    with caplog.at_level("INFO", logger="vllmini"):
+        llm = LLM(model=str(d), kv_cache_memory=1 << 24)
+    assert llm.llm_engine.dtype == torch.float32
+    assert "dtype auto: float32 on cpu (config.json says bfloat16" in caplog.text

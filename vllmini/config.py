@@ -44,8 +44,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``auto`` = float32 on CPU, bfloat16 on CUDA. float32 stays the CPU default because it is the
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, checkpoint_dtype: str | torch.dtype | None = None
+) -> torch.dtype:
+    """``auto`` = float32 on CPU; on CUDA the checkpoint's 16-bit dtype (config.json's ``dtype``),
+    as vLLM does (a float16 model such as Llama 2 runs in float16, not in bfloat16's coarser
+    mantissa), else bfloat16. float32 stays the CPU default because it is the
     precision the HF-parity tests hold to and because bf16 matmuls are slow on CPUs without native
     bf16 (AVX512-BF16 / AMX); where the CPU has it, ``bfloat16`` is the faster opt-in (prepacked
     bf16 linears, a bf16 KV cache read by the cpu attention kernel: README, "bfloat16 on the CPU")."""
@@ -56,7 +60,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if not isinstance(dtype, str):
         raise ValueError(f"dtype must be a string such as 'auto' or 'float32', got {dtype!r}")
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = _DTYPES.get(checkpoint_dtype.removeprefix("torch.").lower())
+        return checkpoint_dtype if checkpoint_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:

@@ -35,7 +35,7 @@ from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
 from vllmini.models.packed_linear import packing_available, prepack_linears
-from vllmini.models.weight_loader import load_model, load_tokenizer, resolve_model_dir
+from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
@@ -56,11 +56,17 @@ class LLMEngine:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
         self.model_dir = resolve_model_dir(args.model, args.cache_dir)
-        self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device)
+        config = load_config(self.model_dir)
+        checkpoint_dtype = getattr(config, "dtype", None)
+        self.dtype = resolve_dtype(args.dtype, self.device, checkpoint_dtype)
+        if args.dtype == "auto" and checkpoint_dtype not in (None, self.dtype):
+            logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
+                        str(self.dtype).removeprefix("torch."), self.device.type,
+                        str(checkpoint_dtype).removeprefix("torch."))  # fmt: skip
+        self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device, config)
         if packing_available(self.device, self.dtype):
             logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(self.model))
         self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)

@@ -258,14 +258,17 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{path} is not a valid safetensors file (corrupted header or data?): {exc}") from exc
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, PretrainedConfig]:
+def load_model(
+    model_dir: Path, dtype: torch.dtype, device: torch.device, config: PretrainedConfig | None = None
+) -> tuple[nn.Module, PretrainedConfig]:
     """Build the model with no memory (meta), allocate it once on ``device``, stream the weights in.
 
     Peak memory stays ~1x the weights: no state_dict is built, each tensor is read
-    (mmap) and copied straight into its parameter.
+    (mmap) and copied straight into its parameter. ``config``: ``load_config(model_dir)``, when
+    the caller read it already.
     """
     model_dir = Path(model_dir)
-    config = load_config(model_dir)
+    config = config if config is not None else load_config(model_dir)
     cls = registry.get_model_class(config.architectures)
     with torch.device("meta"):
         model = cls(config)
