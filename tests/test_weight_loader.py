@@ -371,3 +371,38 @@ def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_e
         llm = LLM(model=str(d), kv_cache_memory=1 << 24)
     assert llm.llm_engine.dtype == torch.float32
     assert "dtype auto: float32 on cpu (config.json says bfloat16" in caplog.text
+
+
+def test_revision_and_trust_remote_code_as_in_vllm(tmp_path: Path, tiny_dirs, tiny_engine_dir: Path, caplog,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """vLLM's ``revision`` picks a hub id's version (a local path ignores it); ``trust_remote_code``
+    is accepted but never acted on: only built-in architectures run."""
+    import logging
+
+    import huggingface_hub
+
+    from vllmini import LLM, EngineArgs
+
+    calls: list[dict] = []
+
+    def fake_snapshot_download(repo_id, **kwargs):
+        calls.append(kwargs)
+        if not kwargs.get("local_files_only"):
+            raise OSError("network unreachable")
+        return str(tiny_dirs["single"][0])
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    assert resolve_model_dir("org/tiny", tmp_path, revision="v1.0") == tiny_dirs["single"][0]
+    assert calls[0]["revision"] == "v1.0"
+    monkeypatch.setattr(weight_loader, "_has_weights", lambda d: False)  # not in the cache: fetched, and that fails
+    with pytest.raises(FileNotFoundError, match=r"'org/tiny' .*at revision 'abc123'.*network unreachable"):
+        resolve_model_dir("org/tiny", tmp_path, revision="abc123")
+    assert calls[-1]["revision"] == "abc123"
+    with pytest.raises(ValueError, match="revision must be"):
+        EngineArgs(revision="").validate()
+
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=str(tiny_engine_dir), revision="main", trust_remote_code=True, kv_cache_memory=1 << 24)
+    assert llm.llm_engine.model_dir == tiny_engine_dir.resolve()
+    assert "revision='main' is ignored" in caplog.text and "trust_remote_code=True is ignored" in caplog.text

@@ -116,6 +116,9 @@ class EngineArgs:
 
     model: str = "default"
     tokenizer: str | None = None
+    revision: str | None = None  # a hub id's branch, tag or commit (None: main); local paths ignore it, as in vLLM
+    # accepted for vLLM's sake, never acted on: only built-in architectures run, and no model's code
+    trust_remote_code: bool = False
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -158,7 +161,9 @@ class EngineArgs:
         if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
-        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling"):
+        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
+            raise ValueError(f"revision must be a branch, tag or commit of the hub repo (or None), got {self.revision!r}")
+        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -58,7 +58,10 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         torch.manual_seed(args.seed)
         t0 = time.perf_counter()
-        self.model_dir = resolve_model_dir(args.model, args.cache_dir)
+        if args.trust_remote_code:
+            logger.warning("trust_remote_code=True is ignored: vllmini runs only its built-in architectures, "
+                           "never code shipped with a model")  # fmt: skip
+        self.model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
         config = load_config(self.model_dir)
         checkpoint_dtype = getattr(config, "dtype", None)
         self.dtype = resolve_dtype(args.dtype, self.device, checkpoint_dtype)

@@ -62,11 +62,14 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllmini"
 
 
-def resolve_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
-    """Turn ``EngineArgs.model`` into a local HF-format directory (converting or fetching once)."""
+def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
+    """Turn ``EngineArgs.model`` into a local HF-format directory (converting or fetching once).
+    ``revision`` (a branch, tag or commit) picks a hub id's version; a local path has only one."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}; {ACCEPTED_FORMS}")
+    if revision is not None and (model == "default" or Path(model).expanduser().exists()):
+        logger.warning("revision=%r is ignored: model %r is not a hub id", revision, model)
     if model == "default":
         return _converted_gguf(default_gguf_path(), cache)
     path = Path(model).expanduser()
@@ -83,7 +86,7 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None) -> Path:
     if path.exists():
         raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
     if _HUB_ID_RE.match(model) and not model.startswith((".", "~")):
-        return _hub_snapshot(model)
+        return _hub_snapshot(model, revision)
     raise FileNotFoundError(f"model {model!r} is neither an existing path nor a hub id; {ACCEPTED_FORMS}")
 
 
@@ -130,11 +133,11 @@ def _has_weights(d: Path) -> bool:
     return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
     """A hub repo through huggingface_hub's cache: offline first, then online; safetensors only."""
     from huggingface_hub import snapshot_download
 
-    kwargs = dict(allow_patterns=_HUB_PATTERNS, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.pkl"])
+    kwargs = dict(allow_patterns=_HUB_PATTERNS, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.pkl"], revision=revision)
     try:
         local = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
         if _has_weights(local):
@@ -144,8 +147,9 @@ def _hub_snapshot(repo_id: str) -> Path:
     try:
         fetched = Path(snapshot_download(repo_id, **kwargs))
     except Exception as exc:  # network, auth, missing repo: all end up here with their cause chained
+        at = f" at revision {revision!r}" if revision else ""
         raise FileNotFoundError(
-            f"model {repo_id!r} is not a local path and could not be fetched as a hub id "
+            f"model {repo_id!r} is not a local path and could not be fetched as a hub id{at} "
             f"({type(exc).__name__}: {exc}); {ACCEPTED_FORMS}"
         ) from exc
     if not _has_weights(fetched):
