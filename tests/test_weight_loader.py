@@ -406,3 +406,17 @@ def test_revision_and_trust_remote_code_as_in_vllm(tmp_path: Path, tiny_dirs, ti
         llm = LLM(model=str(tiny_engine_dir), revision="main", trust_remote_code=True, kv_cache_memory=1 << 24)
     assert llm.llm_engine.model_dir == tiny_engine_dir.resolve()
     assert "revision='main' is ignored" in caplog.text and "trust_remote_code=True is ignored" in caplog.text
+
+
+def test_missing_shard_of_a_fused_parameter_is_named(tmp_path: Path, tiny_dirs) -> None:
+    """q/k/v and gate/up are fused at load: a missing k_proj is reported under its checkpoint name,
+    not as the fused qkv_proj that no checkpoint holds."""
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"], tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as info:
+        load_model(d, torch.float32, CPU)
+    msg = str(info.value)
+    assert "model.layers.1.self_attn.k_proj.weight" in msg and "model.layers.0.mlp.up_proj.weight" in msg
+    assert "qkv_proj" not in msg and "gate_up_proj" not in msg and "q_proj" not in msg and "gate_proj" not in msg

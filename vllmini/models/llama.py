@@ -21,6 +21,7 @@ logger = logging.getLogger("vllmini")
 # checkpoint projection -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+_SHARDS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # fused -> its shards
 # rotary tables some exporters save (ColossalAI: cos/sin caches); RoPE is recomputed from the config, as in vLLM
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
@@ -135,10 +136,12 @@ class LlamaForCausalLM(nn.Module):
     """Flat varlen batch in, logits of each sequence's last scheduled token out."""
 
     variant = DecoderVariant()
+    fused_checkpoint = False  # True: checkpoints hold qkv_proj / gate_up_proj fused (Phi-3)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
+        self._shards_seen: dict[str, set[int]] = {}  # fused parameter -> shard indices loaded (load_weights)
         self.model = DecoderModel(config, self.variant)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
@@ -193,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
 
         A fused parameter counts as loaded once all its shards are."""
         params = dict(self.named_parameters())
-        shards_seen: dict[str, set[int]] = {}
+        shards_seen = self._shards_seen = {}
         loaded: set[str] = set()
         tied_head = None  # a tied checkpoint's own lm_head.weight, checked against the embedding below
         for name, tensor in weights:
@@ -220,6 +223,16 @@ class LlamaForCausalLM(nn.Module):
         if tied_head is not None and "model.embed_tokens.weight" in loaded:
             self._untie_if_different(tied_head, loaded)
         return loaded
+
+    def checkpoint_names(self, param: str) -> list[str]:
+        """The checkpoint tensors that would fill ``param`` and were not found (for the loader's error):
+        the missing q/k/v or gate/up shards of a fused parameter, else the parameter's own name."""
+        module_path, _, leaf = param.rpartition(".")
+        parent, _, fused = module_path.rpartition(".")
+        if fused not in _SHARDS or self.fused_checkpoint:
+            return [param]
+        seen = self._shards_seen.get(param, set())
+        return [f"{parent}.{proj}.{leaf}" for i, proj in enumerate(_SHARDS[fused]) if i not in seen]
 
     def _untie_if_different(self, head: torch.Tensor, loaded: set[str]) -> None:
         """tie_word_embeddings with an lm_head.weight that is not the embedding: transformers then
@@ -266,6 +279,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     checkpoints hold qkv_proj / gate_up_proj already fused."""
 
     variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, sliding="every_layer")
+    fused_checkpoint = True
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

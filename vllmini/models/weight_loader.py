@@ -286,6 +286,8 @@ def load_model(
         if callable(reset):
             reset()
     missing = _missing_parameters(model, set(loaded))
+    if callable(names := getattr(model, "checkpoint_names", None)):  # fused parameters: name the checkpoint's tensors
+        missing = [tensor for param in missing for tensor in names(param)]
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
         raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}")
