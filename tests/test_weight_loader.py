@@ -420,3 +420,18 @@ def test_missing_shard_of_a_fused_parameter_is_named(tmp_path: Path, tiny_dirs) 
     msg = str(info.value)
     assert "model.layers.1.self_attn.k_proj.weight" in msg and "model.layers.0.mlp.up_proj.weight" in msg
     assert "qkv_proj" not in msg and "gate_up_proj" not in msg and "q_proj" not in msg and "gate_proj" not in msg
+
+
+def test_config_code_is_never_run(tmp_path: Path, tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A config whose model_type only its own code defines (auto_map) is refused, whatever stdin answers,
+    with a message saying why trust_remote_code does not help."""
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    marker = tmp_path / "pwned"
+    (d / "evil_cfg.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\nfrom transformers import LlamaConfig\n"
+                                   "class EvilConfig(LlamaConfig):\n    model_type = 'evil'\n")  # fmt: skip
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(config | {"model_type": "evil", "auto_map": {"AutoConfig": "evil_cfg.EvilConfig"}}))
+    monkeypatch.setattr("builtins.input", lambda *args: "y")
+    with pytest.raises(ValueError, match=r"config\.json \(its auto_map names code of its own, which vllmini never runs"):
+        load_model(d, torch.float32, CPU)
+    assert not marker.exists()

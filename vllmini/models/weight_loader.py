@@ -184,7 +184,9 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     try:
         return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
-        raise ValueError(f"transformers cannot read {path}: {exc}") from exc
+        # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
+        code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
+        raise ValueError(f"transformers cannot read {path}{code if 'auto_map' in raw else ''}: {exc}") from exc
 
 
 def load_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
