@@ -435,3 +435,20 @@ def test_config_code_is_never_run(tmp_path: Path, tiny_dirs, monkeypatch: pytest
     with pytest.raises(ValueError, match=r"config\.json \(its auto_map names code of its own, which vllmini never runs"):
         load_model(d, torch.float32, CPU)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ],
+)
+def test_unsupported_settings_name_the_config_file(tmp_path: Path, tiny_dirs, change: dict, needle: str) -> None:
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    config = json.loads((d / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    (d / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=rf"m/config\.json: {needle} is not supported; supported: "):
+        load_model(d, torch.float32, CPU)

@@ -276,8 +276,11 @@ def load_model(
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
     cls = registry.get_model_class(config.architectures)
-    with torch.device("meta"):
-        model = cls(config)
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except ValueError as exc:  # a setting the model class refuses (rope type, activation): say which file holds it
+        raise ValueError(f"{model_dir / 'config.json'}: {exc}") from None
     model.to(dtype)
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
