@@ -87,7 +87,8 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     (Vicuna-v1.5-16k: 4096 with factor 4); llama3 configs already state the scaled one."""
     from vllmini.models.layers import rope_parameters
 
-    lengths = [int(v) for key in _MAX_LEN_KEYS if isinstance(v := getattr(hf_config, key, None), (int, float)) and v > 0]
+    values = [getattr(hf_config, key, None) for key in _MAX_LEN_KEYS]
+    lengths = [int(v) for v in values if isinstance(v, (int, float)) and v > 0]
     if lengths:
         derived, source = min(lengths), "config.json"
     else:
@@ -162,7 +163,7 @@ class EngineArgs:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
-            raise ValueError(f"revision must be a branch, tag or commit of the hub repo (or None), got {self.revision!r}")
+            raise ValueError(f"revision must be a hub branch, tag or commit (or None), got {self.revision!r}")
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
