@@ -23,6 +23,7 @@ _configure_logging()
 
 from vllmini.config import EngineArgs
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -34,6 +35,9 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

@@ -21,6 +21,19 @@ logger = logging.getLogger("vllmini")
 PromptType = str | list[int] | dict[str, Any]
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt, text only
 
+
+def as_prompt_list(prompts: PromptType | Any) -> list[PromptType]:
+    """One prompt (text, token ids, a dict) or an iterable of them, as a list, the way
+    ``LLM.generate`` and ``LLM.beam_search`` take them."""
+    token_ids = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+    if isinstance(prompts, (str, dict)) or token_ids:
+        return [prompts]
+    try:
+        return list(prompts)  # (a generator of prompts too)
+    except TypeError:
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
+
+
 # generation_config.json fields vLLM takes as default sampling parameters (max_new_tokens -> max_tokens)
 _GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
 

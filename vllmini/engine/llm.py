@@ -7,7 +7,10 @@ import msgspec
 from tqdm.auto import tqdm
 
 from vllmini.config import EngineArgs
+from vllmini.engine import beam_search
+from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from vllmini.engine.chat import render_chat
+from vllmini.engine.input_processor import as_prompt_list
 from vllmini.engine.llm_engine import LLMEngine, PromptType
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
@@ -44,12 +47,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
         progress bar, or (as vLLM) the tqdm-like factory that makes it."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        try:
-            prompts = list(prompts)  # (a generator of prompts too)
-        except TypeError:
-            raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}") from None
+        prompts = as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
@@ -85,6 +83,17 @@ class LLM:
                 engine.abort_request(ids)
                 raise
         return [finals[i] for i in ids]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search, built on ``generate`` (engine/beam_search.py): one
+        ``BeamSearchOutput`` per prompt, its ``sequences`` best first."""
+        return beam_search.beam_search(self, prompts, params, use_tqdm, concurrency_limit)
 
     def chat(
         self,

@@ -1,0 +1,174 @@
+"""Offline beam search (``LLM.beam_search``), the way vLLM does it: on top of ``LLM.generate``.
+
+Why at this level: a beam is only a prompt (the original prompt plus the tokens it chose), so
+the scheduler, sampler and KV cache need no beam state of their own (no block forking, nothing
+left to leak). Each step sends every live beam of every prompt to ONE ``LLM.generate`` call,
+one token each with the top ``2 * beam_width`` logprobs (as transformers, so that enough
+non-EOS candidates remain); the prefix cache makes the beams' shared prefixes cheap. Each
+candidate (a beam plus one of those tokens, its logprob added to the beam's) is ranked per
+prompt and the best ``beam_width`` live on; one ending in EOS (unless ``ignore_eos``) is
+completed instead. At the end, completed and live beams are ranked together by vLLM's
+length-penalised score and the best ``beam_width`` returned.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Collection
+
+import msgspec
+from tqdm.auto import tqdm
+
+from vllmini.engine.input_processor import PromptType, as_prompt_list
+from vllmini.engine.outputs import LogprobsEntry
+from vllmini.engine.sampling_params import _FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams, _bad, _is_int, _is_real
+
+if TYPE_CHECKING:
+    from vllmini.engine.llm import LLM
+
+logger = logging.getLogger("vllmini")
+
+
+class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's beam search options (names, order and defaults), validated at construction so that
+    a bad value is a ValueError naming the field, not a failure steps later. ``temperature`` 0
+    ranks by the model's logprobs alone; above 0 each beam's sampled token joins its candidates
+    (raw logprobs still rank them, as in vLLM). ``length_penalty``: the final score is
+    ``cum_logprob / length ** length_penalty``, see ``beam_score``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            if not _is_int(value := getattr(self, name)) or value < 1:
+                raise _bad(name, "an int >= 1", value)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise _bad(name, "a bool", value)
+        for name, accepted, ok in (("temperature", ">= 0", lambda v: v >= 0), ("length_penalty", "", lambda v: True)):
+            value = getattr(self, name)
+            if not _is_real(value) or not abs(value) <= _FLOAT32_MAX or not ok(value):
+                raise _bad(name, f"a finite float32 number {accepted}".rstrip(), value)
+            setattr(self, name, float(value))
+        if 0 < self.temperature < MIN_TEMPERATURE:  # (warned here once, not by every step's SamplingParams)
+            logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
+                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
+            self.temperature = MIN_TEMPERATURE
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: ``tokens`` holds the prompt and the generated ids (a final EOS included, as in
+    vLLM's offline beam search), ``logprobs`` one entry per generated token (that step's top
+    ``2 * beam_width``), ``text`` the decoded tokens (filled when returned)."""
+
+    tokens: list[int]
+    logprobs: list[LogprobsEntry] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) | "length" (max_tokens or the context is full)
+    stop_reason: int | None = None  # the EOS id that completed it
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best ``beam_width`` sequences of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(beam: BeamSearchSequence, length_penalty: float) -> float:
+    """vLLM's ``get_beam_search_score`` (transformers' score before its 2024 rewrite): the length
+    counts the prompt and not a final EOS. Only completed beams differ in length, so with no EOS
+    the ranking is by cumulative logprob alone, whatever the penalty."""
+    length = len(beam.tokens) - (beam.finish_reason == "stop")
+    return beam.cum_logprob / (length**length_penalty)
+
+
+@dataclass
+class _Search:
+    """One prompt's state: live beams (all of one length) and the completed ones."""
+
+    prompt_len: int
+    live: list[BeamSearchSequence]
+    done: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def beam_search(
+    llm: LLM, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+    use_tqdm: bool = False, concurrency_limit: int | None = None,
+) -> list[BeamSearchOutput]:  # fmt: skip
+    """``LLM.beam_search``: one ``BeamSearchOutput`` per prompt, in input order.
+    ``concurrency_limit``: search that many prompts at a time (vLLM's option); None: all."""
+    if not isinstance(params, BeamSearchParams):
+        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
+        raise _bad("concurrency_limit", "an int >= 1 or None", concurrency_limit)
+    engine = llm.llm_engine
+    cap = engine.input_processor.max_logprobs
+    if 2 * params.beam_width > cap:  # (else the first step would name logprobs, which the caller never set)
+        raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {2 * params.beam_width} logprobs "
+                         f"per step, more than max_logprobs={cap} (an EngineArgs field; -1 lifts it)")  # fmt: skip
+    eos = frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
+    # every prompt is checked before any work is done
+    prompt_ids = [engine.tokenize(p)[1] for p in as_prompt_list(prompts)]
+    searches = [_Search(len(ids), [BeamSearchSequence(ids)]) for ids in prompt_ids]
+    step_params = SamplingParams(
+        max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
+    )
+    group = concurrency_limit or max(len(searches), 1)
+    for start in range(0, len(searches), group):
+        steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm)
+        for _ in steps:
+            if not _step(llm, searches[start : start + group], step_params, params, eos):
+                break
+    tokenizer = engine.tokenizer
+    outputs = []
+    for search in searches:
+        ranked = sorted(search.done + search.live, key=lambda b: beam_score(b, params.length_penalty), reverse=True)
+        best = ranked[: params.beam_width]
+        for beam in best:
+            beam.finish_reason = beam.finish_reason or "length"
+            hide_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
+            beam.text = tokenizer.decode(beam.tokens[:-1] if hide_eos else beam.tokens)
+        outputs.append(BeamSearchOutput(best))
+    return outputs
+
+
+def _step(llm: LLM, searches: list[_Search], step_params: SamplingParams, params: BeamSearchParams,
+          eos: Collection[int]) -> bool:  # fmt: skip
+    """Extend every live beam by one token; False when no beam was left to extend."""
+    room = llm.llm_engine.input_processor.room
+    for search in searches:  # a beam that filled the context (or the KV cache) can go no further
+        full = [len(b.tokens) > search.prompt_len and room(len(b.tokens)) < 1 for b in search.live]
+        search.done += [_finished(b, "length") for b, f in zip(search.live, full) if f]
+        search.live = [b for b, f in zip(search.live, full) if not f]
+    beams = [(search, beam) for search in searches for beam in search.live]
+    if not beams:
+        return False
+    results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False)
+    candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
+    for (search, beam), result in zip(beams, results):
+        # no logprobs: the row ended without a token (invalid logits), so the beam ends here, as in vLLM
+        for entry in result.outputs[0].logprobs or []:
+            for token, logprob in entry.items():
+                cum_logprob = beam.cum_logprob + float(logprob)
+                child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], cum_logprob)
+                if token in eos:
+                    search.done.append(_finished(child, "stop", token))
+                else:
+                    candidates[id(search)].append(child)
+    for search in searches:  # (one length per prompt: this ranks by cumulative logprob, stable on ties)
+        ranked = sorted(candidates[id(search)], key=lambda b: beam_score(b, params.length_penalty), reverse=True)
+        search.live = ranked[: params.beam_width]
+    return True
+
+
+def _finished(beam: BeamSearchSequence, reason: str, stop_reason: Any = None) -> BeamSearchSequence:
+    beam.finish_reason, beam.stop_reason = reason, stop_reason
+    return beam
