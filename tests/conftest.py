@@ -1,5 +1,7 @@
 """Shared fixtures.
 
+``tiny_dir``: a tiny random Llama (SmolLM2's vocabulary and tokenizer), saved once per session.
+
 ``default_model_dir``: the bundled SmolLM2-135M-Instruct converted to an HF directory.
 It lives in ``$VLLMINI_CACHE`` (else ``~/.cache/vllmini``), so the one-time conversion
 (~15 s) is paid on the first run only; tests that must convert from scratch use their
@@ -38,3 +40,16 @@ def default_gguf() -> Path:
 @pytest.fixture(scope="session")
 def default_model_dir(default_gguf: Path) -> Path:
     return resolve_model_dir("default", default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, default_model_dir: Path) -> Path:
+    """A tiny random Llama with the default model's vocabulary and tokenizer, built once (seed 0).
+    Tests read it; one that changes a file copies it first."""
+    from transformers import LlamaForCausalLM
+
+    from helpers import save_tiny_model, tiny_llama_config
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)

@@ -6,22 +6,12 @@ import inspect
 import time
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM as HFLlama
 
-from helpers import save_tiny_model, tiny_llama_config
 from vllmini import (
     AsyncLLMEngine, CompletionOutput, EngineArgs, EngineDeadError, LLMEngine, RequestOutput, SamplingParams,
 )
 
 KV = 2**22
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_model_dir):
-    torch.manual_seed(0)
-    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
-    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,7 @@ import statistics
 import time
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM as HFLlama
 
-from helpers import save_tiny_model, tiny_llama_config
 from test_engine import assert_no_leaks
 from vllmini import LLM, EngineArgs, SamplingParams
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -25,13 +22,6 @@ def event_loop_policy(request):
 
         return uvloop.EventLoopPolicy()
     return asyncio.DefaultEventLoopPolicy()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_model_dir):
-    torch.manual_seed(0)
-    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
-    return save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -6,18 +6,8 @@ import io
 import sys
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM as HFLlama
 
-from helpers import save_tiny_model, tiny_llama_config
 from vllmini.cli import main
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_model_dir):
-    torch.manual_seed(0)
-    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
-    return save_tiny_model(hf, tmp_path_factory.mktemp("m"), default_model_dir)
 
 
 def test_generate_streams_each_prompt_and_summarizes(tiny_dir, capsys):
