@@ -3,6 +3,7 @@ documented semantics, backend selection and fallbacks, dtype rules, and the padd
 decode forward (what a CUDA graph replays) against the eager forward."""
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import logging
 import math
@@ -380,6 +381,57 @@ def test_graph_runner_refuses_what_it_cannot_replay():
     assert not runner.can_run(too_many)
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         DecodeGraphRunner(model, [], 4, 8, 40, 0, torch.device("cpu"), use_graphs=True)
+
+
+def test_graph_capture_and_its_memory_reserve_use_one_side_stream(monkeypatch):
+    """Every size's warm-up and capture, and the forward that sizes the graphs' memory reserve,
+    run on one side stream: cuBLAS takes a workspace per stream from torch's allocator on its
+    first matmul and keeps it (32 MiB on sm_90), so a stream per size (20 at max_num_seqs=256)
+    would hold 640 MiB outside the KV budget. torch.cuda is faked: this records the streams."""
+    from vllmini.engine import cuda_graph
+
+    created, entered, captured_on = [], [], []
+
+    class Stream:
+        def __init__(self, device=None):
+            created.append(self)
+
+        def wait_stream(self, other):
+            pass
+
+    class Graph:
+        def pool(self):
+            return ("pool",)
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        entered.append(stream)
+        yield
+
+    @contextlib.contextmanager
+    def capture(graph, pool=None, stream=None):
+        captured_on.append(stream)
+        yield
+
+    default = object.__new__(Stream)  # the current stream (not created through Stream())
+    for name, value in dict(Stream=Stream, stream=on_stream, graph=capture, CUDAGraph=Graph,
+                            current_stream=lambda device=None: default, synchronize=lambda device=None: None,
+                            reset_peak_memory_stats=lambda device=None: None, memory_allocated=lambda device=None: 0,
+                            max_memory_allocated=lambda device=None: 0).items():  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    cuda_graph.graph_stream.cache_clear()
+    try:
+        model = _random_model(tiny_llama_config(), torch_attention)
+        shape = (11, 4, model.num_kv_heads, model.head_dim)
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in model.model.layers]
+        DecodeGraphRunner.activation_bytes(model, shape, torch.float32, len(caches), 20, 40, torch.device("cpu"))
+        runner = DecodeGraphRunner(model, caches, 4, 20, 40, 10, torch.device("cpu"), use_graphs=False)
+        runner.use_graphs = True  # the capture path, with the faked torch.cuda
+        runner.capture()
+    finally:
+        cuda_graph.graph_stream.cache_clear()
+    assert sorted(runner.graphs) == [1, 2, 4, 8, 16, 32]
+    assert len(created) == 1 and entered == created * 7 and captured_on == created * 6
 
 
 def test_engine_steps_through_the_graph_runner(tmp_path):
