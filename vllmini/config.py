@@ -126,6 +126,9 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # "fcfs", or "priority": requests carry a priority (lower first) that orders the queue and
+    # picks whom to preempt (vLLM's scheduling_policy; scheduler/scheduler.py)
+    scheduling_policy: str = "fcfs"
     block_size: int | None = None  # auto: 16 on CPU, 256 on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (auto: 1 GiB)
     gpu_memory_utilization: float = 0.9
@@ -171,6 +174,8 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:

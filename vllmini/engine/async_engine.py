@@ -223,14 +223,17 @@ class AsyncLLMEngine:
         prompt: PromptType | list[dict[str, str]],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (cumulative, delta or final per ``output_kind``)."""
+        """Stream a request's outputs (cumulative, delta or final per ``output_kind``).
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
         await self.check_health()
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id is None:  # an id no caller's request holds
             request_id = self.engine.new_request_id(self._streams)
-        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params)
+        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority)
         rid = state.request_id
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already in use")

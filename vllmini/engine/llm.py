@@ -44,10 +44,15 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
-        progress bar, or (as vLLM) the tqdm-like factory that makes it."""
+        progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one per
+        prompt (lower first), with ``scheduling_policy="priority"``."""
         prompts = as_prompt_list(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
@@ -62,8 +67,8 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params, default_output_kind="final"))
+            for prompt, params, prio in zip(prompts, params_list, priorities):
+                ids.append(engine.add_request(None, prompt, params, default_output_kind="final", priority=prio))
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise

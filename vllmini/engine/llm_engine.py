@@ -110,7 +110,8 @@ class LLMEngine:
             num_blocks, block_size, args.enable_prefix_caching, kv_window, null_block=num_blocks + pad
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows),
+            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows,
+                            args.scheduling_policy),  # fmt: skip
             self.block_manager,
         )
         kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, self.device)
@@ -176,23 +177,29 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None, default_output_kind: str | None = None,
+        arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
         nothing is queued then. ``arrival_time``: a ``time.time()`` value, as in vLLM (it is moved
-        onto ``time.monotonic()``, the clock of ``RequestMetrics``; a future one counts as now)."""
-        state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind)
+        onto ``time.monotonic()``, the clock of ``RequestMetrics``; a future one counts as now).
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
+        state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind, priority)
         self.enqueue(state)
         return state.request_id
 
     def prepare_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-        arrival_time: float | None = None, default_output_kind: str | None = None,
+        arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
     ) -> RequestState:  # fmt: skip
         """Validate and tokenize without touching the scheduler, so that the async engine can
         do it on the caller's thread and raise right at the call. ``params`` None: the model's
         default sampling parameters (``get_default_sampling_params``), with
         ``default_output_kind`` when given."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs EngineArgs.scheduling_policy='priority' (it is "
+                             f"{self.args.scheduling_policy!r})")  # fmt: skip
         inp = self.input_processor.process(prompt, params, default_output_kind)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = self.new_request_id() if request_id is None else str(request_id)
@@ -200,7 +207,8 @@ class LLMEngine:
         if arrival_time is not None:  # vLLM's clock (time.time()), moved onto RequestMetrics' monotonic one
             now -= min(max(0.0, time.time() - arrival_time), now)
         seqs = [
-            Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now)
+            Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now,
+                     priority=priority)  # fmt: skip
             for i in range(params.n)
         ]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]

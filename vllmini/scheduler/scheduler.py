@@ -3,15 +3,20 @@
 Each step (vLLM v1 style, one token budget for everything):
 1. running sequences first, oldest first: a decode takes 1 token of the budget, a
    sequence still prefilling (a chunked or recomputed prompt) takes what is left of it;
-2. then waiting sequences are admitted FCFS while the budget and ``max_num_seqs``
+2. then waiting sequences are admitted in queue order while the budget and ``max_num_seqs``
    allow, a long prompt getting only a chunk of the budget (its rest comes next steps).
 Prefill chunks and decodes go into the same forward. When the block pool cannot give
-a running sequence its slot, the most recently admitted running sequence is preempted:
-its blocks are freed and it goes back to the front of the queue to be recomputed.
+a running sequence its slot, a running sequence is preempted: its blocks are freed and
+it goes back to the queue to be recomputed.
+Policies, as vLLM's ``scheduling_policy``: "fcfs" queues by arrival and preempts the most
+recently admitted; "priority" queues by (priority, arrival), lower first, and preempts the
+running sequence that comes last in that order (even one already scheduled this step,
+which is then taken out of the step). Neither preempts to admit a waiting request.
 The scheduler counts tokens and blocks; it never sees a tensor.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ class SchedulerConfig:
     # prompt_logprobs: at most this many prompt positions projected to logits per step (each is
     # a vocabulary-wide row; None: no cap), so a long prompt is scored in several steps
     max_prompt_logits_rows: int | None = None
+    policy: str = "fcfs"  # or "priority"
 
 
 @dataclass
@@ -74,7 +80,16 @@ class Scheduler:
 
     # ---- queue management -------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.config.policy == "priority":
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _queue_by_priority(self, seq: Sequence) -> None:
+        """Insert in (priority, arrival) order, after its equals: a preempted sequence, which
+        arrived earlier, goes back before those that arrived after it."""
+        keys = [_priority_key(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, _priority_key(seq)), seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV is already in place (forked from a sibling): it decodes from the next step."""
@@ -108,7 +123,12 @@ class Scheduler:
                     continue
                 rows_left -= seq.prompt_logits_rows(seq.num_computed_tokens, num_new)
             while not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
-                victim = self.running.pop()  # the most recently admitted
+                victim = self._pick_victim()
+                j = self.running.index(victim)
+                del self.running[j]
+                if j < i:  # (priority only) already scheduled this step: take it out of the step
+                    i -= 1
+                    budget, rows_left = self._unschedule(victim, out, budget, rows_left)
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -154,6 +174,24 @@ class Scheduler:
                 self.stats.num_chunked_prefills += 1
         return out
 
+    def _pick_victim(self) -> Sequence:
+        """fcfs: the most recently admitted; priority: the last in (priority, arrival) order."""
+        if self.config.policy == "priority":
+            return max(reversed(self.running), key=_priority_key)  # (ties: the most recently admitted)
+        return self.running[-1]
+
+    @staticmethod
+    def _unschedule(seq: Sequence, out: SchedulerOutput, budget: int, rows_left: int | None) -> tuple[int, int | None]:
+        """Take ``seq`` out of this step; the budget and logits rows it held are given back.
+        (A sequence passed over for want of logits rows is not in the step.)"""
+        entry = next((s for s in out.scheduled if s.seq is seq), None)
+        if entry is None:
+            return budget, rows_left
+        out.scheduled.remove(entry)
+        if rows_left is not None:
+            rows_left += seq.prompt_logits_rows(seq.num_computed_tokens, entry.num_new_tokens)
+        return budget + entry.num_new_tokens, rows_left
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Free the sequence's blocks and requeue it at the front; it will be recomputed
         (prompt + what it generated so far) when admitted again."""
@@ -162,10 +200,17 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        if self.config.policy == "priority":
+            self._queue_by_priority(seq)
+        else:
+            self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
     def update_computed(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens now have their K/V in the cache."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return seq.priority, seq.arrival_time

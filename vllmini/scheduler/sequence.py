@@ -34,6 +34,7 @@ class Sequence:
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
     index: int = 0  # which of the request's n completions
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # scheduling_policy="priority": lower is served first (vLLM's convention)
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
