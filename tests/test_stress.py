@@ -2,7 +2,7 @@
 (greedy, seeded, n > 1, stop strings and ids, penalties, min_tokens, logprobs, prompt logprobs,
 logit bias, allowed tokens, bad words, delta outputs), shared prompt prefixes, a KV cache tight
 enough to preempt, prefill chunks of 32 tokens, and consumers that leave early (break, task
-cancel, abort). Each feature has its own tests; this one checks that together they keep the
+cancel, abort); with async scheduling, the priority policy and random priorities too. Each feature has its own tests; this one checks that together they keep the
 invariants: every stream ends the way its consumer chose, finished outputs are well-formed,
 greedy rows equal transformers' tokens, nothing leaks."""
 from __future__ import annotations
@@ -78,14 +78,18 @@ async def test_everything_at_once(tiny, async_scheduling):
     shared = [rng.randint(100, 4000) for _ in range(48)]
     requests = [random_request(rng, shared) for _ in range(NUM_REQUESTS)]
     leave = {i: rng.choice(["break", "cancel", "abort"]) for i in rng.sample(range(NUM_REQUESTS), 12)}
+    policy = "priority" if async_scheduling else "fcfs"
+    prio = random.Random(11)
+    priorities = [prio.randint(-2, 2) if policy == "priority" else 0 for _ in range(NUM_REQUESTS)]
     args = EngineArgs(model=str(model_dir), kv_cache_memory=kv_bytes(CONFIG, 20), max_num_batched_tokens=32,
-                      max_num_seqs=8, max_model_len=256, async_scheduling=async_scheduling)  # fmt: skip
+                      max_num_seqs=8, max_model_len=256, async_scheduling=async_scheduling,
+                      scheduling_policy=policy)  # fmt: skip
     async with AsyncLLMEngine.from_engine_args(args) as engine:
 
         async def consume(i: int) -> list:
             await asyncio.sleep(rng.random() * 0.05)  # staggered arrivals
             outs = []
-            async for out in engine.generate(*requests[i], request_id=f"s{i}"):
+            async for out in engine.generate(*requests[i], request_id=f"s{i}", priority=priorities[i]):
                 outs.append(out)
                 if i in leave and len(outs) == 2:
                     if leave[i] == "break":
