@@ -89,6 +89,20 @@ def test_logprobs_decoded_token_of_split_characters(tok, text):
     assert all("\ufffd" not in d for d in tokens)
 
 
+def test_logprob_entry_ranks_follow_the_top_n_as_vllm(tok):
+    """The chosen token tied with another for the best logprob counts 2 tokens at least as likely,
+    but when it is in the top-N its rank is its place there (vLLM's LogprobsProcessor writes the
+    top-N over it), so the entry's ranks are 1..N once each; outside the top-N it keeps its own."""
+    op = OutputProcessor(_Scheduler(), (EOS,), 10**6, tok)
+    state = RequestState("r", None, [1], SamplingParams(logprobs=2), [], [], 0.0)
+    entry = op.logprob_entry(state, 7, -0.5, 2, [-0.5, -0.5], [7, 9])
+    assert list(entry) == [7, 9] and [v.rank for v in entry.values()] == [1, 2]
+    entry = op.logprob_entry(state, 7, -0.5, 2, [-0.5, -0.5], [9, 7])
+    assert list(entry) == [7, 9] and [v.rank for v in entry.values()] == [2, 1]
+    entry = op.logprob_entry(state, 7, -0.5, 3, [-0.5, -0.5], [9, 11])
+    assert list(entry) == [7, 9, 11] and [v.rank for v in entry.values()] == [3, 1, 2]
+
+
 def test_logprobs_decoded_token_keeps_invalid_bytes_that_nothing_completes(tok):
     """A lone continuation byte completes nothing: "" as in vLLM; the text keeps its U+FFFD."""
     lone = tok.convert_tokens_to_ids("Ģ")  # byte 0x80

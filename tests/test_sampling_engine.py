@@ -214,6 +214,34 @@ def test_logprobs_are_vllm_logprob_objects(tiny_llm):
     assert pickle.loads(pickle.dumps(v)).rank == v.rank and "rank=" in repr(v)
 
 
+def test_logprob_ranks_with_tied_logits(tmp_path, default_model_dir):
+    """Every odd token's lm_head row equals the even token's before it, so logits come in exact
+    pairs. As in vLLM, each top-N entry's rank is its place in the top-N, the chosen (or prompt)
+    token's too when it is one of them (vLLM writes the top-N over it): an entry's top-N ranks are
+    1..N once each, whatever order topk puts a tied pair in; outside the top-N the token's rank
+    counts the tokens at least as likely (so a greedy token tied with its twin is rank 2 alone)."""
+    torch.manual_seed(0)
+    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
+    with torch.no_grad():
+        hf.lm_head.weight[1::2] = hf.lm_head.weight[0::2]
+    llm = LLM(model=str(save_tiny_model(hf, tmp_path, default_model_dir)))
+    prompt = PROMPT["prompt_token_ids"]
+    for n in (0, 1, 2, 3, 4):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=n, prompt_logprobs=n)
+        out = llm.generate(PROMPT, params, use_tqdm=False)[0]
+        comp = out.outputs[0]
+        entries = list(zip(comp.token_ids, comp.logprobs)) + list(zip(prompt[1:], out.prompt_logprobs[1:]))
+        for token, entry in entries:
+            assert next(iter(entry)) == token
+            top = list(entry.values())[1:] if len(entry) == n + 1 else list(entry.values())
+            assert sorted(v.rank for v in top) == list(range(1, n + 1)), (n, token, entry)
+            assert sorted(top, key=lambda v: v.rank) == sorted(top, reverse=True), (n, token, entry)
+            if len(entry) == n + 1:  # outside the top-N: its twin is at least as likely
+                assert entry[token].rank > n and entry[token].rank % 2 == 0, (n, token, entry)
+        if n == 0:  # greedy picks the first of a tied pair: rank 2
+            assert all(e[t].rank == 2 for t, e in zip(comp.token_ids, comp.logprobs))
+
+
 def test_invalid_logits_fail_only_that_request(tiny_llm, monkeypatch):
     eng = tiny_llm.llm_engine
     poisoned = {}

@@ -94,13 +94,19 @@ class OutputProcessor:
         context: _Seq[int] = (),
     ) -> LogprobsEntry:
         """vLLM's shape of one position's logprobs: the actual token first, then the top-N
-        (the actual token appears once, so the dict has N or N + 1 entries). ``context``: the
-        tokens before this position that vLLM reads a split character's pieces against (the
-        sampled tokens before it, or the prompt tokens after the first)."""
+        (the actual token appears once, so the dict has N or N + 1 entries). Each top-N entry's
+        rank is its place in the top-N, the actual token's too when it is among them (vLLM writes
+        the top-N over it): with ties, ``rank`` (how many tokens are at least as likely) may be
+        larger than that place, and one entry per rank 1..N keeps the ranking consistent.
+        ``context``: the tokens before this position that vLLM reads a split character's pieces
+        against (the sampled tokens before it, or the prompt tokens after the first)."""
         detokenize = state.params.detokenize
+        top_ids = [int(t) for t in top_ids]
+        if token in top_ids:
+            rank = top_ids.index(token) + 1
         entry = {token: Logprob(value, rank, self.token_text_in_context(token, context) if detokenize else None)}
         for i, (v, t) in enumerate(zip(top_values, top_ids)):
-            if (t := int(t)) not in entry:
+            if t not in entry:
                 entry[t] = Logprob(float(v), i + 1, self.token_text_in_context(t, context) if detokenize else None)
         return entry
 
