@@ -292,6 +292,7 @@ def test_output_kinds_and_stop_string_holdback(tiny_llm, with_stop):
         assert final.text.startswith(out.outputs[0].text)
     assert "".join(o.outputs[0].text for o in deltas) == final.text
     assert sum((o.outputs[0].token_ids for o in deltas), []) == final.token_ids
+    assert all(o.prompt_logprobs is None for o in deltas)  # not asked for: None, not [] (as vLLM)
     if with_stop:
         assert final.finish_reason == "stop" and stop[0] not in final.text
     assert_no_leaks(tiny_llm)

@@ -234,13 +234,14 @@ class OutputProcessor:
 
     @staticmethod
     def _prompt_logprobs(state: RequestState) -> list[LogprobsEntry | None] | None:
-        """Once the whole prompt is scored: in every output, or only the first for "delta"."""
+        """Once the whole prompt is scored: in every output, or only the first for "delta"
+        (the later ones get [], as vLLM's: None stays the answer of a request that did not ask)."""
         recorded = state.prompt_logprobs
         if recorded is None or len(recorded) < state.seqs[0].num_prompt_tokens:
             return None
         if state.params.output_kind == "delta":
             if state.prompt_logprobs_sent:
-                return None
+                return []
             state.prompt_logprobs_sent = True
         return recorded
 
