@@ -54,6 +54,7 @@ def test_normalization():
                        (RequestOutputKind.FINAL_ONLY, "final")):  # fmt: skip
         p = SamplingParams(output_kind=kind)  # vLLM's enum, stored as our string (and so JSON-safe)
         assert p.output_kind == name and msgspec.json.decode(msgspec.json.encode(p), type=SamplingParams) == p
+        assert p.output_kind == kind and SamplingParams(output_kind=name).output_kind == kind  # vLLM code compares so
 
 
 def test_default_lists_are_not_shared():

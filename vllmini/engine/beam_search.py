@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from vllmini.engine.input_processor import PromptType, as_prompt_list
 from vllmini.engine.outputs import LogprobsEntry
-from vllmini.engine.sampling_params import _FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams, _bad, _is_int, _is_real
+from vllmini.engine.sampling_params import FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams, bad_value, is_int, is_real
 
 if TYPE_CHECKING:
     from vllmini.engine.llm import LLM
@@ -45,15 +45,15 @@ class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
-            if not _is_int(value := getattr(self, name)) or value < 1:
-                raise _bad(name, "an int >= 1", value)
+            if not is_int(value := getattr(self, name)) or value < 1:
+                raise bad_value(name, "an int >= 1", value)
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(value := getattr(self, name), bool):
-                raise _bad(name, "a bool", value)
+                raise bad_value(name, "a bool", value)
         for name, accepted, ok in (("temperature", ">= 0", lambda v: v >= 0), ("length_penalty", "", lambda v: True)):
             value = getattr(self, name)
-            if not _is_real(value) or not abs(value) <= _FLOAT32_MAX or not ok(value):
-                raise _bad(name, f"a finite float32 number {accepted}".rstrip(), value)
+            if not is_real(value) or not abs(value) <= FLOAT32_MAX or not ok(value):
+                raise bad_value(name, f"a finite float32 number {accepted}".rstrip(), value)
             setattr(self, name, float(value))
         if 0 < self.temperature < MIN_TEMPERATURE:  # (warned here once, not by every step's SamplingParams)
             logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
@@ -107,8 +107,8 @@ def beam_search(
     ``concurrency_limit``: search that many prompts at a time (vLLM's option); None: all."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
-        raise _bad("concurrency_limit", "an int >= 1 or None", concurrency_limit)
+    if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
+        raise bad_value("concurrency_limit", "an int >= 1 or None", concurrency_limit)
     engine = llm.llm_engine
     cap = engine.input_processor.max_logprobs
     if 2 * params.beam_width > cap:  # (else the first step would name logprobs, which the caller never set)

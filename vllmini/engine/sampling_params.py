@@ -26,8 +26,9 @@ OutputKind = Literal["cumulative", "delta", "final"]
 _OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
-class RequestOutputKind(enum.Enum):
-    """vLLM's spelling of ``output_kind``; a member is stored as its string ("delta", ...)."""
+class RequestOutputKind(str, enum.Enum):
+    """vLLM's spelling of ``output_kind``; a member is stored as its string ("delta", ...). A str
+    enum, so that vLLM code comparing ``params.output_kind == RequestOutputKind.DELTA`` holds."""
 
     CUMULATIVE = "cumulative"
     DELTA = "delta"
@@ -42,20 +43,26 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
-def _is_int(v: object) -> bool:
-    # bool is an int subclass; True as a count or id is almost always a mistake.
+# The checks below are shared with the other validated options (BeamSearchParams).
+
+
+def is_int(v: object) -> bool:
+    """An int that is not a bool: bool is an int subclass, and True as a count or id is almost
+    always a mistake."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-_FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38
 _FLOAT32_TINY = 2.0**-149  # the least positive float32: anything smaller rounds to 0 in the sampler
 
 
-def _is_real(v: object) -> bool:
+def is_real(v: object) -> bool:
+    """An int or float that is not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _bad(field: str, accepted: str, value: object) -> ValueError:
+def bad_value(field: str, accepted: str, value: object) -> ValueError:
+    """The error for a bad option: it names the field, what is accepted and what was given."""
     return ValueError(f"{field} must be {accepted}, got {value!r}")
 
 
@@ -133,85 +140,87 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.output_kind = self.output_kind.value
         if self.top_k == -1:  # vLLM's other spelling of "off"
             self.top_k = 0
-        if self.seed == -1 and _is_int(self.seed):  # vLLM's spelling of "no seed"
+        if self.seed == -1 and is_int(self.seed):  # vLLM's spelling of "no seed"
             self.seed = None
-        if _is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
+        if is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
                            self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
             self.temperature = MIN_TEMPERATURE
 
     def _validate(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            raise _bad("n", "an int >= 1", self.n)
+        if not is_int(self.n) or self.n < 1:
+            raise bad_value("n", "an int >= 1", self.n)
         self.temperature = self._real("temperature", ">= 0", lambda v: v >= 0)
         self.top_p = self._real("top_p", "in (0, 1]", lambda v: 0 < v <= 1)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise _bad("top_k", "an int >= 1, or 0 / -1 to disable", self.top_k)
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad_value("top_k", "an int >= 1, or 0 / -1 to disable", self.top_k)
         self.min_p = self._real("min_p", "in [0, 1]", lambda v: 0 <= v <= 1)
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", "an int or None", self.seed)
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise _bad("max_tokens", "an int >= 1 or None", self.max_tokens)
-        if not _is_int(self.min_tokens) or self.min_tokens < 0:
-            raise _bad("min_tokens", "an int >= 0", self.min_tokens)
+        if self.seed is not None and not is_int(self.seed):
+            raise bad_value("seed", "an int or None", self.seed)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad_value("max_tokens", "an int >= 1 or None", self.max_tokens)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad_value("min_tokens", "an int >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
             )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise _bad("stop", "a non-empty string or a list of non-empty strings", self.stop)
+            raise bad_value("stop", "a non-empty string or a list of non-empty strings", self.stop)
         if not isinstance(self.stop_token_ids, list) or not all(
-            _is_int(t) and t >= 0 for t in self.stop_token_ids
+            is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
-            raise _bad("stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
+            raise bad_value("stop_token_ids", "a list of ints >= 0", self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
-                raise _bad(name, "a bool", getattr(self, name))
+                raise bad_value(name, "a bool", getattr(self, name))
         if self.stop and not self.detokenize:
             raise ValueError(f"stop strings need detokenize=True (the text is matched), got stop={self.stop!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
-                raise _bad(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
+            if value is not None and (not is_int(value) or value < -1):
+                raise bad_value(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
         if self.truncate_prompt_tokens is not None and (
-            not _is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
+            not is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
         ):
-            raise _bad("truncate_prompt_tokens", "an int >= 1, -1 (max_model_len) or None", self.truncate_prompt_tokens)
+            accepted = "an int >= 1, -1 (max_model_len) or None"
+            raise bad_value("truncate_prompt_tokens", accepted, self.truncate_prompt_tokens)
         self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v >= _FLOAT32_TINY)
         for name in ("presence_penalty", "frequency_penalty"):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
         if self.output_kind not in _OUTPUT_KINDS:
-            raise _bad("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
+            raise bad_value("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
 
     def _validate_logit_controls(self) -> None:
         """logit_bias / allowed_token_ids / bad_words; token ids are checked against the
         vocabulary by the engine, which knows it."""
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise _bad("logit_bias", "a dict {token id: bias} or None", self.logit_bias)
+                raise bad_value("logit_bias", "a dict {token id: bias} or None", self.logit_bias)
             for token, bias in self.logit_bias.items():
-                ok = _is_int(token) and token >= 0 and _is_real(bias) and abs(bias) <= _FLOAT32_MAX  # no overflow
+                ok = is_int(token) and token >= 0 and is_real(bias) and abs(bias) <= FLOAT32_MAX  # no overflow
                 if not ok or not math.isfinite(bias):
-                    raise _bad("logit_bias", "a dict of int token ids >= 0 to finite float32 numbers", {token: bias})
+                    accepted = "a dict of int token ids >= 0 to finite float32 numbers"
+                    raise bad_value("logit_bias", accepted, {token: bias})
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
-            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids):
-                raise _bad("allowed_token_ids", "a non-empty list of ints >= 0 or None", ids)
+            if not isinstance(ids, (list, tuple)) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+                raise bad_value("allowed_token_ids", "a non-empty list of ints >= 0 or None", ids)
             self.allowed_token_ids = list(ids)
         if self.bad_words is not None:
             words = self.bad_words
             if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-                raise _bad("bad_words", "a list of strings that are not blank, or None", words)
+                raise bad_value("bad_words", "a list of strings that are not blank, or None", words)
             self.bad_words = list(words)
 
     def _real(self, name: str, accepted: str, ok) -> float:
         """A real number, finite in float32 (the sampler's precision), for which ``ok`` holds,
         returned as float."""
         v = getattr(self, name)
-        if not _is_real(v) or not abs(v) <= _FLOAT32_MAX or not ok(v):
-            raise _bad(name, f"a finite float32 number {accepted}", v)
+        if not is_real(v) or not abs(v) <= FLOAT32_MAX or not ok(v):
+            raise bad_value(name, f"a finite float32 number {accepted}", v)
         return float(v)
 
     @property
