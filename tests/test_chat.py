@@ -80,6 +80,8 @@ def test_chat_template_from_a_file_or_a_named_template(tok, tmp_path):
     assert render_chat(tok, [{"role": "user", "content": "hi"}], chat_template="plain")["prompt"] == "[user] hi\n"
     with pytest.raises(ValueError, match="chat_template 'missing.jinja' is neither a Jinja template nor an existing file"):
         render_chat(tok, [{"role": "user", "content": "hi"}], chat_template="missing.jinja")
+    with pytest.raises(ValueError, match="is neither a Jinja template nor an existing file"):
+        render_chat(tok, [{"role": "user", "content": "hi"}], chat_template="x" * 300)  # too long for a path
 
 
 def test_a_failing_template_is_a_value_error(tok):

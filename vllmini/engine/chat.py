@@ -63,7 +63,11 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | No
     if chat_template in named or any(c in chat_template for c in "{}\n"):
         return chat_template
     path = Path(chat_template).expanduser()
-    if not path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # e.g. a name too long for a path (ENAMETOOLONG): no file either
+        is_file = False
+    if not is_file:
         raise ValueError(f"chat_template {chat_template!r} is neither a Jinja template nor an existing file")
     return path.read_text()
 
