@@ -181,7 +181,7 @@ def test_bad_params_name_the_field(field, value):
         BeamSearchParams(**kwargs)
 
 
-def test_bad_requests_are_refused_before_any_work(llm):
+def test_bad_requests_are_refused_before_any_work(llm, monkeypatch):
     with pytest.raises(TypeError):
         BeamSearchParams(2, 4, n=3)  # an unknown field
     cap = llm.llm_engine.input_processor.max_logprobs
@@ -193,6 +193,13 @@ def test_bad_requests_are_refused_before_any_work(llm):
         llm.beam_search([[1, 2]], BeamSearchParams(2, 4), concurrency_limit=0)
     with pytest.raises(ValueError, match="vocabulary"):  # one bad prompt of several: nothing runs
         llm.beam_search([[1, 2], [1, 10**6]], BeamSearchParams(2, 4))
+    calls = []
+    generate = llm.generate
+    monkeypatch.setattr(llm, "generate", lambda ps, *a, **kw: calls.append(len(ps)) or generate(ps, *a, **kw))
+    too_long = [1] * llm.llm_engine.max_model_len  # in the second group: refused before the first one runs
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.beam_search([[1, 2], too_long], BeamSearchParams(2, 4), concurrency_limit=1)
+    assert calls == []
     assert_no_leaks(llm)
 
 

@@ -115,12 +115,14 @@ def beam_search(
         raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {2 * params.beam_width} logprobs "
                          f"per step, more than max_logprobs={cap} (an EngineArgs field; -1 lifts it)")  # fmt: skip
     eos = frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
-    # every prompt is checked before any work is done
-    prompt_ids = [engine.tokenize(p)[1] for p in as_prompt_list(prompts)]
-    searches = [_Search(len(ids), [BeamSearchSequence(ids)]) for ids in prompt_ids]
     step_params = SamplingParams(
         max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
     )
+    # every prompt is checked as generate checks it (its length too) before any work is done: with
+    # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
+    processor = engine.input_processor
+    prompt_ids = [processor.process(p, step_params).prompt_token_ids for p in as_prompt_list(prompts)]
+    searches = [_Search(len(ids), [BeamSearchSequence(ids)]) for ids in prompt_ids]
     group = concurrency_limit or max(len(searches), 1)
     for start in range(0, len(searches), group):
         steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm)
