@@ -79,17 +79,31 @@ def run_all(engine: LLMEngine) -> list[RequestOutput]:
     return outs
 
 
-def test_arrival_time_is_vllms_wall_clock(engine):
+def test_arrival_time_is_vllms_wall_clock(engine, monkeypatch):
     """vLLM's arrival_time is a time.time() value; RequestMetrics use time.monotonic(), so it is
-    moved onto that clock (taken as is, every latency from the metrics would be nonsense)."""
-    before = time.monotonic()
-    engine.add_request("w", "hi", SamplingParams(max_tokens=2), arrival_time=time.time() - 0.5)
-    engine.add_request("f", "hi", SamplingParams(max_tokens=2), arrival_time=time.time() + 60)  # future: now
-    after = time.monotonic()
+    moved onto that clock (taken as is, every latency from the metrics would be nonsense).
+
+    The engine reads both clocks; a thread descheduled between its two readings (a loaded core)
+    must not fail the test, so the bounds come from readings of both clocks around the submissions
+    (no tolerance window), and a 20 ms stall is put between the engine's readings to show it."""
+    wall_clock = time.time
+
+    def stalled_wall_clock() -> float:
+        time.sleep(0.02)
+        return wall_clock()
+
+    before, wall = time.monotonic(), time.time()
+    with monkeypatch.context() as m:
+        m.setattr(time, "time", stalled_wall_clock)
+        engine.add_request("w", "hi", SamplingParams(max_tokens=2), arrival_time=wall - 0.5)
+        engine.add_request("f", "hi", SamplingParams(max_tokens=2), arrival_time=wall + 60)  # future: now
+    wall_after, after = time.time(), time.monotonic()
     outs = run(engine)
-    eps = 1e-3  # (the two clocks' resolutions)
-    assert before - 0.5 - eps <= outs["w"].metrics.arrival_time <= after - 0.5 + eps
-    assert before - eps <= outs["f"].metrics.arrival_time <= after + eps
+    # arrival = monotonic() - (time.time() - (wall - 0.5)), each reading taken between ours
+    rounding = 1e-6  # (time.time()'s float spacing near 1.7e9 s is 2.4e-7)
+    lowest = before - (wall_after - wall) - 0.5
+    assert lowest - rounding <= outs["w"].metrics.arrival_time <= after - 0.5 + rounding
+    assert before <= outs["f"].metrics.arrival_time <= after
     assert outs["w"].metrics.first_token_time - outs["w"].metrics.arrival_time > 0.3
 
 
