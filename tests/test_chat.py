@@ -6,13 +6,10 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from tokenizers.processors import TemplateProcessing
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
-from transformers import LlamaForCausalLM as HFLlama
 
-from helpers import save_tiny_model, tiny_llama_config
 from vllmini import LLM, SamplingParams
 from vllmini.engine.chat import render_chat
 
@@ -26,11 +23,8 @@ def tok(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory, default_model_dir):
-    torch.manual_seed(0)
-    hf = HFLlama(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
-    return LLM(model=str(save_tiny_model(hf, tmp_path_factory.mktemp("tiny"), default_model_dir)),
-               kv_cache_memory=64 << 20)  # fmt: skip
+def llm(tiny_dir):
+    return LLM(model=str(tiny_dir), kv_cache_memory=64 << 20)
 
 
 def test_a_message_without_content_renders_as_empty(tok):

@@ -292,24 +292,12 @@ def test_default_model_loads_with_one_copy_of_memory(default_model_dir: Path) ->
     assert growth < 1.35 * weights, f"peak RSS grew by {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"
 
 
-@pytest.fixture(scope="module")
-def tiny_engine_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    """A tiny Llama with the default model's tokenizer: enough for a whole engine in ~1 s."""
-    from transformers import AutoModelForCausalLM
-
-    from helpers import save_tiny_model, tiny_llama_config
-
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_llama_config(vocab_size=49152, initializer_range=0.05)).eval()
-    return save_tiny_model(hf, tmp_path_factory.mktemp("engine"), default_model_dir)
-
-
-def test_tokenizer_code_is_never_run(tmp_path: Path, tiny_engine_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizer_code_is_never_run(tmp_path: Path, tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tokenizer with its own code (auto_map): with trust_remote_code unset, transformers asks on
     stdin whether to run it; a "y" there must not run it."""
     from vllmini import LLM
 
-    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    d = _copy_dir(tiny_dir, tmp_path / "m")
     marker = tmp_path / "pwned"
     (d / "evil_tok.py").write_text(
         f"open({str(marker)!r}, 'w').write('ran')\n"
@@ -324,10 +312,10 @@ def test_tokenizer_code_is_never_run(tmp_path: Path, tiny_engine_dir: Path, monk
     assert not marker.exists()
 
 
-def test_tokenizer_from_another_folder(tmp_path: Path, tiny_engine_dir: Path, default_model_dir: Path) -> None:
+def test_tokenizer_from_another_folder(tmp_path: Path, tiny_dir: Path, default_model_dir: Path) -> None:
     from vllmini import LLM, SamplingParams
 
-    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    d = _copy_dir(tiny_dir, tmp_path / "m")
     for f in d.glob("tokenizer*"):
         f.unlink()
     with pytest.raises(ValueError, match=r"(?s)cannot load a tokenizer from .*/m.*EngineArgs\.tokenizer"):
@@ -356,7 +344,7 @@ def test_saved_rotary_tables_are_skipped(tmp_path: Path, tiny_dirs) -> None:
         load_model(d, torch.float32, CPU)
 
 
-def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_engine_dir: Path, caplog,
+def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_dir: Path, caplog,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """A bfloat16 checkpoint with dtype="auto" runs in float32 on the CPU (the project's default),
     and the log says so."""
@@ -364,7 +352,7 @@ def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_e
 
     from vllmini import LLM
 
-    d = _copy_dir(tiny_engine_dir, tmp_path / "m")
+    d = _copy_dir(tiny_dir, tmp_path / "m")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
     monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
@@ -374,7 +362,7 @@ def test_auto_dtype_on_cpu_says_what_the_checkpoint_holds(tmp_path: Path, tiny_e
     assert "dtype auto: float32 on cpu (config.json says bfloat16" in caplog.text
 
 
-def test_revision_and_trust_remote_code_as_in_vllm(tmp_path: Path, tiny_dirs, tiny_engine_dir: Path, caplog,
+def test_revision_and_trust_remote_code_as_in_vllm(tmp_path: Path, tiny_dirs, tiny_dir: Path, caplog,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """vLLM's ``revision`` picks a hub id's version (a local path ignores it); ``trust_remote_code``
     is accepted but never acted on: only built-in architectures run."""
@@ -404,8 +392,8 @@ def test_revision_and_trust_remote_code_as_in_vllm(tmp_path: Path, tiny_dirs, ti
 
     monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
     with caplog.at_level("WARNING"):
-        llm = LLM(model=str(tiny_engine_dir), revision="main", trust_remote_code=True, kv_cache_memory=1 << 24)
-    assert llm.llm_engine.model_dir == tiny_engine_dir.resolve()
+        llm = LLM(model=str(tiny_dir), revision="main", trust_remote_code=True, kv_cache_memory=1 << 24)
+    assert llm.llm_engine.model_dir == tiny_dir.resolve()
     assert "revision='main' is ignored" in caplog.text and "trust_remote_code=True is ignored" in caplog.text
 
 
