@@ -161,6 +161,8 @@ class InputProcessor:
                 raise ValueError(f"prompt dict has unsupported key(s) {unknown}; accepted: {sorted(_PROMPT_KEYS)}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
             elif "prompt" in prompt:
                 return self.tokenize(prompt["prompt"])
             else:
