@@ -1,4 +1,4 @@
-"""Offline batch API (``LLM.generate`` / ``LLM.chat``), as in vLLM."""
+"""Offline batch API (``LLM.generate`` / ``LLM.chat`` / ``LLM.beam_search``), as in vLLM."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
