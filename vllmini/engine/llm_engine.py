@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, resolve_device, resolve_dtype, resolve_max_model_len
+from vllmini.config import EngineArgs, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.kv_budget import kv_cache_budget
+from vllmini.engine.model_loading import load_for_engine
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import RequestOutput
@@ -34,8 +35,6 @@ from vllmini.engine.sampling_tensors import to_device
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
-from vllmini.models.packed_linear import packing_available, prepack_linears
-from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
@@ -57,23 +56,9 @@ class LLMEngine:
         self.args = args
         self.device = resolve_device(args.device)
         torch.manual_seed(args.seed)
-        t0 = time.perf_counter()
-        if args.trust_remote_code:
-            logger.warning("trust_remote_code=True is ignored: vllmini runs only its built-in architectures, "
-                           "never code shipped with a model")  # fmt: skip
-        self.model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
-        config = load_config(self.model_dir)
-        checkpoint_dtype = getattr(config, "dtype", None)
-        self.dtype = resolve_dtype(args.dtype, self.device, checkpoint_dtype)
-        if args.dtype == "auto" and checkpoint_dtype not in (None, self.dtype):
-            logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
-                        str(self.dtype).removeprefix("torch."), self.device.type,
-                        str(checkpoint_dtype).removeprefix("torch."))  # fmt: skip
-        self.model, self.hf_config = load_model(self.model_dir, self.dtype, self.device, config)
-        if packing_available(self.device, self.dtype):
-            logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(self.model))
-        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
-        logger.info("loaded %s (%s, %s) in %.1fs", self.model_dir, self.dtype, self.device, time.perf_counter() - t0)
+        loaded = load_for_engine(args, self.device)
+        self.model_dir, self.model, self.hf_config = loaded.model_dir, loaded.model, loaded.hf_config
+        self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
 
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
         kv_window = self.model.kv_window  # every layer's window, if they share one: blocks behind it are released

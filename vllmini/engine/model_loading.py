@@ -1,0 +1,51 @@
+"""What an engine loads before it can size its KV cache: the model folder, its config, the
+dtype, the weights (prepacked for oneDNN on a CPU that has it) and the tokenizer.
+
+Kept apart from the engine core so that ``LLMEngine.__init__`` reads as the list of parts it
+builds; the rules for each piece live where they are named (config.py, models/)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllmini.config import EngineArgs, resolve_dtype
+from vllmini.models.packed_linear import packing_available, prepack_linears
+from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
+
+logger = logging.getLogger("vllmini")
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    model: Any  # a CausalLM (models/base.py)
+    hf_config: Any  # transformers' PretrainedConfig
+    dtype: torch.dtype
+    tokenizer: Any
+
+
+def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
+    """Load ``args.model`` (a folder, a hub id, a GGUF file or "default") on ``device``."""
+    t0 = time.perf_counter()
+    if args.trust_remote_code:
+        logger.warning("trust_remote_code=True is ignored: vllmini runs only its built-in architectures, "
+                       "never code shipped with a model")  # fmt: skip
+    model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
+    config = load_config(model_dir)
+    checkpoint_dtype = getattr(config, "dtype", None)
+    dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
+    if args.dtype == "auto" and checkpoint_dtype not in (None, dtype):
+        name = str(checkpoint_dtype).removeprefix("torch.")
+        logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
+                    str(dtype).removeprefix("torch."), device.type, name)  # fmt: skip
+    model, hf_config = load_model(model_dir, dtype, device, config)
+    if packing_available(device, dtype):
+        logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
+    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer)
