@@ -143,8 +143,9 @@ async def test_everything_at_once(tiny, async_scheduling):
         if params.allowed_token_ids is not None:
             assert all(set(toks) <= set(params.allowed_token_ids) for toks in completions), f"request {i}"
         if params.prompt_logprobs is not None:  # whole, once, and transformers' values
-            carried = [out.prompt_logprobs for out in res if out.prompt_logprobs is not None]
+            carried = [out.prompt_logprobs for out in res if out.prompt_logprobs]
             assert len(carried) == (1 if params.output_kind == "delta" else len(res)), f"request {i}"
+            assert all(out.prompt_logprobs is not None for out in res), f"request {i}"  # later deltas: [], as vLLM
             ids = prompt["prompt_token_ids"]
             assert_prompt_logprobs(carried[0], ids, hf_logprobs(hf, ids), params.prompt_logprobs)
         if is_plain_greedy(params):
