@@ -5,10 +5,11 @@ vllmini vs HF transformers static batches in the same run, plus a decode-step ti
 Workload (nano-vllm's bench.py): 256 requests, prompt token ids random, prompt and output
 lengths uniform in [100, 1024], EOS ignored, seed 0. Only requested output tokens count.
 The HF baseline is left-padded static batches (greedy, each batch run to its longest
-output), once per ``--hf-runs`` entry REQUESTSxBATCH: by default all 256 requests in one
-batch of 256 (the whole workload; static batching's cost is its number of steps, so one
-large batch is its best case), then the first 64 in one batch of 64. Each entry's tok/s is
-over the requests it ran; ``ratio`` is against the fastest entry.
+output), once per ``--hf-runs`` entry REQUESTSxBATCH: by default the first 64 requests in
+one batch of 64 (quick: a ratio is on record even if the time limit cuts the next run), then
+all 256 in one batch of 256 (the whole workload; static batching's cost is its number of
+steps, so one large batch is its best case). Each entry's tok/s is over the requests it
+ran; ``ratio`` is against the fastest entry.
 
     python -m bench.gpu_offline                      # on a GPU, ~2-3 minutes
     python -m bench.gpu_offline --tiny --device cpu  # smoke run of every part, seconds
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--hf-runs", type=_hf_runs, default=None,
-                    help="HF baseline runs, REQUESTSxBATCH,... (default 256x256,64x64; tiny: 4x4)")
+                    help="HF baseline runs, REQUESTSxBATCH,... (default 64x64,256x256; tiny: 4x4)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--timing-batch", type=int, default=None, help="decode-step timing batch (default 64; tiny: 8)")
     ap.add_argument("--out", default=None, help="JSON path (default: $OUT/gpu_offline.json, else bench/results/)")
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
     tiny = args.tiny
     n = args.num_requests or (8 if tiny else 256)
     lo, hi = args.min_len or (4 if tiny else 100), args.max_len or (24 if tiny else 1024)
-    hf_runs = [(min(r, n), b) for r, b in (args.hf_runs or ([(4, 4)] if tiny else [(256, 256), (64, 64)]))]
+    hf_runs = [(min(r, n), b) for r, b in (args.hf_runs or ([(4, 4)] if tiny else [(64, 64), (256, 256)]))]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = tiny_qwen3_bench_config() if tiny else qwen3_06b_config()
     record: dict = {"benchmark": "gpu_offline", "tiny": tiny, "device": str(device), "dtype": str(dtype),
