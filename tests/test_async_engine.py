@@ -543,3 +543,50 @@ async def test_requests_not_yet_admitted_end_with_an_abort_output(tiny_dir):
         out = await t
         assert out.finished and out.outputs and out.outputs[0].finish_reason == "abort"
     assert_no_leaks(engine)
+
+
+def test_a_stream_still_open_as_asyncio_run_ends_aborts_its_request(tiny_dir):
+    """``asyncio.run`` returning with a consumer still streaming cancels it together with the step
+    loop: the request is aborted all the same (as a cancelled consumer's is), so it keeps no blocks,
+    does not run on unread under the next event loop, and its id may be used again there."""
+    engine = make_engine(tiny_dir)
+
+    async def leave_it_open():
+        async def consume_all():
+            async for _ in engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5000, ignore_eos=True), "t"):
+                pass
+
+        asyncio.create_task(consume_all())
+        while "t" not in engine.engine.requests:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(leave_it_open())
+    engine.run_on_engine_thread(lambda: None)  # (the abort is done on the worker)
+    assert not engine.engine.requests
+    assert_no_leaks(engine)
+
+    async def reuse():
+        async with engine:
+            return [o async for o in engine.generate([1, 2], SamplingParams(max_tokens=3, ignore_eos=True), "t")]
+
+    outs = asyncio.run(reuse())
+    assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 3
+
+
+def test_shutdown_is_awaitable_in_a_later_event_loop(tiny_dir):
+    """The engine served one ``asyncio.run``; ``async with engine`` (or ``await engine.shutdown()``)
+    in a later one, before any request there, must not fail on awaiting None."""
+    engine = make_engine(tiny_dir)
+
+    async def serve():
+        return [o async for o in engine.generate([1, 2], SamplingParams(max_tokens=2, ignore_eos=True))]
+
+    asyncio.run(serve())
+
+    async def close():
+        async with engine:
+            pass
+
+    asyncio.run(close())
+    assert engine.is_stopped and engine._executor_closed
+    assert_no_leaks(engine)

@@ -176,7 +176,11 @@ class AsyncLLMEngine:
             asyncio.run_coroutine_threadsafe(self._shutdown(), engine_loop).result()
         else:  # no loop left to deliver to
             self._close_now()
-        return None
+        if current is None:
+            return None
+        done = current.create_future()  # done here, but ``await engine.shutdown()`` must still work
+        done.set_result(None)
+        return done
 
     async def _shutdown(self) -> None:
         if self._loop_task is not None:
@@ -258,6 +262,8 @@ class AsyncLLMEngine:
             if finished or self._dead or not self._loop_running:
                 if self._streams.get(rid) is queue:
                     del self._streams[rid]
+                if not finished and not self._dead:  # the step loop is gone (asyncio.run ending): abort all the same
+                    await self._abort_without_loop([rid])
             else:  # as vLLM: once the stream is closed, the old request is gone and its id free
                 await self._abort([rid], closing=queue)
 
@@ -270,8 +276,11 @@ class AsyncLLMEngine:
     async def _abort(self, request_ids: list[str], closing: asyncio.Queue | None = None) -> None:
         """Queue the aborts and wait for them. Cancelling the wait does not cancel the aborts,
         and a closing stream's id stays taken until its abort is done."""
-        if not self._loop_running or self._dead:
-            return  # nothing was ever submitted, or shutdown aborts everything
+        if self._dead:
+            return  # shutdown aborts everything
+        if not self._loop_running:
+            await self._abort_without_loop(request_ids)
+            return
         done = asyncio.Event()
         self._aborts += [_Abort(rid, done, closing) for rid in request_ids]
         self._wakeup.set()
@@ -280,6 +289,19 @@ class AsyncLLMEngine:
             await asyncio.wait({waiter, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+
+    async def _abort_without_loop(self, request_ids: list[str]) -> None:
+        """Abort with no step loop running: none started in this event loop yet, or the one that
+        ran it is ending (``asyncio.run`` cancels the step loop and the consumers together).
+        Without this the request would keep its blocks and its id, and run on unread under the
+        next event loop. The worker does it between steps; no stream is told (none is read)."""
+        ids = set(request_ids)
+        with self._lock:  # not admitted yet: it never will be
+            self._new = [state for state in self._new if state.request_id not in ids]
+        try:
+            await asyncio.wrap_future(self._executor.submit(self.engine.abort_request, request_ids))
+        except RuntimeError:  # the worker is stopped (shutdown): nothing is left to abort
+            pass
 
     def _aborted(self, abort: _Abort) -> None:
         if abort.queue is not None and self._streams.get(abort.request_id) is abort.queue:
