@@ -123,3 +123,82 @@ def test_async_generate_takes_a_priority(tiny_dir):
 
     order = asyncio.run(main())
     assert order == ["first", "high", "mid", "low"]
+
+
+def test_an_unscheduled_victim_leaves_no_unwritten_block_in_the_prefix_cache():
+    """The victim's chunk was allocated this step, and the blocks it fills registered in the prefix
+    cache, before it was taken out of the step: no forward writes them, so no later prompt may hit
+    them. (Its tail block is partial, so the victim's freed full blocks outlive the eviction.)"""
+    bm = BlockManager(8, 4)
+    sched = Scheduler(SchedulerConfig(8, 16, 512, max_prompt_logits_rows=8, policy="priority"), bm)
+    low, high = seq(0, 30, 9), seq(1, 8, 0)
+    low.prompt_logits_from = 0  # prompt_logprobs: 8 rows a step leave room for the other's admission
+    sched.add(low)
+    sched.update_computed(sched.schedule())
+    sched.add(high)
+    sched.update_computed(sched.schedule())
+    assert [s.seq_id for s in sched.running] == [0, 1] and bm.num_free_blocks == 2
+    written = low.num_computed_tokens
+    high.append_token(7)  # needs a third block; the low one's next chunk takes the last two
+    out = sched.schedule()
+    assert [p.seq_id for p in out.preempted] == [0] and [s.seq.seq_id for s in out.scheduled] == [1]
+    assert bm.find_cached_prefix(low.token_ids)[1] <= written
+    bm.check_invariants()
+
+
+def test_a_sequence_preempting_itself_gives_back_its_prompt_logits_rows():
+    """The least urgent running sequence finds no block for its chunk and preempts itself: the
+    prompt-logits rows it was to score stay available to the next one, which then runs."""
+    bm = BlockManager(2, 4)
+    sched = Scheduler(SchedulerConfig(8, 100, 512, max_prompt_logits_rows=4, policy="priority"), bm)
+    low, high = seq(0, 12, 9), seq(1, 12, 0)
+    for s in (low, high):  # both mid-prompt, one block each: the pool is full
+        s.prompt_logits_from = 4
+        assert bm.allocate(s.seq_id, s.token_ids, 4)
+        s.num_computed_tokens = 4
+        sched.add_running(s)
+    out = sched.schedule()
+    assert [p.seq_id for p in out.preempted] == [0]
+    assert [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled] == [(1, 4)]
+    bm.check_invariants()
+
+
+def test_a_prefix_hit_never_reads_the_unscheduled_victims_blocks(tiny_dir, monkeypatch):
+    """Engine-level: a request sharing the victim's prompt prefix, submitted after the victim was
+    taken out of a step, gets the same greedy tokens as run alone."""
+    import torch
+
+    import vllmini.engine.prompt_logprobs as prompt_logprobs
+
+    cfg = AutoConfig.from_pretrained(tiny_dir)
+    monkeypatch.setattr(prompt_logprobs, "MAX_PROMPT_LOGITS_ELEMENTS", cfg.vocab_size * 32)  # 32 rows a step
+    g = torch.Generator().manual_seed(0)
+    low_p, high_p = (torch.randint(10, 4000, (n,), generator=g).tolist() for n in (120, 32))
+    later_p = low_p[:100]
+
+    def greedy(n, **kw):
+        return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+    llm = LLM(model=str(tiny_dir), scheduling_policy="priority", kv_cache_memory=kv_bytes(cfg, 8), block_size=16,
+              max_num_batched_tokens=64, max_model_len=512)  # fmt: skip
+    eng = llm.llm_engine
+    assert eng.scheduler.config.max_prompt_logits_rows == 32
+    finals = {}
+
+    def step():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+
+    eng.add_request("low", {"prompt_token_ids": low_p}, greedy(2, prompt_logprobs=0), priority=9)
+    step()
+    eng.add_request("high", {"prompt_token_ids": high_p}, greedy(3))
+    step()
+    step()  # "high" needs a block that "low"'s third chunk took: "low" leaves that step
+    assert eng.scheduler.stats.num_preemptions == 1
+    eng.add_request("later", {"prompt_token_ids": later_p}, greedy(8))
+    while eng.has_unfinished_requests():
+        step()
+    assert_no_leaks(llm)
+    alone = LLM(model=str(tiny_dir), kv_cache_memory=64 << 20, max_model_len=512)
+    for rid, p, params in (("low", low_p, greedy(2)), ("high", high_p, greedy(3)), ("later", later_p, greedy(8))):
+        want = alone.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert finals[rid].outputs[0].token_ids == want, rid

@@ -22,8 +22,9 @@ Prefix-cache hashes are registered when :meth:`BlockManager.allocate` hands out 
 i.e. *before* the forward pass that writes the KV. This is sound as long as every allocated
 step is actually run: the forward writes all new K/V of a layer before any sequence of the
 batch attends over it. A caller that allocates a step and then drops it without running the
-forward (e.g. preempting a sequence it already scheduled this step) must ``free`` it and call
-``reset_prefix_cache`` or the cache may hand out blocks whose KV was never written.
+forward (e.g. preempting a sequence it already scheduled this step) must call
+:meth:`BlockManager.forget_unwritten` before ``free`` (or ``reset_prefix_cache`` after it), or
+the cache may hand out blocks whose KV was never written.
 """
 
 from __future__ import annotations
@@ -224,6 +225,21 @@ class BlockManager:
             return
         for bid in reversed(seq.block_table[seq.num_released :]):
             self._release(bid)
+
+    def forget_unwritten(self, seq_id: SeqId, num_written: int) -> None:
+        """Unregister the prefix-cache hashes of the sequence's blocks not fully written (those
+        past its first ``num_written`` tokens): its last allocation is dropped without a forward.
+        Call before :meth:`free`. Unknown ids are a no-op."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return
+        first = num_written // self.block_size
+        for i in range(max(first, seq.num_released), len(seq.block_hashes)):
+            blk = self.blocks[seq.block_table[i]]
+            if blk.block_hash == seq.block_hashes[i]:  # registered by this sequence (not a duplicate)
+                del self._cached[blk.block_hash]
+                blk.block_hash = None
+        del seq.block_hashes[first:]
 
     def can_fork(self, parent_id: SeqId, num_tokens: int) -> bool:
         """Whether :meth:`fork` would find a block for the copy of the partial block."""

@@ -121,7 +121,6 @@ class Scheduler:
                 if num_new == 0:  # this step's logits rows are spent: its next chunk waits a step
                     i += 1
                     continue
-                rows_left -= seq.prompt_logits_rows(seq.num_computed_tokens, num_new)
             while not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
                 victim = self._pick_victim()
                 j = self.running.index(victim)
@@ -135,6 +134,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
+                if rows_left is not None:  # (charged once in the step: a sequence preempted instead holds none)
+                    rows_left -= seq.prompt_logits_rows(seq.num_computed_tokens, num_new)
                 i += 1
 
         # Admit new work only when nothing had to be preempted this step.
@@ -180,14 +181,17 @@ class Scheduler:
             return max(reversed(self.running), key=_priority_key)  # (ties: the most recently admitted)
         return self.running[-1]
 
-    @staticmethod
-    def _unschedule(seq: Sequence, out: SchedulerOutput, budget: int, rows_left: int | None) -> tuple[int, int | None]:
+    def _unschedule(self, seq: Sequence, out: SchedulerOutput, budget: int, rows_left: int | None) -> tuple[int, int | None]:
         """Take ``seq`` out of this step; the budget and logits rows it held are given back.
-        (A sequence passed over for want of logits rows is not in the step.)"""
+        (A sequence passed over for want of logits rows is not in the step.) Its slots were
+        allocated, and the blocks they fill registered in the prefix cache, but no forward will
+        write them: those hashes are dropped before its blocks are freed, or a later prompt
+        with the same prefix would read K/V that was never computed."""
         entry = next((s for s in out.scheduled if s.seq is seq), None)
         if entry is None:
             return budget, rows_left
         out.scheduled.remove(entry)
+        self.block_manager.forget_unwritten(seq.seq_id, seq.num_computed_tokens)
         if rows_left is not None:
             rows_left += seq.prompt_logits_rows(seq.num_computed_tokens, entry.num_new_tokens)
         return budget + entry.num_new_tokens, rows_left
