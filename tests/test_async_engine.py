@@ -590,3 +590,31 @@ def test_shutdown_is_awaitable_in_a_later_event_loop(tiny_dir):
     asyncio.run(close())
     assert engine.is_stopped and engine._executor_closed
     assert_no_leaks(engine)
+
+
+@pytest.mark.parametrize("first", ["consumer", "step loop"])
+def test_a_stream_cancelled_with_the_step_loop_still_aborts_its_request(tiny_dir, first):
+    """As ``asyncio.run`` ends it cancels the consumer and the step loop in the same tick, in no set
+    order: the consumer's clean-up may find the step loop still alive and queue its abort there,
+    and the loop then ends without taking it (or with a step in flight whose results are dropped).
+    The request is aborted all the same and its id is free."""
+    engine = make_engine(tiny_dir)
+
+    async def cancel_both():
+        async def consume_all():
+            async for _ in engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5000, ignore_eos=True), "t"):
+                pass
+
+        consumer = asyncio.create_task(consume_all())
+        while "t" not in engine.engine.requests:
+            await asyncio.sleep(0.01)
+        tasks = [consumer, engine._loop_task] if first == "consumer" else [engine._loop_task, consumer]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(cancel_both())
+    engine.run_on_engine_thread(lambda: None)  # (the abort is done on the worker)
+    assert not engine.engine.requests and not engine._streams and not engine._aborts
+    assert_no_leaks(engine)
+    engine.shutdown()

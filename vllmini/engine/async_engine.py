@@ -282,13 +282,23 @@ class AsyncLLMEngine:
             await self._abort_without_loop(request_ids)
             return
         done = asyncio.Event()
-        self._aborts += [_Abort(rid, done, closing) for rid in request_ids]
+        mine = [_Abort(rid, done, closing) for rid in request_ids]
+        self._aborts += mine
         self._wakeup.set()
         waiter = asyncio.ensure_future(done.wait())
         try:  # or until the loop task ends (shutdown, or asyncio.run cancelling every task at exit)
-            await asyncio.wait({waiter, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
+            while not done.is_set() and self._loop_running:
+                await asyncio.wait({waiter, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             waiter.cancel()
+        if done.is_set() or self._dead:
+            return  # done, or shutdown aborts everything
+        # The step loop ended without doing them: asyncio.run ending cancels it together with this
+        # consumer, in either order, and a step it left in flight has its results dropped.
+        self._aborts = [a for a in self._aborts if a.done is not done]
+        await self._abort_without_loop(request_ids)
+        for abort in mine:
+            self._aborted(abort)
 
     async def _abort_without_loop(self, request_ids: list[str]) -> None:
         """Abort with no step loop running: none started in this event loop yet, or the one that
