@@ -162,20 +162,15 @@ class AsyncLLMEngine:
             current = asyncio.get_running_loop()
         except RuntimeError:
             current = None
-        if self._executor_closed:  # done already: something to await all the same
-            if current is None:
-                return None
-            done = current.create_future()
-            done.set_result(None)
-            return done
-        if current is not None and engine_loop in (None, current):
-            self._shutdown_task = current.create_task(self._shutdown(), name="vllmini-engine-shutdown")
-            self._shutdown_task.add_done_callback(lambda t: self._close_now() if t.cancelled() else None)
-            return self._shutdown_task
-        if engine_loop is not None and engine_loop.is_running():  # the streams live on another thread's loop
-            asyncio.run_coroutine_threadsafe(self._shutdown(), engine_loop).result()
-        else:  # no loop left to deliver to
-            self._close_now()
+        if not self._executor_closed:  # (closed already: nothing is left to do, but something to await)
+            if current is not None and engine_loop in (None, current):
+                self._shutdown_task = current.create_task(self._shutdown(), name="vllmini-engine-shutdown")
+                self._shutdown_task.add_done_callback(lambda t: self._close_now() if t.cancelled() else None)
+                return self._shutdown_task
+            if engine_loop is not None and engine_loop.is_running():  # the streams live on another thread's loop
+                asyncio.run_coroutine_threadsafe(self._shutdown(), engine_loop).result()
+            else:  # no loop left to deliver to
+                self._close_now()
         if current is None:
             return None
         done = current.create_future()  # done here, but ``await engine.shutdown()`` must still work

@@ -12,7 +12,6 @@ length-penalised score and the best ``beam_width`` returned.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Collection
 
@@ -21,12 +20,10 @@ from tqdm.auto import tqdm
 
 from vllmini.engine.input_processor import PromptType, as_prompt_list
 from vllmini.engine.outputs import LogprobsEntry
-from vllmini.engine.sampling_params import FLOAT32_MAX, MIN_TEMPERATURE, SamplingParams, bad_value, is_int, is_real
+from vllmini.engine.sampling_params import SamplingParams, bad_value, is_int, raised_temperature, real_value
 
 if TYPE_CHECKING:
     from vllmini.engine.llm import LLM
-
-logger = logging.getLogger("vllmini")
 
 
 class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -50,15 +47,8 @@ class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(value := getattr(self, name), bool):
                 raise bad_value(name, "a bool", value)
-        for name, accepted, ok in (("temperature", ">= 0", lambda v: v >= 0), ("length_penalty", "", lambda v: True)):
-            value = getattr(self, name)
-            if not is_real(value) or not abs(value) <= FLOAT32_MAX or not ok(value):
-                raise bad_value(name, f"a finite float32 number {accepted}".rstrip(), value)
-            setattr(self, name, float(value))
-        if 0 < self.temperature < MIN_TEMPERATURE:  # (warned here once, not by every step's SamplingParams)
-            logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
-            self.temperature = MIN_TEMPERATURE
+        self.temperature = raised_temperature(real_value("temperature", self.temperature, ">= 0", lambda v: v >= 0))
+        self.length_penalty = real_value("length_penalty", self.length_penalty, "", lambda v: True)
 
 
 @dataclass

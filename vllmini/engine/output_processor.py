@@ -100,14 +100,14 @@ class OutputProcessor:
         larger than that place, and one entry per rank 1..N keeps the ranking consistent.
         ``context``: the tokens before this position that vLLM reads a split character's pieces
         against (the sampled tokens before it, or the prompt tokens after the first)."""
-        detokenize = state.params.detokenize
+        text = (lambda t: self.token_text_in_context(t, context)) if state.params.detokenize else (lambda t: None)
         top_ids = [int(t) for t in top_ids]
         if token in top_ids:
             rank = top_ids.index(token) + 1
-        entry = {token: Logprob(value, rank, self.token_text_in_context(token, context) if detokenize else None)}
+        entry = {token: Logprob(value, rank, text(token))}
         for i, (v, t) in enumerate(zip(top_values, top_ids)):
             if t not in entry:
-                entry[t] = Logprob(float(v), i + 1, self.token_text_in_context(t, context) if detokenize else None)
+                entry[t] = Logprob(float(v), i + 1, text(t))
         return entry
 
     def append_token(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:

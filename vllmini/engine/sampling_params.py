@@ -66,6 +66,24 @@ def bad_value(field: str, accepted: str, value: object) -> ValueError:
     return ValueError(f"{field} must be {accepted}, got {value!r}")
 
 
+def real_value(field: str, value: object, accepted: str, ok) -> float:
+    """``value`` as a float: a real number, finite in float32 (the sampler's precision), for which
+    ``ok`` holds; else the error naming ``field``."""
+    if not is_real(value) or not abs(value) <= FLOAT32_MAX or not ok(value):
+        raise bad_value(field, f"a finite float32 number {accepted}".rstrip(), value)
+    return float(value)
+
+
+def raised_temperature(temperature: object) -> object:
+    """vLLM raises a temperature in (0, MIN_TEMPERATURE) to it, with a warning (dividing logits by
+    less overflows); anything else is returned as it is (validated elsewhere)."""
+    if is_real(temperature) and 0 < temperature < MIN_TEMPERATURE:
+        logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
+                       temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
+        return MIN_TEMPERATURE
+    return temperature
+
+
 _CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)
 
 
@@ -142,10 +160,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.top_k = 0
         if self.seed == -1 and is_int(self.seed):  # vLLM's spelling of "no seed"
             self.seed = None
-        if is_real(self.temperature) and 0 < self.temperature < MIN_TEMPERATURE:
-            logger.warning("temperature %s is below %s, which overflows the logits: raised to %s, as vLLM does",
-                           self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)  # fmt: skip
-            self.temperature = MIN_TEMPERATURE
+        self.temperature = raised_temperature(self.temperature)
 
     def _validate(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -218,10 +233,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def _real(self, name: str, accepted: str, ok) -> float:
         """A real number, finite in float32 (the sampler's precision), for which ``ok`` holds,
         returned as float."""
-        v = getattr(self, name)
-        if not is_real(v) or not abs(v) <= FLOAT32_MAX or not ok(v):
-            raise bad_value(name, f"a finite float32 number {accepted}", v)
-        return float(v)
+        return real_value(name, getattr(self, name), accepted, ok)
 
     @property
     def is_greedy(self) -> bool:
