@@ -27,7 +27,7 @@ from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamS
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams
+from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -35,6 +35,7 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

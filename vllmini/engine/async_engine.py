@@ -26,6 +26,7 @@ from vllmini.engine.chat import render_chat
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.structured_outputs import load_xgrammar
 
 T = TypeVar("T")
 
@@ -232,6 +233,8 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id is None:  # an id no caller's request holds
             request_id = self.engine.new_request_id(self._streams)
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            await asyncio.to_thread(load_xgrammar)  # its first import (~1.5 s) off the event loop
         state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority)
         rid = state.request_id
         if rid in self._streams:

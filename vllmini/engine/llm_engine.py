@@ -32,6 +32,7 @@ from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
+from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
@@ -111,6 +112,7 @@ class LLMEngine:
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
@@ -205,6 +207,8 @@ class LLMEngine:
         state.sent = [(0, 0) for _ in seqs]
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
         state.bad_words_token_ids = inp.bad_words_token_ids
+        if params.structured_outputs is not None:  # checked now, compiled in the background
+            state.grammar = self.structured.submit(params.structured_outputs)
         prompt_logprobs.start(state)
         return state
 
@@ -218,7 +222,21 @@ class LLMEngine:
         if state.request_id in self.requests:
             raise ValueError(f"request_id {state.request_id!r} is already in use")
         self.requests[state.request_id] = state
-        self.scheduler.add(state.seqs[0])
+        if state.grammar is None or not self.structured.hold(state):
+            self.scheduler.add(state.seqs[0])
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar has compiled since the last step (a compile error
+        fails its request alone). With nothing else to run, wait a little for one."""
+        idle = self._in_flight is None and not self.scheduler.running and not self.scheduler.waiting
+        for state, error in self.structured.ready(wait=0.05 if idle else 0.0):
+            if self.requests.get(state.request_id) is not state:
+                continue  # aborted while its grammar compiled
+            if error is not None:
+                self.abort_request(state.request_id)
+                self.failed[state.request_id] = ValueError(f"structured_outputs failed to compile: {error}")
+            else:
+                self.scheduler.add(state.seqs[0])
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish the request(s) with finish_reason "abort" and free their blocks now;
@@ -253,6 +271,8 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.structured.waiting:
+            self._admit_compiled()
         if self.args.async_scheduling:
             return self._step_async()
         sched = self.scheduler.schedule()
@@ -314,9 +334,12 @@ class LLMEngine:
         scheduling): each sequence's token still on the device, one more than it holds; it counts
         for min_tokens and seeds, and penalties read it on the device (the host never does)."""
         outputs = (s.output_token_ids if in_flight is None else [*s.output_token_ids, -1] for s in seqs)
-        rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index,
-                            self.requests[s.request_id].bad_words_token_ids)
-                for s, out in zip(seqs, outputs)]  # fmt: skip
+        states = [self.requests[s.request_id] for s in seqs]
+        rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index, state.bad_words_token_ids)
+                for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
+        matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
+        if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
+            self.structured.mask(logits, matchers)
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         if in_flight is not None and tensors.output_token_ids is not None:  # only penalties read it
             tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])
@@ -326,9 +349,11 @@ class LLMEngine:
 
     def _matches_output(self, seq: Sequence) -> bool:
         """Whether sampling this sequence reads its last tokens' values (a bad word of several
-        tokens); a one-token bad word is banned whatever came before."""
+        tokens, a grammar); a one-token bad word is banned whatever came before."""
         state = self.requests.get(seq.request_id)
-        return state is not None and any(len(word) > 1 for word in state.bad_words_token_ids)
+        if state is None:
+            return False
+        return state.matchers is not None or any(len(word) > 1 for word in state.bad_words_token_ids)
 
     def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
         plan = plan_continuation(
@@ -367,9 +392,16 @@ class LLMEngine:
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
                 continue
+            grammar_ended = False
+            if state.matchers is not None:  # structured outputs: the grammar takes the token
+                matcher = state.matchers[seq.index]
+                if not self.structured.accept(matcher, token):
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "token refused by the structured output grammar")
+                    continue
+                grammar_ended = matcher.is_terminated()
             self.num_generated_tokens += 1
             try:
-                self.output_processor.append_token(state, seq, row, token, out)
+                self.output_processor.append_token(state, seq, row, token, out, grammar_ended)
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails
                 self.abort_request(seq.request_id)
                 self.failed[seq.request_id] = exc

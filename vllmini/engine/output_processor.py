@@ -40,6 +40,10 @@ class RequestState:
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
     bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # params.bad_words, tokenized
+    # structured outputs (engine/structured_outputs.py): the grammar's compile (a Future), then
+    # one xgrammar matcher per sequence once it is compiled
+    grammar: Any = None
+    matchers: list[Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -110,12 +114,16 @@ class OutputProcessor:
                 entry[t] = Logprob(float(v), i + 1, text(t))
         return entry
 
-    def append_token(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
-        """The sequence's new token: logprobs first, then the stop checks."""
+    def append_token(
+        self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput, grammar_ended: bool = False
+    ) -> None:
+        """The sequence's new token: logprobs first, then the stop checks. ``grammar_ended``: its
+        structured-output grammar took this token as its end (an EOS), which stops it even
+        before ``min_tokens`` (the grammar allows nothing else)."""
         seq.append_token(token)
         if out.logprobs is not None:
             self.record_logprobs(state, seq, row, token, out)
-        self.check_stop(state, seq)
+        self.check_stop(state, seq, grammar_ended)
 
     def record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
         assert out.logprobs is not None and out.ranks is not None
@@ -133,10 +141,10 @@ class OutputProcessor:
         )
         state.logprobs[seq.index].append(entry)
 
-    def check_stop(self, state: RequestState, seq: Sequence) -> None:
+    def check_stop(self, state: RequestState, seq: Sequence, grammar_ended: bool = False) -> None:
         params, token = state.params, seq.token_ids[-1]
         past_min = seq.num_output_tokens >= params.min_tokens
-        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+        if (past_min or grammar_ended) and not params.ignore_eos and token in self.eos_token_ids:
             self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, None if token == self.eos_token_id else token)
             return
         if past_min and token in params.stop_token_ids:

@@ -84,6 +84,62 @@ def raised_temperature(temperature: object) -> object:
     return temperature
 
 
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's structured outputs: exactly one constraint that the output must follow.
+
+    ``json``: a JSON schema (a dict, its JSON text, or a pydantic model class); ``regex``: a
+    regular expression the whole output matches; ``choice``: the output is one of these strings;
+    ``grammar``: an EBNF grammar (``root ::= ...``, xgrammar's / llama.cpp's GBNF syntax) or, as in
+    vLLM, a Lark grammar (``start: ...``); ``json_object=True``: any JSON object;
+    ``structural_tag``: xgrammar's structural tag, as JSON text. ``disable_any_whitespace``: JSON
+    without optional whitespace. ``disable_additional_properties``: accepted as in vLLM; xgrammar's
+    strict mode already leaves out properties a schema does not name. The grammar itself is
+    checked by the engine (engine/structured_outputs.py), which needs the xgrammar package."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None  # vLLM's outlines option: refused by the xgrammar backend
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, type) and hasattr(self.json, "model_json_schema"):
+            self.json = self.json.model_json_schema()  # a pydantic model, as vLLM takes it
+        given = [name for name in _CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of "
+                f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) if given else 'none'}"
+            )
+        name = given[0]
+        value = getattr(self, name)
+        if name == "json" and not isinstance(value, (str, dict)):
+            raise bad_value("structured_outputs.json", "a JSON schema (dict or JSON text)", value)
+        if name in ("regex", "grammar", "structural_tag") and not (isinstance(value, str) and value):
+            raise bad_value(f"structured_outputs.{name}", "a non-empty string", value)
+        if name == "choice":
+            if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
+                raise bad_value("structured_outputs.choice", "a non-empty list of strings", value)
+            self.choice = list(value)
+        if name == "json_object" and value is not True:
+            raise bad_value("structured_outputs.json_object", "True (or None)", value)
+        for flag in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad_value(f"structured_outputs.{flag}", "a bool", getattr(self, flag))
+        if self.whitespace_pattern is not None:
+            raise ValueError(
+                "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
+                "use disable_any_whitespace=True for JSON without optional whitespace"
+            )
+
+
 _CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)
 
 
@@ -131,6 +187,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bad_words: list[str] | None = None
     detokenize: bool = True  # False: token ids only, text stays "" (saves the per-step decode)
     output_kind: OutputKind = "cumulative"
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema, regex, ...
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -161,6 +218,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.seed == -1 and is_int(self.seed):  # vLLM's spelling of "no seed"
             self.seed = None
         self.temperature = raised_temperature(self.temperature)
+        if isinstance(self.structured_outputs, dict):  # (as msgspec decodes it from JSON)
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
 
     def _validate(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -206,6 +265,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
         if self.output_kind not in _OUTPUT_KINDS:
             raise bad_value("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            accepted = "a StructuredOutputsParams (or a dict of its fields) or None"
+            raise bad_value("structured_outputs", accepted, self.structured_outputs)
 
     def _validate_logit_controls(self) -> None:
         """logit_bias / allowed_token_ids / bad_words; token ids are checked against the

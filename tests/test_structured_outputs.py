@@ -1,0 +1,299 @@
+"""Structured outputs (vLLM's ``SamplingParams(structured_outputs=StructuredOutputsParams(...))``)
+on the default model: every constraint is followed, greedy tokens equal transformers' with
+xgrammar's own logits processor, other rows are untouched, and bad constraints are refused."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import sys
+import threading
+
+import msgspec
+import pytest
+import torch
+
+from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams, StructuredOutputsParams
+from vllmini.engine.llm_engine import LLMEngine
+from vllmini.engine.structured_outputs import StructuredOutputManager
+from vllmini.scheduler.sequence import SequenceStatus
+
+xgr = pytest.importorskip("xgrammar")
+
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(model=str(default_model_dir), max_model_len=512)
+
+
+def chat(llm: LLM, question: str) -> str:
+    messages = [{"role": "user", "content": question}]
+    return llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def check_person(text: str) -> None:
+    person = json.loads(text)
+    assert set(person) == {"name", "age"}
+    assert isinstance(person["name"], str) and len(person["name"]) <= 20
+    assert isinstance(person["age"], int) and 0 <= person["age"] <= 150
+
+
+# (question, constraint, check of the whole output text)
+CASES = {
+    "json": ("Give me a person as JSON.", StructuredOutputsParams(json=PERSON), check_person),
+    "json_text": ("Give me a person as JSON.", StructuredOutputsParams(json=json.dumps(PERSON)), check_person),
+    "regex": ("Give me a US phone number.", StructuredOutputsParams(regex=PHONE), lambda t: re.fullmatch(PHONE, t) or pytest.fail(t)),
+    "choice": (
+        "What is the capital of France?",
+        StructuredOutputsParams(choice=["Paris", "London", 'a "quoted"\nchoice']),
+        lambda t: t in ("Paris", "London", 'a "quoted"\nchoice') or pytest.fail(t),
+    ),
+    "ebnf": (
+        "Is the sky blue? Answer yes or no.",
+        StructuredOutputsParams(grammar='root ::= answer "."\nanswer ::= "yes" | "no"'),
+        lambda t: t in ("yes.", "no.") or pytest.fail(t),
+    ),
+    "lark": (
+        "Is the sky blue? Answer yes or no.",
+        StructuredOutputsParams(grammar='start: ("yes" | "no") "!"'),
+        lambda t: t in ("yes!", "no!") or pytest.fail(t),
+    ),
+    "json_object": (
+        "Give me a JSON object with a name and an age.",
+        StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+        lambda t: isinstance(json.loads(t), dict) and "\n" not in t or pytest.fail(t),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_constraint_is_followed_greedy_and_sampled(llm, name):
+    question, constraint, check = CASES[name]
+    prompt = chat(llm, question)
+    greedy = SamplingParams(temperature=0, max_tokens=60, structured_outputs=constraint)
+    sampled = SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=60, structured_outputs=constraint)
+    outs = llm.generate([prompt, prompt], [greedy, sampled], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "stop"
+    assert len(outs[1].outputs) == 3
+    compiled = llm.llm_engine.structured.submit(constraint).result()
+    for c in [*outs[0].outputs, *outs[1].outputs]:
+        if c.finish_reason == "stop":
+            check(c.text)
+        else:  # a sample that ran out of tokens (an unbounded JSON object): a prefix the grammar accepts
+            assert c.finish_reason == "length" and xgr.GrammarMatcher(compiled).accept_string(c.text), c
+    assert not llm.llm_engine.requests and llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.num_blocks
+
+
+@pytest.mark.slow
+def test_greedy_equals_transformers_with_xgrammar_logits_processor(llm):
+    """The oracle: transformers' greedy generate with xgrammar's own HF logits processor, same
+    weights, same grammar. Also checks that the constraint changed what greedy decoding says."""
+    from transformers import AutoModelForCausalLM
+
+    engine = llm.llm_engine
+    hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+    tok = llm.get_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=hf.config.vocab_size, stop_token_ids=list(engine.eos_token_ids))
+    compiler = xgr.GrammarCompiler(info)
+    for question, constraint, compiled in [
+        ("Give me a US phone number.", StructuredOutputsParams(regex=PHONE), compiler.compile_regex(PHONE)),
+        ("Give me a person as JSON.", StructuredOutputsParams(json=PERSON), compiler.compile_json_schema(json.dumps(PERSON))),
+    ]:
+        prompt = chat(llm, question)
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)], do_sample=False,
+                              max_new_tokens=40, pad_token_id=tok.eos_token_id)  # fmt: skip
+        theirs = out[0, ids.shape[1] :].tolist()
+        ours, free = llm.generate(
+            [prompt, prompt],
+            [SamplingParams(temperature=0, max_tokens=40, structured_outputs=constraint), SamplingParams(temperature=0, max_tokens=40)],
+            use_tqdm=False,
+        )  # fmt: skip
+        assert list(ours.outputs[0].token_ids) == theirs
+        assert ours.outputs[0].token_ids[-1] in engine.eos_token_ids
+        assert free.outputs[0].token_ids != ours.outputs[0].token_ids
+
+
+def test_other_rows_in_the_batch_are_untouched(llm):
+    prompts = [chat(llm, "Name three fruits."), chat(llm, "Give me a US phone number."), chat(llm, "Count to five.")]
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = [o.outputs[0].token_ids for o in llm.generate([prompts[0], prompts[2]], plain, use_tqdm=False)]
+    regex = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=PHONE))
+    mixed = llm.generate(prompts, [plain, regex, plain], use_tqdm=False)
+    assert [mixed[0].outputs[0].token_ids, mixed[2].outputs[0].token_ids] == alone
+    assert re.fullmatch(PHONE, mixed[1].outputs[0].text)
+
+
+def test_logprobs_are_those_of_the_masked_logits(llm):
+    """As in vLLM (the bitmask is applied to the logits the sampler reads): the tokens the grammar
+    refuses have logprob -inf and the allowed ones share all the probability."""
+    choices = ["Paris", "London"]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=20, structured_outputs=StructuredOutputsParams(choice=choices))
+    out = llm.generate(chat(llm, "What is the capital of France?"), params, use_tqdm=False)[0].outputs[0]
+    assert out.text in choices
+    tok = llm.get_tokenizer()
+    text = ""
+    for token, entry in zip(out.token_ids, out.logprobs):
+        finite = {t: lp for t, lp in entry.items() if math.isfinite(lp)}
+        assert math.isclose(sum(math.exp(lp) for lp in finite.values()), 1.0, abs_tol=1e-4)
+        for t in finite:  # each allowed token continues the text toward a choice, or ends it
+            piece = tok.decode([t])
+            assert t in llm.llm_engine.eos_token_ids or any(c.startswith(text + piece) for c in choices), piece
+        assert entry[token].rank == 1  # greedy: the most likely allowed token
+        text += tok.decode([token]) if token not in llm.llm_engine.eos_token_ids else ""
+    assert text == out.text
+
+
+def test_the_grammar_wins_over_bans_and_ignore_eos_frees_the_rest(llm):
+    """min_tokens bans EOS, but a complete choice allows only EOS: the grammar holds (a row with
+    every token masked falls back to the grammar's mask) and its EOS ends the output. With
+    ignore_eos the matcher ends at its EOS and the output runs on unconstrained, as in vLLM."""
+    prompt = chat(llm, "What is the capital of France?")
+    choice = StructuredOutputsParams(choice=["Paris", "London"])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, min_tokens=12, structured_outputs=choice), use_tqdm=False)
+    assert out[0].outputs[0].text in ("Paris", "London") and out[0].outputs[0].finish_reason == "stop"
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=choice), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12
+    end = next(i for i, t in enumerate(c.token_ids) if t in llm.llm_engine.eos_token_ids)
+    assert llm.get_tokenizer().decode(c.token_ids[:end]) in ("Paris", "London")
+
+
+BAD = [
+    (dict(json=PERSON, regex="a"), "exactly one of"),
+    (dict(), "exactly one of.*got none"),
+    (dict(json="{not json"), r"structured_outputs\.json"),
+    (dict(json={"type": 5}), r"structured_outputs\.json"),
+    (dict(json=3), r"structured_outputs\.json"),
+    (dict(regex="(unclosed"), r"structured_outputs\.regex"),
+    (dict(regex=""), r"structured_outputs\.regex"),
+    (dict(grammar="root ::= undefined_rule"), r"structured_outputs\.grammar"),
+    (dict(grammar="start: undefined_rule"), r"structured_outputs\.grammar"),
+    (dict(choice=[]), r"structured_outputs\.choice"),
+    (dict(choice=["a", 1]), r"structured_outputs\.choice"),
+    (dict(json_object=False), r"structured_outputs\.json_object"),
+    (dict(json=PERSON, whitespace_pattern=r"\s*"), r"structured_outputs\.whitespace_pattern"),
+    (dict(structural_tag="{"), r"structured_outputs\.structural_tag"),
+]
+
+
+@pytest.mark.parametrize("fields,match", BAD, ids=[m.split("\\.")[-1] + str(i) for i, (_, m) in enumerate(BAD)])
+def test_bad_constraints_are_refused_naming_the_field(llm, fields, match):
+    prompt = chat(llm, "Hello")
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**fields)), use_tqdm=False)
+    engine = llm.llm_engine
+    assert not engine.requests and not engine.structured.waiting
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_params_round_trip_through_json_and_refuse_a_wrong_type():
+    params = SamplingParams(max_tokens=5, structured_outputs=StructuredOutputsParams(json=PERSON))
+    back = msgspec.json.decode(msgspec.json.encode(params), type=SamplingParams)
+    assert back.structured_outputs == params.structured_outputs
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs == StructuredOutputsParams(regex="a+")
+    with pytest.raises(ValueError, match="structured_outputs must be"):
+        SamplingParams(structured_outputs="a+")
+
+
+def test_without_xgrammar_a_request_is_refused_with_the_install_hint(llm, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
+    with pytest.raises(ValueError, match="pip install xgrammar"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(regex="a")), use_tqdm=False)
+    assert not llm.llm_engine.requests
+
+
+def _run_until_done(engine: LLMEngine, max_steps: int = 500) -> dict:
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finals
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError("requests did not finish")
+
+
+def test_a_compiling_grammar_holds_back_its_request_only(llm, monkeypatch):
+    """The compile runs on its own thread; while it runs, other requests are scheduled and
+    finish. An abort during the compile leaves nothing behind; a compile that fails fails
+    its own request."""
+    engine = llm.llm_engine
+    gate = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, grammar):
+        assert gate.wait(30)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=PHONE))
+    plain = SamplingParams(temperature=0, max_tokens=8)
+    engine.add_request("held", chat(llm, "Give me a US phone number."), regex)
+    engine.add_request("aborted", chat(llm, "Give me a US phone number."), regex)
+    engine.add_request("plain", chat(llm, "Count to five."), plain)
+    finals = {}
+    while "plain" not in finals:
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    held = engine.requests["held"]
+    assert held.seqs[0].status is SequenceStatus.WAITING and held.seqs[0].num_computed_tokens == 0
+    assert held.seqs[0] not in engine.scheduler.waiting and len(engine.structured.waiting) == 2
+    assert engine.abort_request("aborted")[0].outputs[0].finish_reason == "abort"
+    gate.set()
+    finals.update(_run_until_done(engine))
+    assert re.fullmatch(PHONE, finals["held"].outputs[0].text) and "aborted" not in finals
+    assert not engine.structured.waiting and engine.block_manager.num_free_blocks == engine.num_blocks
+
+    def failing_compile(self, grammar):
+        raise RuntimeError("compiler exploded")
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", failing_compile)
+    engine.add_request("broken", chat(llm, "Hi"), regex)
+    engine.add_request("fine", chat(llm, "Hi"), plain)
+    finals = _run_until_done(engine)
+    assert "compiler exploded" in str(engine.failed.pop("broken")) and not engine.failed
+    assert finals["fine"].outputs[0].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.slow
+def test_async_scheduling_preemption_and_streaming_give_the_same_outputs(default_model_dir, llm):
+    """Under async scheduling (a structured step is synchronous), a KV cache small enough to
+    preempt, and the async engine's delta stream, the outputs equal the plain engine's."""
+    questions = ["Give me a US phone number.", "Give me a person as JSON.", "Write a poem about the sea.", "Count to ten."]
+    constraints = [StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(json=PERSON), None, None]
+    prompts = [chat(llm, q) for q in questions]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    block_bytes = llm.llm_engine.runner.kv_caches[0][0][0].numel() * 4 * 2 * len(llm.llm_engine.runner.kv_caches)
+    tight = LLM(model=str(default_model_dir), max_model_len=512, async_scheduling=True, kv_cache_memory=8 * block_bytes)
+    assert tight.llm_engine.num_blocks == 8
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert tight.llm_engine.scheduler.stats.num_preemptions > 0
+
+    async def stream() -> list[list[int]]:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), max_model_len=512))
+
+        async def one(i: int) -> list[int]:
+            ids: list[int] = []
+            p = params[i].clone(output_kind="delta")
+            async for out in engine.generate(prompts[i], p, request_id=f"r{i}"):
+                ids += out.outputs[0].token_ids
+            return ids
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(stream()) == expected

@@ -1,0 +1,157 @@
+"""Structured outputs with xgrammar, vLLM's default backend.
+
+``SamplingParams(structured_outputs=StructuredOutputsParams(json=... | regex=... | choice=...
+| grammar=... | json_object=True | structural_tag=...))`` constrains what a request generates.
+Its path, as in vLLM v1:
+
+1. When the request is added, its constraint is parsed into an xgrammar ``Grammar`` on the
+   caller's thread, so a bad schema, regex or grammar is a ValueError naming the field and
+   nothing is queued.
+2. The grammar is compiled against the tokenizer's vocabulary on a background thread (the
+   vocabulary's ``TokenizerInfo`` is built there too, at the first such request), and the
+   engine keeps the request out of the scheduler until it is ready: a slow compile holds
+   back its own request only.
+3. Each of its sequences gets a ``GrammarMatcher``. Every step the engine fills the
+   allowed-token bitmask of those rows and masks their logits before the sampler, so, as in
+   vLLM, their logprobs are those of the masked logits; a ban (``min_tokens``, bad words,
+   ``allowed_token_ids``) that would leave no token gives way to the grammar. After sampling,
+   each matcher takes its sequence's token. A matcher whose grammar has ended (it took an
+   EOS, which it allows only once the output is complete) masks nothing more, as in vLLM.
+
+Steps holding such a row are synchronous under async scheduling: the next mask depends on
+the token just sampled.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllmini.engine.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger("vllmini")
+
+INSTALL_HINT = "pip install xgrammar"
+
+
+def load_xgrammar() -> Any:
+    """The xgrammar module, imported on first use (it takes ~1.5 s): a request without
+    structured outputs never pays for it."""
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ValueError(f"structured_outputs needs the xgrammar package ({INSTALL_HINT}): {exc}") from exc
+    return xgrammar
+
+
+def parse_grammar(params: StructuredOutputsParams) -> Any:
+    """The constraint as an xgrammar ``Grammar``; a ValueError naming the field when xgrammar
+    cannot read it. Needs no vocabulary, so it is quick enough for the caller's thread."""
+    xgr = load_xgrammar()
+    any_whitespace = not params.disable_any_whitespace
+    if params.json is not None:
+        field, text = "json", params.json if isinstance(params.json, str) else json.dumps(params.json)
+        make = lambda: xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)  # noqa: E731
+    elif params.json_object:
+        field = "json_object"
+        make = lambda: xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)  # noqa: E731
+    elif params.regex is not None:
+        field, make = "regex", lambda: xgr.Grammar.from_regex(params.regex)
+    elif params.choice is not None:
+        # one EBNF alternative per choice; JSON's string escapes are EBNF's
+        ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        field, make = "choice", lambda: xgr.Grammar.from_ebnf(ebnf)
+    elif params.grammar is not None:
+        # EBNF rules read "name ::= ..."; anything else is taken as Lark ("start: ..."), as vLLM does
+        ebnf = "::=" in params.grammar
+        field = "grammar"
+        make = lambda: xgr.Grammar.from_ebnf(params.grammar) if ebnf else xgr.Grammar.from_lark(params.grammar)  # noqa: E731
+    else:
+        field, make = "structural_tag", lambda: xgr.Grammar.from_structural_tag(params.structural_tag)
+    try:
+        return make()
+    except Exception as exc:  # xgrammar reports every parse error as RuntimeError (or ValueError)
+        detail = str(exc).strip().splitlines()
+        raise ValueError(f"structured_outputs.{field} cannot be used: {detail[-1] if detail else exc!r}") from exc
+
+
+class StructuredOutputManager:
+    """Compiles grammars in the background, holds the requests waiting for theirs, and masks
+    and advances their sequences' matchers. Requests are the engine's ``RequestState``s; this
+    class reads and writes their ``grammar`` and ``matchers`` fields only."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are never allowed
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler: Any = None  # built on the compile thread at the first request
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.waiting: list[Any] = []  # RequestStates whose grammar is still compiling
+
+    def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """Check the constraint now (ValueError naming the field), compile it in the background."""
+        grammar = parse_grammar(params)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllmini-grammar")
+        return self._executor.submit(self._compile, grammar)
+
+    def _compile(self, grammar: Any) -> Any:
+        if self._compiler is None:
+            xgr = load_xgrammar()
+            info = xgr.TokenizerInfo.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler.compile_grammar(grammar)
+
+    def hold(self, state: Any) -> bool:
+        """Keep a request whose grammar is not compiled yet out of the scheduler (True), or give
+        its sequences their matchers now (False: it may be scheduled)."""
+        if not state.grammar.done():
+            self.waiting.append(state)
+            return True
+        self._start(state)
+        return False
+
+    def _start(self, state: Any) -> None:
+        xgr = load_xgrammar()
+        compiled = state.grammar.result()
+        state.matchers = [xgr.GrammarMatcher(compiled) for _ in state.seqs]
+
+    def ready(self, wait: float = 0.0) -> list[tuple[Any, BaseException | None]]:
+        """The held requests whose compile has ended, with its error (None: their matchers are
+        set, schedule them). ``wait``: seconds to wait for one when none has ended yet."""
+        if not self.waiting:
+            return []
+        if wait > 0 and not any(s.grammar.done() for s in self.waiting):
+            concurrent.futures.wait([s.grammar for s in self.waiting], wait, concurrent.futures.FIRST_COMPLETED)
+        done = [s for s in self.waiting if s.grammar.done()]
+        self.waiting = [s for s in self.waiting if not s.grammar.done()]
+        out: list[tuple[Any, BaseException | None]] = []
+        for state in done:
+            error = state.grammar.exception()
+            if error is None:
+                self._start(state)
+            out.append((state, error))
+        return out
+
+    def mask(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
+        """Mask, in place, each row's tokens that its matcher (None: no grammar) does not allow."""
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+        if not rows:
+            return
+        xgr = load_xgrammar()
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for i in rows:
+            matchers[i].fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+
+    @staticmethod
+    def accept(matcher: Any, token: int) -> bool:
+        """Advance ``matcher`` by ``token``; False when its grammar refuses the token (which the
+        mask prevents: the sequence is then ended with an error)."""
+        return matcher.is_terminated() or bool(matcher.accept_token(token))
