@@ -152,10 +152,10 @@ async def test_errors_stay_with_their_request(tiny_dir, monkeypatch):
 
         real_check = engine.engine.output_processor.check_stop
 
-        def check_stop(state, seq):
+        def check_stop(state, seq, *rest):
             if state.request_id == "bad-detok":
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
-            return real_check(state, seq)
+            return real_check(state, seq, *rest)
 
         monkeypatch.setattr(engine.engine.output_processor, "check_stop", check_stop)
 

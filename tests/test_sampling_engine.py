@@ -320,11 +320,11 @@ def test_offline_generate_reports_a_failed_request_and_frees_everything(tiny_llm
     real_check = eng.output_processor.check_stop
     calls = {"n": 0}
 
-    def check_stop(state, seq):
+    def check_stop(state, seq, *rest):
         calls["n"] += 1
         if calls["n"] == 5:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "simulated detokenizer failure")
-        return real_check(state, seq)
+        return real_check(state, seq, *rest)
 
     monkeypatch.setattr(eng.output_processor, "check_stop", check_stop)
     with pytest.raises(UnicodeDecodeError, match="simulated detokenizer failure"):

@@ -66,6 +66,13 @@ CASES = {
         StructuredOutputsParams(grammar='start: ("yes" | "no") "!"'),
         lambda t: t in ("yes!", "no!") or pytest.fail(t),
     ),
+    "structural_tag": (
+        "What is 2 + 2? Answer inside <answer> tags.",
+        StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", "format": {
+            "type": "tag", "begin": "<answer>", "content": {"type": "json_schema", "json_schema": {"type": "integer", "maximum": 100}},
+            "end": "</answer>"}})),  # fmt: skip
+        lambda t: re.fullmatch(r"<answer>\s*-?\d+\s*</answer>", t) or pytest.fail(t),
+    ),
     "json_object": (
         "Give me a JSON object with a name and an age.",
         StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
@@ -297,3 +304,20 @@ def test_async_scheduling_preemption_and_streaming_give_the_same_outputs(default
             await engine.shutdown()
 
     assert asyncio.run(stream()) == expected
+
+
+def test_async_engine_refuses_a_bad_constraint_at_the_call(default_model_dir):
+    async def main() -> None:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), max_model_len=256))
+        try:
+            bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+            with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+                async for _ in engine.generate("Hi", bad, request_id="bad"):
+                    pass
+            good = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+            outs = [o async for o in engine.generate("Is water wet?", good, request_id="bad")]
+            assert outs[-1].outputs[0].text in ("yes", "no") and outs[-1].finished
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

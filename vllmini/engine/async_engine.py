@@ -233,7 +233,7 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if request_id is None:  # an id no caller's request holds
             request_id = self.engine.new_request_id(self._streams)
-        if sampling_params is not None and sampling_params.structured_outputs is not None:
+        if getattr(sampling_params, "structured_outputs", None) is not None:
             await asyncio.to_thread(load_xgrammar)  # its first import (~1.5 s) off the event loop
         state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority)
         rid = state.request_id
