@@ -3,6 +3,7 @@ chat streams its replies, keeps history, and obeys /reset, /exit and end of inpu
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import pytest
@@ -141,6 +142,9 @@ def test_chat_cuts_its_default_length_and_survives_a_history_too_long(tiny_dir, 
         (["--top-p", "2"], "top_p"),
         (["--repetition-penalty", "0"], "repetition_penalty"),
         (["--stop", ""], "stop"),
+        (["--regex", "(unclosed"], "structured_outputs.regex"),
+        (["--json-schema", "{not json"], "structured_outputs.json"),
+        (["--regex", "a", "--choice", "b"], "exactly one of"),
     ],
 )
 def test_bad_flags_fail_before_the_model_loads(flags, message, capsys, monkeypatch):
@@ -208,3 +212,22 @@ def test_a_model_without_a_chat_template_stops_chat_and_generate_at_once(tiny_di
     assert main(["generate", "--model", str(plain), "--max-tokens", "2", "hi"]) == 2
     assert "has no chat template; pass --raw" in capsys.readouterr().err
     assert main(["generate", "--model", str(plain), "--max-tokens", "2", "--raw", "hi"]) == 0
+
+
+def test_structured_output_flags_constrain_the_output(tiny_dir, tmp_path, capsys):
+    """--regex / --choice / --json-schema (text or a file) / --grammar / --json-object become
+    SamplingParams.structured_outputs; even the tiny random model's output follows them."""
+    pytest.importorskip("xgrammar")
+    from vllmini.cli import _given_sampling_flags, build_parser
+
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}')
+    ns = build_parser().parse_args(["generate", "--json-schema", str(schema), "x"])
+    assert _given_sampling_flags(ns)["structured_outputs"].json == schema.read_text()
+    ns = build_parser().parse_args(["generate", "--choice", "yes", "--choice", "no", "x"])
+    assert _given_sampling_flags(ns)["structured_outputs"].choice == ["yes", "no"]
+    rc = main(["generate", "--model", str(tiny_dir), "--raw", "--max-tokens", "12", "--regex", "[0-9]{3}", "a", "b"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    lines = [line for line in out.splitlines() if line.startswith("[")]
+    assert len(lines) == 2 and all(re.fullmatch(r"\[\d\] [0-9]{3}", line) for line in lines), out

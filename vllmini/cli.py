@@ -56,6 +56,12 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     for penalty in ("repetition", "presence", "frequency"):
         p.add_argument(f"--{penalty}-penalty", type=float, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    so = p.add_argument_group("structured outputs (at most one; SamplingParams.structured_outputs, needs xgrammar)")
+    so.add_argument("--json-schema", default=None, help="a JSON schema the output follows: its text or a file's path")
+    so.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    so.add_argument("--regex", default=None, help="a regular expression the whole output matches")
+    so.add_argument("--choice", action="append", default=None, help="the output is one of these (repeat the flag)")
+    so.add_argument("--grammar", default=None, help="an EBNF (root ::= ...) or Lark (start: ...) grammar: its text or a file's path")
 
 
 def _engine_args(ns: argparse.Namespace):
@@ -73,8 +79,31 @@ def _given_sampling_flags(ns: argparse.Namespace) -> dict:
              "repetition_penalty": ns.repetition_penalty, "presence_penalty": ns.presence_penalty,
              "frequency_penalty": ns.frequency_penalty, "ignore_eos": ns.ignore_eos or None}  # fmt: skip
     given = {k: v for k, v in given.items() if v is not None}
+    if (structured := _structured_outputs(ns)) is not None:
+        given["structured_outputs"] = structured
     SamplingParams(**given)
     return given
+
+
+def _structured_outputs(ns: argparse.Namespace):
+    """The structured-output flags as StructuredOutputsParams (None: none given), checked with
+    xgrammar now, so that a bad schema or regex fails before the model loads."""
+    from vllmini import StructuredOutputsParams
+    from vllmini.engine.structured_outputs import parse_grammar
+
+    def text(value: str | None) -> str | None:  # a file's path stands for its text
+        if value is not None and len(value) < 4096 and "\n" not in value and Path(value).is_file():
+            return Path(value).read_text(encoding="utf-8")
+        return value
+
+    flags = {"json": text(ns.json_schema), "json_object": ns.json_object or None, "regex": ns.regex,
+             "choice": ns.choice, "grammar": text(ns.grammar)}  # fmt: skip
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if not flags:
+        return None
+    params = StructuredOutputsParams(**flags)
+    parse_grammar(params)
+    return params
 
 
 def _sampling_params(ns: argparse.Namespace, model_defaults):
