@@ -120,14 +120,15 @@ def check_vllm_python(python: str) -> None:
 
 def run_vllm(python: str, mode: str, model_dir: str, dtype: str, engine_cfg: dict, warm: Workload,
              points: list[VllmPoint], kv_cache_gib: int = 1,
-             reset_prefix_cache: bool = True) -> tuple[list[VllmResult], float, bool]:  # fmt: skip
+             reset_prefix_cache: bool = True, structured_json: str | None = None,
+             ) -> tuple[list[VllmResult], float, bool]:  # fmt: skip
     """Run every point in one vLLM process (its start-up and compilation are paid once).
     Returns the finished points, vLLM's start-up seconds and whether Ctrl-C cut it short
     (the points finished before it are kept). ``reset_prefix_cache``: start every point from a
     cold prefix cache, as bench.serving does for vllmini unless --keep-prefix-cache."""
     job = {
         "model": str(model_dir), "dtype": dtype, "enforce_eager": VLLM_MODES[mode], "kv_cache_gib": kv_cache_gib,
-        "reset_prefix_cache": reset_prefix_cache,
+        "reset_prefix_cache": reset_prefix_cache, "structured_json": structured_json,
         **engine_cfg,
         "warmup": {"prompts": warm.prompts, "output_lens": warm.output_lens, "offsets": [0.0] * len(warm.prompts)},
         "runs": [{"label": p.label, "prompts": p.wl.prompts, "output_lens": p.wl.output_lens, "offsets": p.offsets,

@@ -1,7 +1,8 @@
 """Drives an in-process AsyncLLMEngine with a workload and timestamps every streamed chunk.
 
 Requests are greedy with ignore_eos and ``output_kind="delta"``, so each streamed output is
-one chunk and every gap between chunks is one ITL sample (vLLM's definition). Peak KV-cache
+one chunk and every gap between chunks is one ITL sample (vLLM's definition). With a
+``structured_json`` schema, each request's output follows it and ends at its EOS instead. Peak KV-cache
 usage is read at every chunk and sampled every 20 ms.
 """
 from __future__ import annotations
@@ -22,10 +23,13 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
 
 
-async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, peak: dict) -> None:
-    from vllmini import SamplingParams
+async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: RequestRecord, peak: dict,
+               structured_json: str | None = None) -> None:  # fmt: skip
+    from vllmini import SamplingParams, StructuredOutputsParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind="delta")
+    structured = None if structured_json is None else StructuredOutputsParams(json=structured_json)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=structured is None, output_kind="delta",
+                            structured_outputs=structured)  # fmt: skip
     rec.send_time = time.perf_counter()
     try:
         async for out in engine.generate({"prompt_token_ids": prompt}, params, request_id=rid):
@@ -45,7 +49,8 @@ async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: Reques
 
 
 async def drive(engine, wl: Workload, offsets: list[float], concurrency: int | None, records: list[RequestRecord],
-                progress: bool = True, tag: str = "req", peak: dict | None = None) -> float:  # fmt: skip
+                progress: bool = True, tag: str = "req", peak: dict | None = None,
+                structured_json: str | None = None) -> float:  # fmt: skip
     """Send ``wl`` at ``offsets`` (at most ``concurrency`` in flight); fill ``records`` as requests
     are sent and ``peak["kv_usage"]`` as it is sampled. Returns the duration in seconds.
     Cancelling stops sending; finished records stay, unfinished ones are marked "cancelled"."""
@@ -65,7 +70,7 @@ async def drive(engine, wl: Workload, offsets: list[float], concurrency: int | N
     async def request(i: int) -> None:
         rec = RequestRecord(send_time=0.0, chunk_times=[], prompt_len=len(wl.prompts[i]), output_len=0)
         records.append(rec)
-        await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak)
+        await _one(engine, f"{tag}-{i}", wl.prompts[i], wl.output_lens[i], rec, peak, structured_json)
         bar.update(1)
 
     sampler = asyncio.create_task(sample_kv())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import platform
 import statistics
@@ -76,6 +77,9 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--attention-backend", default=None, help="force vllmini's attention backend (default: auto)")
     ap.add_argument("--keep-prefix-cache", action="store_true",
                     help="do not reset the prefix cache before each run / sweep point (default: reset)")
+    ap.add_argument("--structured-json", default=None,
+                    help="a JSON schema (text or a file's path): every request's output follows it "
+                         "(SamplingParams.structured_outputs) and ends at its EOS (no ignore_eos); no HF rows")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--save-requests", action="store_true", help="keep per-request timestamps in the record")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON records and plots")
@@ -110,6 +114,10 @@ def _check_args(args) -> dict:
         checked["hf_sizes"] = [int(b) for b in str(args.hf_batch_size).split(",") if int(b) > 0]
     except ValueError:
         raise ValueError(f"--hf-batch-size must be comma-separated ints, got {args.hf_batch_size!r}") from None
+    checked["structured_json"] = _structured_json(args.structured_json)
+    if checked["structured_json"] is not None and (checked["hf_sizes"] or args.hf_single):
+        print("--structured-json: HF transformers has no structured outputs, its rows are skipped", file=sys.stderr)
+        checked["hf_sizes"], args.hf_single = [], False
     if (args.dataset == "file") != (args.dataset_path is not None):
         raise ValueError("--dataset file and --dataset-path go together")
     checked["rows"] = load_workload_file(args.dataset_path) if args.dataset == "file" else None
@@ -120,6 +128,19 @@ def _check_args(args) -> dict:
     if args.vllm_python:
         check_vllm_python(args.vllm_python)
     return checked
+
+
+def _structured_json(value: str | None) -> str | None:
+    """--structured-json as JSON text (a file's path stands for its text), checked to be JSON."""
+    if value is None:
+        return None
+    if len(value) < 4096 and Path(value).is_file():
+        value = Path(value).read_text(encoding="utf-8")
+    try:
+        json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"--structured-json is not JSON: {exc}") from None
+    return value
 
 
 def _label(workload: str, rate: float, conc: int | None) -> str:
@@ -180,7 +201,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
     async def run_ours() -> None:
         async with engine:
             if warm.prompts:
-                await drive(engine, warm, [0.0] * len(warm.prompts), None, [], progress=False, tag="warmup")
+                await drive(engine, warm, [0.0] * len(warm.prompts), None, [], progress=False, tag="warmup",
+                            structured_json=chk["structured_json"])  # fmt: skip
             for k, (rate, conc) in enumerate(points):
                 bm, sched = eng.block_manager, eng.scheduler
                 if not args.keep_prefix_cache:  # each point starts cold (nothing is in flight here)
@@ -193,8 +215,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
                 interrupted = False
                 start, peak = time.perf_counter(), {"kv_usage": 0.0}
                 try:
-                    duration = await drive(engine, wl, schedules[k], conc, records,
-                                           progress=not args.no_progress, tag=f"p{k}", peak=peak)  # fmt: skip
+                    duration = await drive(engine, wl, schedules[k], conc, records, progress=not args.no_progress,
+                                           tag=f"p{k}", peak=peak, structured_json=chk["structured_json"])  # fmt: skip
                 except asyncio.CancelledError:
                     interrupted, duration = True, span_s(start, (r.chunk_times for r in records))
                 peak_kv = peak["kv_usage"]
@@ -323,7 +345,8 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, s
         try:
             res, startup, cut = run_vllm(args.vllm_python, mode, eng.model_dir, str(eng.dtype).removeprefix("torch."),
                                          engine_cfg, warm, vpoints, kv_cache_gib=budget,
-                                         reset_prefix_cache=not args.keep_prefix_cache)  # fmt: skip
+                                         reset_prefix_cache=not args.keep_prefix_cache,
+                                         structured_json=chk["structured_json"])  # fmt: skip
         except Exception as e:  # e.g. the driver exited with an error: say so, run the other mode
             failed([f"vllm-{mode}"], e)
             continue

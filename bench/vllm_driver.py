@@ -23,12 +23,13 @@ import time
 from send_schedule import send_on_schedule, span_s  # bench/ is on sys.path: run as a script
 
 
-async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict) -> None:
+async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict, structured_json: str | None) -> None:
     from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=True,
-                            output_kind=RequestOutputKind.DELTA)  # fmt: skip
+    structured = None if structured_json is None else StructuredOutputsParams(json=structured_json)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=structured is None, detokenize=True,
+                            output_kind=RequestOutputKind.DELTA, structured_outputs=structured)  # fmt: skip
     rec["send_time"] = time.perf_counter()
     try:
         async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
@@ -40,14 +41,14 @@ async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict) 
         rec["error"] = f"{type(e).__name__}: {e}"
 
 
-async def _drive(engine, run: dict, tag: str) -> dict:
+async def _drive(engine, run: dict, tag: str, structured_json: str | None = None) -> dict:
     prompts, outs = run["prompts"], run["output_lens"]
     records: list[dict] = []
 
     async def request(i: int) -> None:
         rec = {"send_time": 0.0, "chunk_times": [], "prompt_len": len(prompts[i]), "output_len": 0, "error": None}
         records.append(rec)
-        await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec)
+        await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec, structured_json)
 
     start = time.perf_counter()
     await send_on_schedule(run["offsets"], run.get("concurrency"), request)
@@ -69,11 +70,11 @@ async def _main(job: dict, result_path: str) -> None:
     try:
         warm = job.get("warmup")
         if warm and warm["prompts"]:
-            await _drive(engine, {**warm, "label": "warmup"}, "warmup")
+            await _drive(engine, {**warm, "label": "warmup"}, "warmup", job.get("structured_json"))
         for k, run in enumerate(job["runs"]):
             if job.get("reset_prefix_cache", True):  # off with bench.serving's --keep-prefix-cache, as for vllmini
                 await engine.reset_prefix_cache()
-            res = await _drive(engine, run, f"r{k}")
+            res = await _drive(engine, run, f"r{k}", job.get("structured_json"))
             res["peak_rss_bytes"] = _peak_rss()
             results["runs"].append(res)
             with open(result_path, "w") as f:  # after every run, so an interrupted job keeps what it measured

@@ -88,7 +88,7 @@ def test_random_workload_matches_offline_mixed_and_ranges():
 def test_bad_cli_input_fails_before_loading(capsys):
     for argv in (["--workload", "poisson", "--rate", "0"], ["--workload", "poisson", "--rate", "-2"],
                  ["--workload", "concurrency", "--sweep", "0,2"], ["--input-len", "9:3"],
-                 ["--workload", "offline", "--sweep", "1,2"]):  # fmt: skip
+                 ["--workload", "offline", "--sweep", "1,2"], ["--structured-json", "{not json"]):  # fmt: skip
         with pytest.raises(SystemExit):
             main(argv + ["--model", "/nonexistent/model"])
 
@@ -195,3 +195,17 @@ def test_hf_rows_have_no_ratio_at_points_they_did_not_run(tmp_path, tiny_model, 
     ratios = {(r.max_concurrency, b.name): b.ratio for r in recs for b in r.baselines}
     assert ratios[(1, "hf-static-2")] is None and ratios[(1, "hf-single")] is not None  # closed loop of one
     assert ratios[(3, "hf-static-2")] is not None and ratios[(3, "hf-single")] is not None  # all in flight at t=0
+
+
+def test_serving_structured_json_constrains_every_request(tmp_path, tiny_model, capsys):
+    """--structured-json: vllmini's requests carry the schema (no ignore_eos), HF rows are skipped."""
+    pytest.importorskip("xgrammar")
+    schema = '{"enum": ["yes", "no"]}'
+    (rec,) = main(["--model", str(tiny_model), "--num-requests", "4", "--num-warmup", "1", "--no-progress",
+                   "--kv-cache-memory", str(2**20), "--out", str(tmp_path), "--workload", "offline",
+                   "--output-len", "12", "--hf-batch-size", "2", "--structured-json", schema])  # fmt: skip
+    assert "HF transformers has no structured outputs" in capsys.readouterr().err
+    assert rec.baselines == [] and rec.args["structured_json"] == schema
+    assert rec.metrics.completed == 4 and rec.metrics.failed == 0
+    # "yes" or "no" in quotes, then EOS, whatever the random weights say: none runs to 12 tokens
+    assert 0 < rec.metrics.total_output_tokens <= 4 * 5
