@@ -275,15 +275,15 @@ def test_a_compiling_grammar_holds_back_its_request_only(llm, monkeypatch):
 def test_async_scheduling_preemption_and_streaming_give_the_same_outputs(default_model_dir, llm):
     """Under async scheduling (a structured step is synchronous), a KV cache small enough to
     preempt, and the async engine's delta stream, the outputs equal the plain engine's."""
-    questions = ["Give me a US phone number.", "Give me a person as JSON.", "Write a poem about the sea.", "Count to ten."]
-    constraints = [StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(json=PERSON), None, None]
+    questions = ["Give me a US phone number.", "Give me a person as JSON.", "Write a poem about the sea."]
+    constraints = [StructuredOutputsParams(regex=PHONE), StructuredOutputsParams(json=PERSON), None]
     prompts = [chat(llm, q) for q in questions]
-    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=c) for c in constraints]
+    params = [SamplingParams(temperature=0, max_tokens=32, structured_outputs=c) for c in constraints]
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     block_bytes = llm.llm_engine.runner.kv_caches[0][0][0].numel() * 4 * 2 * len(llm.llm_engine.runner.kv_caches)
-    tight = LLM(model=str(default_model_dir), max_model_len=512, async_scheduling=True, kv_cache_memory=8 * block_bytes)
-    assert tight.llm_engine.num_blocks == 8
+    tight = LLM(model=str(default_model_dir), max_model_len=512, async_scheduling=True, kv_cache_memory=6 * block_bytes)
+    assert tight.llm_engine.num_blocks == 6
     got = tight.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == expected
     assert tight.llm_engine.scheduler.stats.num_preemptions > 0
