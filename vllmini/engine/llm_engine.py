@@ -247,6 +247,8 @@ class LLMEngine:
             state = self.requests.get(rid)
             if state is None:
                 continue
+            if state.grammar is not None:  # (still held while its grammar compiles)
+                self.structured.drop(state)
             for seq in state.seqs:
                 if not seq.status.finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
