@@ -396,3 +396,30 @@ def test_an_abort_while_compiling_leaves_nothing_behind_at_once(llm, monkeypatch
         assert not engine.requests and not engine.structured.waiting and later.cancelled()
     finally:
         gate.set()
+
+
+def test_a_refused_duplicate_id_does_not_compile_its_grammar(llm, monkeypatch):
+    """A request refused for a duplicate id (here while the first one's grammar compiles) has
+    its compile cancelled: it would only delay the compiles queued behind it."""
+    engine = llm.llm_engine
+    gate = threading.Event()
+    compiled: list[object] = []
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, grammar):
+        assert gate.wait(30)
+        compiled.append(grammar)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    first = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    second = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}"))
+    try:
+        engine.add_request("dup", chat(llm, "Is water wet?"), first)
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", chat(llm, "Hi"), second)
+    finally:
+        gate.set()
+    finals = _run_until_done(engine)
+    engine.structured._executor.submit(lambda: None).result()  # every compile queued so far has run
+    assert len(compiled) == 1 and finals["dup"].outputs[0].text in ("yes", "no")
