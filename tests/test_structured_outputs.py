@@ -423,3 +423,20 @@ def test_a_refused_duplicate_id_does_not_compile_its_grammar(llm, monkeypatch):
     finals = _run_until_done(engine)
     engine.structured._executor.submit(lambda: None).result()  # every compile queued so far has run
     assert len(compiled) == 1 and finals["dup"].outputs[0].text in ("yes", "no")
+
+
+def test_a_legacy_structural_tag_is_taken_as_vllm_takes_it(llm):
+    """vLLM's xgrammar backend also takes the older structural tag form ({"structures": [...],
+    "triggers": [...]}, its documented example): free text until a trigger, then the tag."""
+    tag = {"type": "structural_tag", "triggers": ["<answer>"],
+           "structures": [{"begin": "<answer>", "schema": {"type": "integer", "maximum": 100}, "end": "</answer>"}]}  # fmt: skip
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    prompt = chat(llm, "What is 2 + 2? Answer inside <answer> tags.")
+    out = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)], use_tqdm=False)
+    for answer in re.findall(r"<answer>(.*?)</answer>", out[0].outputs[0].text, re.S):
+        assert -1 < int(answer) <= 100
+    compiled = llm.llm_engine.structured.submit(so).result()
+    assert xgr.GrammarMatcher(compiled).accept_string("It is <answer>4</answer>")
+    assert not xgr.GrammarMatcher(compiled).accept_string("It is <answer>four")
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
+        llm.generate(["Hi"], [SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{}]}'))])

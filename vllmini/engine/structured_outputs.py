@@ -71,12 +71,24 @@ def parse_grammar(params: StructuredOutputsParams) -> Any:
         field = "grammar"
         make = lambda: xgr.Grammar.from_ebnf(params.grammar) if ebnf else xgr.Grammar.from_lark(params.grammar)  # noqa: E731
     else:
-        field, make = "structural_tag", lambda: xgr.Grammar.from_structural_tag(params.structural_tag)
+        field, make = "structural_tag", lambda: structural_tag_grammar(xgr, params.structural_tag)
     try:
         return make()
     except Exception as exc:  # xgrammar reports every parse error as RuntimeError (or ValueError)
         detail = str(exc).strip().splitlines()
         raise ValueError(f"structured_outputs.{field} cannot be used: {detail[-1] if detail else exc!r}") from exc
+
+
+def structural_tag_grammar(xgr: Any, text: str) -> Any:
+    """xgrammar's structural tag; as vLLM, also its older form ``{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}`` (vLLM's documented example), which xgrammar now
+    takes only as Python objects."""
+    tag = json.loads(text)
+    if not (isinstance(tag, dict) and "structures" in tag):
+        return xgr.Grammar.from_structural_tag(text)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]  # fmt: skip
+    return xgr.Grammar.from_structural_tag(items, tag["triggers"])
 
 
 class StructuredOutputManager:
