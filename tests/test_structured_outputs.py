@@ -4,11 +4,13 @@ xgrammar's own logits processor, other rows are untouched, and bad constraints a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
 import re
 import sys
 import threading
+import types
 
 import msgspec
 import pytest
@@ -321,3 +323,120 @@ def test_async_engine_refuses_a_bad_constraint_at_the_call(default_model_dir):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_compile_ending_while_ready_sorts_the_queue_is_not_lost():
+    """ready() looks at each compile once: one that ended between two looks (the compile
+    thread runs meanwhile) was in neither its answer nor its queue, so its request was never
+    scheduled and the caller waited forever."""
+
+    class EndsOnSecondLook(concurrent.futures.Future):
+        looks = 0
+
+        def done(self) -> bool:
+            self.looks += 1
+            if self.looks == 2:  # the compile thread ends it right here
+                self.set_exception(RuntimeError("compiled"))
+            return super().done()
+
+    manager = StructuredOutputManager(None, 8, [0])
+    state = types.SimpleNamespace(grammar=EndsOnSecondLook())
+    manager.waiting.append(state)
+    ended = manager.ready()
+    assert [s for s, _ in ended] + manager.waiting == [state]
+
+
+def test_a_compile_that_failed_before_enqueue_fails_its_request_alone(llm, monkeypatch):
+    """A compile can end (here: fail) before the request is queued; that error is reported
+    like a later one (the request fails at the next step) instead of escaping enqueue, which
+    left the request id taken (and in the async engine failed every stream)."""
+    engine = llm.llm_engine
+    submit = StructuredOutputManager.submit
+
+    def failing_compile(self, grammar):
+        raise RuntimeError("compiler exploded")
+
+    def submit_and_wait(self, params):
+        future = submit(self, params)
+        concurrent.futures.wait([future])
+        return future
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", failing_compile)
+    monkeypatch.setattr(StructuredOutputManager, "submit", submit_and_wait)
+    regex = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex=PHONE))
+    engine.add_request("early", chat(llm, "Hi"), regex)
+    _run_until_done(engine)
+    assert "compiler exploded" in str(engine.failed.pop("early")) and not engine.failed
+    assert not engine.requests and not engine.structured.waiting
+
+
+def test_an_abort_while_compiling_leaves_nothing_behind_at_once(llm, monkeypatch):
+    """An aborted request whose grammar is still compiling leaves the held queue at the abort
+    (its compile is cancelled if not started), not at some later step that may never come:
+    e.g. LLM.generate refusing its second request aborts the first and returns."""
+    engine = llm.llm_engine
+    gate = threading.Event()
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, grammar):
+        assert gate.wait(30)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    good = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=PHONE))
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    try:
+        with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
+            llm.generate([chat(llm, "Hi"), chat(llm, "Hi")], [good, bad], use_tqdm=False)
+        assert not engine.requests and not engine.structured.waiting
+        engine.add_request("a", chat(llm, "Hi"), good)
+        engine.add_request("b", chat(llm, "Hi"), good)
+        later = engine.structured.waiting[1].grammar
+        engine.abort_request(["a", "b"])
+        assert not engine.requests and not engine.structured.waiting and later.cancelled()
+    finally:
+        gate.set()
+
+
+def test_a_refused_duplicate_id_does_not_compile_its_grammar(llm, monkeypatch):
+    """A request refused for a duplicate id (here while the first one's grammar compiles) has
+    its compile cancelled: it would only delay the compiles queued behind it."""
+    engine = llm.llm_engine
+    gate = threading.Event()
+    compiled: list[object] = []
+    compile_grammar = StructuredOutputManager._compile
+
+    def slow_compile(self, grammar):
+        assert gate.wait(30)
+        compiled.append(grammar)
+        return compile_grammar(self, grammar)
+
+    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    first = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    second = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}"))
+    try:
+        engine.add_request("dup", chat(llm, "Is water wet?"), first)
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", chat(llm, "Hi"), second)
+    finally:
+        gate.set()
+    finals = _run_until_done(engine)
+    engine.structured._executor.submit(lambda: None).result()  # every compile queued so far has run
+    assert len(compiled) == 1 and finals["dup"].outputs[0].text in ("yes", "no")
+
+
+def test_a_legacy_structural_tag_is_taken_as_vllm_takes_it(llm):
+    """vLLM's xgrammar backend also takes the older structural tag form ({"structures": [...],
+    "triggers": [...]}, its documented example): free text until a trigger, then the tag."""
+    tag = {"type": "structural_tag", "triggers": ["<answer>"],
+           "structures": [{"begin": "<answer>", "schema": {"type": "integer", "maximum": 100}, "end": "</answer>"}]}  # fmt: skip
+    so = StructuredOutputsParams(structural_tag=json.dumps(tag))
+    prompt = chat(llm, "What is 2 + 2? Answer inside <answer> tags.")
+    out = llm.generate([prompt], [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so)], use_tqdm=False)
+    for answer in re.findall(r"<answer>(.*?)</answer>", out[0].outputs[0].text, re.S):
+        assert -1 < int(answer) <= 100
+    compiled = llm.llm_engine.structured.submit(so).result()
+    assert xgr.GrammarMatcher(compiled).accept_string("It is <answer>4</answer>")
+    assert not xgr.GrammarMatcher(compiled).accept_string("It is <answer>four")
+    with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
+        llm.generate(["Hi"], [SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{}]}'))])

@@ -238,6 +238,8 @@ class AsyncLLMEngine:
         state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority)
         rid = state.request_id
         if rid in self._streams:
+            if state.grammar is not None:  # (refused: no need to compile its grammar)
+                state.grammar.cancel()
             raise ValueError(f"request_id {rid!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue

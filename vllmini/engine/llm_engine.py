@@ -220,6 +220,8 @@ class LLMEngine:
 
     def enqueue(self, state: RequestState) -> None:
         if state.request_id in self.requests:
+            if state.grammar is not None:  # refused: its compile would only delay those queued behind it
+                state.grammar.cancel()
             raise ValueError(f"request_id {state.request_id!r} is already in use")
         self.requests[state.request_id] = state
         if state.grammar is None or not self.structured.hold(state):
@@ -247,6 +249,8 @@ class LLMEngine:
             state = self.requests.get(rid)
             if state is None:
                 continue
+            if state.grammar is not None:  # (still held while its grammar compiles)
+                self.structured.drop(state)
             for seq in state.seqs:
                 if not seq.status.finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)

@@ -71,12 +71,24 @@ def parse_grammar(params: StructuredOutputsParams) -> Any:
         field = "grammar"
         make = lambda: xgr.Grammar.from_ebnf(params.grammar) if ebnf else xgr.Grammar.from_lark(params.grammar)  # noqa: E731
     else:
-        field, make = "structural_tag", lambda: xgr.Grammar.from_structural_tag(params.structural_tag)
+        field, make = "structural_tag", lambda: structural_tag_grammar(xgr, params.structural_tag)
     try:
         return make()
     except Exception as exc:  # xgrammar reports every parse error as RuntimeError (or ValueError)
         detail = str(exc).strip().splitlines()
         raise ValueError(f"structured_outputs.{field} cannot be used: {detail[-1] if detail else exc!r}") from exc
+
+
+def structural_tag_grammar(xgr: Any, text: str) -> Any:
+    """xgrammar's structural tag; as vLLM, also its older form ``{"structures": [{"begin",
+    "schema", "end"}], "triggers": [...]}`` (vLLM's documented example), which xgrammar now
+    takes only as Python objects."""
+    tag = json.loads(text)
+    if not (isinstance(tag, dict) and "structures" in tag):
+        return xgr.Grammar.from_structural_tag(text)
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+             for s in tag["structures"]]  # fmt: skip
+    return xgr.Grammar.from_structural_tag(items, tag["triggers"])
 
 
 class StructuredOutputManager:
@@ -110,12 +122,21 @@ class StructuredOutputManager:
 
     def hold(self, state: Any) -> bool:
         """Keep a request whose grammar is not compiled yet out of the scheduler (True), or give
-        its sequences their matchers now (False: it may be scheduled)."""
-        if not state.grammar.done():
+        its sequences their matchers now (False: it may be scheduled). A compile that has failed
+        already is held too: ``ready`` reports it, as it does a later failure."""
+        if not state.grammar.done() or state.grammar.exception() is not None:
             self.waiting.append(state)
             return True
         self._start(state)
         return False
+
+    def drop(self, state: Any) -> None:
+        """Forget an aborted request held for its grammar now (not at a later step, which may
+        never come), cancelling its compile if it has not started."""
+        held = len(self.waiting)
+        self.waiting = [s for s in self.waiting if s is not state]  # (by identity: a dataclass compares fields)
+        if len(self.waiting) < held:
+            state.grammar.cancel()
 
     def _start(self, state: Any) -> None:
         xgr = load_xgrammar()
@@ -129,8 +150,10 @@ class StructuredOutputManager:
             return []
         if wait > 0 and not any(s.grammar.done() for s in self.waiting):
             concurrent.futures.wait([s.grammar for s in self.waiting], wait, concurrent.futures.FIRST_COMPLETED)
-        done = [s for s in self.waiting if s.grammar.done()]
-        self.waiting = [s for s in self.waiting if not s.grammar.done()]
+        # one look per compile: one ending between two looks would be in neither list
+        ended = [s.grammar.done() for s in self.waiting]
+        done = [s for s, e in zip(self.waiting, ended) if e]
+        self.waiting = [s for s, e in zip(self.waiting, ended) if not e]
         out: list[tuple[Any, BaseException | None]] = []
         for state in done:
             error = state.grammar.exception()
