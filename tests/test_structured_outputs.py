@@ -440,3 +440,15 @@ def test_a_legacy_structural_tag_is_taken_as_vllm_takes_it(llm):
     assert not xgr.GrammarMatcher(compiled).accept_string("It is <answer>four")
     with pytest.raises(ValueError, match=r"structured_outputs\.structural_tag"):
         llm.generate(["Hi"], [SamplingParams(structured_outputs=StructuredOutputsParams(structural_tag='{"structures": [{}]}'))])
+
+
+def test_mask_covers_logits_of_any_layout(llm):
+    """xgrammar masks only contiguous logits (it skips others without a word): the manager
+    copies a strided tensor first, so a constraint can never be silently dropped."""
+    manager = llm.llm_engine.structured
+    compiled = manager.submit(StructuredOutputsParams(regex="ab")).result()
+    strided = torch.zeros(manager.vocab_size, 2).t()
+    masked = manager.mask(strided, [xgr.GrammarMatcher(compiled), None])
+    allowed = (masked[0] > -math.inf).nonzero().flatten().tolist()
+    assert allowed and all("ab".startswith(llm.get_tokenizer().decode([t])) for t in allowed)
+    assert bool((masked[1] == 0).all())

@@ -343,7 +343,7 @@ class LLMEngine:
                 for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
         matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
         if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
-            self.structured.mask(logits, matchers)
+            logits = self.structured.mask(logits, matchers)
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         if in_flight is not None and tensors.output_token_ids is not None:  # only penalties read it
             tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])

@@ -36,6 +36,7 @@ from vllmini.engine.sampling_params import StructuredOutputsParams
 logger = logging.getLogger("vllmini")
 
 INSTALL_HINT = "pip install xgrammar"
+CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept for reuse (vLLM's default cap too; xgrammar's has none)
 
 
 def load_xgrammar() -> Any:
@@ -117,7 +118,7 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(
                 self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
             )
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=CACHE_LIMIT_BYTES)
         return self._compiler.compile_grammar(grammar)
 
     def hold(self, state: Any) -> bool:
@@ -162,16 +163,21 @@ class StructuredOutputManager:
             out.append((state, error))
         return out
 
-    def mask(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
-        """Mask, in place, each row's tokens that its matcher (None: no grammar) does not allow."""
+    def mask(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
+        """``logits`` with each row's tokens that its matcher (None: no grammar) does not allow
+        masked, in place when the tensor is contiguous (xgrammar skips other layouts silently,
+        so those are copied first)."""
         rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
         if not rows:
-            return
+            return logits
+        if not logits.is_contiguous():
+            logits = logits.contiguous()
         xgr = load_xgrammar()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
         for i in rows:
             matchers[i].fill_next_token_bitmask(bitmask, i)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
+        return logits
 
     @staticmethod
     def accept(matcher: Any, token: int) -> bool:
