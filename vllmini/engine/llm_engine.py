@@ -23,6 +23,7 @@ from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
 from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_loading import load_for_engine
@@ -33,7 +34,7 @@ from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
-from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
+from vllmini.kv.block_manager import BlockManager
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -326,7 +327,9 @@ class LLMEngine:
         seqs = [sched.scheduled[i].seq for i in sample_idx]
         logit_rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
-            for child in self._fork_children(seq):  # n > 1: siblings sample from the parent's prompt logits
+            state = self.requests[seq.request_id]
+            # n > 1: siblings sample from the parent's prompt logits
+            for child in fork_children(state, seq, self.scheduler, self.block_manager, self.runner, self.args.max_num_seqs):
                 seqs.append(child)
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
@@ -411,34 +414,6 @@ class LLMEngine:
                 self.failed[seq.request_id] = exc
                 touched.pop(seq.request_id, None)
         return [out for state in touched.values() if (out := self._report(state)) is not None]
-
-    def _fork_children(self, parent: Sequence) -> list[Sequence]:
-        """When a parent with pending siblings (n > 1) has just computed its prompt, the
-        siblings share its KV blocks (copy-on-fork of the last partial block) instead of
-        prefilling the same prompt again. Each counts toward max_num_seqs (as vLLM's child
-        requests do). Without a free slot, or a free block for the copy, a sibling falls back
-        to the queue, where the prefix cache still shares the full blocks."""
-        state = self.requests[parent.request_id]
-        if not state.pending or parent.num_output_tokens:
-            return []
-        children, state.pending = state.pending, []
-        forked = []
-        for child in children:
-            if len(self.scheduler.running) >= self.args.max_num_seqs:
-                self.scheduler.add(child)
-                continue
-            try:
-                copies = self.block_manager.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens)
-            except NoFreeBlocksError:
-                self.scheduler.add(child)
-                continue
-            self.runner.copy_blocks(copies)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.first_scheduled_time = parent.first_scheduled_time
-            self.scheduler.add_running(child)
-            forked.append(child)
-        return forked
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);
