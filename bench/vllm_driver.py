@@ -25,11 +25,15 @@ from send_schedule import send_on_schedule, span_s  # bench/ is on sys.path: run
 
 async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict, structured_json: str | None) -> None:
     from vllm import SamplingParams, TokensPrompt
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind
 
-    structured = None if structured_json is None else StructuredOutputsParams(json=structured_json)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=structured is None, detokenize=True,
-                            output_kind=RequestOutputKind.DELTA, structured_outputs=structured)  # fmt: skip
+    extra = {}
+    if structured_json is not None:  # (imported only then: a vLLM without it still runs the plain workloads)
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extra["structured_outputs"] = StructuredOutputsParams(json=structured_json)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not extra, detokenize=True,
+                            output_kind=RequestOutputKind.DELTA, **extra)  # fmt: skip
     rec["send_time"] = time.perf_counter()
     try:
         async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
