@@ -103,6 +103,7 @@ class StructuredOutputManager:
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None  # built on the compile thread at the first request
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._filler: Any = None  # xgrammar's BatchGrammarMatcher: fills the rows' masks on its own threads
         self.waiting: list[Any] = []  # RequestStates whose grammar is still compiling
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
@@ -173,9 +174,10 @@ class StructuredOutputManager:
         if not logits.is_contiguous():
             logits = logits.contiguous()
         xgr = load_xgrammar()
+        if self._filler is None:
+            self._filler = xgr.BatchGrammarMatcher()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
+        self._filler.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
         return logits
 
