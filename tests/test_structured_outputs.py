@@ -231,11 +231,8 @@ def _run_until_done(engine: LLMEngine, max_steps: int = 500) -> dict:
     raise AssertionError("requests did not finish")
 
 
-def test_a_compiling_grammar_holds_back_its_request_only(llm, monkeypatch):
-    """The compile runs on its own thread; while it runs, other requests are scheduled and
-    finish. An abort during the compile leaves nothing behind; a compile that fails fails
-    its own request."""
-    engine = llm.llm_engine
+def gate_compiles(monkeypatch) -> threading.Event:
+    """Grammar compiles wait (on their thread) until the returned event is set."""
     gate = threading.Event()
     compile_grammar = StructuredOutputManager._compile
 
@@ -244,6 +241,15 @@ def test_a_compiling_grammar_holds_back_its_request_only(llm, monkeypatch):
         return compile_grammar(self, grammar)
 
     monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    return gate
+
+
+def test_a_compiling_grammar_holds_back_its_request_only(llm, monkeypatch):
+    """The compile runs on its own thread; while it runs, other requests are scheduled and
+    finish. An abort during the compile leaves nothing behind; a compile that fails fails
+    its own request."""
+    engine = llm.llm_engine
+    gate = gate_compiles(monkeypatch)
     regex = SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=PHONE))
     plain = SamplingParams(temperature=0, max_tokens=8)
     engine.add_request("held", chat(llm, "Give me a US phone number."), regex)
@@ -375,14 +381,7 @@ def test_an_abort_while_compiling_leaves_nothing_behind_at_once(llm, monkeypatch
     (its compile is cancelled if not started), not at some later step that may never come:
     e.g. LLM.generate refusing its second request aborts the first and returns."""
     engine = llm.llm_engine
-    gate = threading.Event()
-    compile_grammar = StructuredOutputManager._compile
-
-    def slow_compile(self, grammar):
-        assert gate.wait(30)
-        return compile_grammar(self, grammar)
-
-    monkeypatch.setattr(StructuredOutputManager, "_compile", slow_compile)
+    gate = gate_compiles(monkeypatch)
     good = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex=PHONE))
     bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="(unclosed"))
     try:
