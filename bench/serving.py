@@ -132,10 +132,12 @@ def _check_args(args) -> dict:
 
 def _structured_json(value: str | None) -> str | None:
     """--structured-json as JSON text (a file's path stands for its text), checked to be JSON."""
+    from vllmini.files import read_if_file
+
     if value is None:
         return None
-    if len(value) < 4096 and Path(value).is_file():
-        value = Path(value).read_text(encoding="utf-8")
+    if (text := read_if_file(value)) is not None:
+        value = text
     try:
         json.loads(value)
     except ValueError as exc:

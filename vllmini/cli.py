@@ -90,11 +90,12 @@ def _structured_outputs(ns: argparse.Namespace):
     xgrammar now, so that a bad schema or regex fails before the model loads."""
     from vllmini import StructuredOutputsParams
     from vllmini.engine.structured_outputs import parse_grammar
+    from vllmini.files import read_if_file
 
     def text(value: str | None) -> str | None:  # a file's path stands for its text
-        if value is not None and len(value) < 4096 and "\n" not in value and Path(value).is_file():
-            return Path(value).read_text(encoding="utf-8")
-        return value
+        if value is None or (text := read_if_file(value)) is None:
+            return value
+        return text
 
     flags = {"json": text(ns.json_schema), "json_object": ns.json_object or None, "regex": ns.regex,
              "choice": ns.choice, "grammar": text(ns.grammar)}  # fmt: skip

@@ -11,8 +11,9 @@ templated text, which ``RequestOutput.prompt`` reports.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from vllmini.files import read_if_file
 
 Message = dict[str, Any]
 
@@ -62,14 +63,9 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | No
     named = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
     if chat_template in named or any(c in chat_template for c in "{}\n"):
         return chat_template
-    path = Path(chat_template).expanduser()
-    try:
-        is_file = path.is_file()
-    except OSError:  # e.g. a name too long for a path (ENAMETOOLONG): no file either
-        is_file = False
-    if not is_file:
+    if (text := read_if_file(chat_template)) is None:
         raise ValueError(f"chat_template {chat_template!r} is neither a Jinja template nor an existing file")
-    return path.read_text()
+    return text
 
 
 def _flatten(i: int, msg: Any, as_parts: bool = False) -> Message:

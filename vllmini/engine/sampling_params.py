@@ -118,7 +118,7 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
                 "structured_outputs must set exactly one of "
                 f"{', '.join(_CONSTRAINTS)}; got {', '.join(given) if given else 'none'}"
             )
-        name = given[0]
+        name = self.kind
         value = getattr(self, name)
         if name == "json" and not isinstance(value, (str, dict)):
             raise bad_value("structured_outputs.json", "a JSON schema (dict or JSON text)", value)
@@ -138,6 +138,11 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
                 "structured_outputs.whitespace_pattern is not supported by the xgrammar backend; "
                 "use disable_any_whitespace=True for JSON without optional whitespace"
             )
+
+    @property
+    def kind(self) -> str:
+        """The constraint's field name ("json", "regex", ...): the one that is set."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
 
 
 _CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)

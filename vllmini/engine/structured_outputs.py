@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from vllmini.engine.sampling_params import StructuredOutputsParams
-
-logger = logging.getLogger("vllmini")
 
 INSTALL_HINT = "pip install xgrammar"
 CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept for reuse (vLLM's default cap too; xgrammar's has none)
@@ -53,31 +50,30 @@ def parse_grammar(params: StructuredOutputsParams) -> Any:
     """The constraint as an xgrammar ``Grammar``; a ValueError naming the field when xgrammar
     cannot read it. Needs no vocabulary, so it is quick enough for the caller's thread."""
     xgr = load_xgrammar()
-    any_whitespace = not params.disable_any_whitespace
-    if params.json is not None:
-        field, text = "json", params.json if isinstance(params.json, str) else json.dumps(params.json)
-        make = lambda: xgr.Grammar.from_json_schema(text, any_whitespace=any_whitespace)  # noqa: E731
-    elif params.json_object:
-        field = "json_object"
-        make = lambda: xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)  # noqa: E731
-    elif params.regex is not None:
-        field, make = "regex", lambda: xgr.Grammar.from_regex(params.regex)
-    elif params.choice is not None:
-        # one EBNF alternative per choice; JSON's string escapes are EBNF's
-        ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
-        field, make = "choice", lambda: xgr.Grammar.from_ebnf(ebnf)
-    elif params.grammar is not None:
-        # EBNF rules read "name ::= ..."; anything else is taken as Lark ("start: ..."), as vLLM does
-        ebnf = "::=" in params.grammar
-        field = "grammar"
-        make = lambda: xgr.Grammar.from_ebnf(params.grammar) if ebnf else xgr.Grammar.from_lark(params.grammar)  # noqa: E731
-    else:
-        field, make = "structural_tag", lambda: structural_tag_grammar(xgr, params.structural_tag)
     try:
-        return make()
+        return _grammar(xgr, params)
     except Exception as exc:  # xgrammar reports every parse error as RuntimeError (or ValueError)
         detail = str(exc).strip().splitlines()
-        raise ValueError(f"structured_outputs.{field} cannot be used: {detail[-1] if detail else exc!r}") from exc
+        raise ValueError(f"structured_outputs.{params.kind} cannot be used: {detail[-1] if detail else exc!r}") from exc
+
+
+def _grammar(xgr: Any, params: StructuredOutputsParams) -> Any:
+    any_whitespace = not params.disable_any_whitespace
+    if params.json is not None:
+        schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
+    if params.json_object:
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_whitespace)
+    if params.regex is not None:
+        return xgr.Grammar.from_regex(params.regex)
+    if params.choice is not None:  # one EBNF alternative per choice; JSON's string escapes are EBNF's
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+    if params.grammar is not None:
+        # EBNF rules read "name ::= ..."; anything else is taken as Lark ("start: ..."), as vLLM does
+        if "::=" in params.grammar:
+            return xgr.Grammar.from_ebnf(params.grammar)
+        return xgr.Grammar.from_lark(params.grammar)
+    return structural_tag_grammar(xgr, params.structural_tag)
 
 
 def structural_tag_grammar(xgr: Any, text: str) -> Any:
