@@ -1,4 +1,4 @@
-"""The vllmini command line: generate (the default), chat and bench.
+"""The vllmini command line: generate (the default), chat, serve and bench.
 
 ``vllmini`` with no arguments submits a few prompts concurrently to the async engine on
 the default model and streams all of them live (one line each, redrawn in place on a
@@ -286,6 +286,19 @@ def cmd_chat(ns: argparse.Namespace) -> int:
     return _run(_chat(ns))
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    """The OpenAI-compatible server, until Ctrl-C."""
+    import os
+
+    from vllmini import AsyncLLMEngine
+    from vllmini.entrypoints.openai.api_server import run_server
+
+    engine = AsyncLLMEngine.from_engine_args(_engine_args(ns))
+    api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
+    run_server(engine, ns.served_model_name or ns.model, ns.host, ns.port, ns.chat_template, api_key)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -300,6 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model (as --model; default: the bundled one)")
+    serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
+    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $VLLMINI_API_KEY, else none)")
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")
     return parser
 
@@ -325,14 +347,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
-    if not argv or argv[0] not in ("generate", "chat", "-h", "--help"):
+    if not argv or argv[0] not in ("generate", "chat", "serve", "-h", "--help"):
         argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
+    if getattr(ns, "model_tag", None) is not None:  # `vllmini serve MODEL`, as `vllm serve MODEL`
+        ns.model = ns.model_tag
     if ns.log_level is not None:
         logging.getLogger("vllmini").setLevel(ns.log_level)
     try:
         _engine_args(ns).validate()  # bad flags fail before the model loads
-        _given_sampling_flags(ns)
+        if ns.command != "serve":
+            _given_sampling_flags(ns)
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -228,6 +228,22 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative, delta or final per ``output_kind``).
         ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        async for out in stream:
+            yield out
+
+    async def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType | list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's name: validate and queue a request now (a bad one raises ValueError here and
+        nothing is queued) and return its output stream, for callers that must know a request
+        is accepted before its first output (a server answering 400 or 200). Read the stream to
+        its end, close it, or ``abort()`` the request: until then it holds its id."""
         await self.check_health()
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -247,6 +263,9 @@ class AsyncLLMEngine:
             self._new.append(state)
         self._ensure_loop()
         self._wakeup.set()
+        return self._outputs(rid, queue)
+
+    async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
@@ -269,7 +288,8 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort one request or several and wait until the worker has done it; each open stream
-        ends with an output whose finish_reason is "abort"."""
+        ends with an output whose finish_reason is "abort", and the ids are free again (a stream
+        from ``add_request`` that was never read, too)."""
         many = isinstance(request_id, Iterable) and not isinstance(request_id, str)
         await self._abort([str(r) for r in request_id] if many else [str(request_id)])
 
@@ -282,7 +302,7 @@ class AsyncLLMEngine:
             await self._abort_without_loop(request_ids)
             return
         done = asyncio.Event()
-        mine = [_Abort(rid, done, closing) for rid in request_ids]
+        mine = [_Abort(rid, done, self._streams.get(rid) if closing is None else closing) for rid in request_ids]
         self._aborts += mine
         self._wakeup.set()
         waiter = asyncio.ensure_future(done.wait())
@@ -314,6 +334,8 @@ class AsyncLLMEngine:
             pass
 
     def _aborted(self, abort: _Abort) -> None:
+        """The request is gone from the engine, its last output (if any) delivered: its id is
+        free again (a stream still being read keeps its own queue)."""
         if abort.queue is not None and self._streams.get(abort.request_id) is abort.queue:
             del self._streams[abort.request_id]
         abort.done.set()

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible server: answers equal the engine's own, as OpenAI's client reads them
+(whole and streamed), bad requests refused naming the field with nothing leaked, clients that
+hang up aborted, and ``vllmini serve`` as a user starts it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from test_engine import assert_no_leaks
+from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
+from vllmini.entrypoints.openai.api_server import build_app
+
+KV = 64 << 20
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_dir):
+    return LLM(model=str(tiny_dir), kv_cache_memory=KV)
+
+
+@pytest.fixture
+def http(engine):
+    """An HTTP client for the app, in process (no socket)."""
+    transport = httpx.ASGITransport(app=build_app(engine, NAME))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+@pytest.fixture
+def client(http):
+    return openai.AsyncOpenAI(api_key="none", base_url="http://test/v1", http_client=http, max_retries=0)
+
+
+def events(text: str) -> list:
+    """The server-sent events of a streamed body, [DONE] last."""
+    datas = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    assert datas[-1] == "[DONE]"
+    return [json.loads(d) for d in datas[:-1]]
+
+
+async def wait_idle(engine, timeout: float = 10.0) -> None:
+    """Until the engine has no request left (aborts land at its next step)."""
+    deadline = time.monotonic() + timeout
+    while engine.engine.has_unfinished_requests() or engine._streams:
+        assert time.monotonic() < deadline, "requests were left running"
+        await asyncio.sleep(0.02)
+    assert_no_leaks(engine)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+
+
+async def test_completions_equal_the_engine_for_text_and_token_prompts(client, engine, offline):
+    ids = offline.get_tokenizer()("Hello there").input_ids
+    expected = offline.generate([*PROMPTS, {"prompt_token_ids": ids}],
+                                SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    texts = await client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                            extra_body={"ignore_eos": True})  # fmt: skip
+    tokens = await client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+    got = [c.text for c in sorted(texts.choices, key=lambda c: c.index)] + [tokens.choices[0].text]
+    assert got == [o.outputs[0].text for o in expected]
+    assert [c.finish_reason for c in texts.choices] == ["length"] * 3
+    assert texts.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected[:3])
+    assert texts.usage.completion_tokens == 36 and texts.usage.total_tokens == texts.usage.prompt_tokens + 36
+    assert texts.object == "text_completion" and texts.model == NAME and texts.id.startswith("cmpl-")
+    await wait_idle(engine)
+
+
+async def test_a_streamed_completion_adds_up_to_the_whole_one(http, engine):
+    body = {"model": NAME, "prompt": PROMPTS[:2], "max_tokens": 10, "n": 2, "temperature": 0.8, "seed": 7,
+            "ignore_eos": True}  # fmt: skip
+    whole = (await http.post("/v1/completions", json=body)).json()
+    streamed = await http.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = events(streamed.text)
+    texts, finishes = {}, {}
+    for chunk in chunks[:-1]:
+        for c in chunk["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            if c["finish_reason"] is not None:
+                assert c["index"] not in finishes, "a choice finished twice"
+                finishes[c["index"]] = c["finish_reason"]
+    assert sorted(texts) == [0, 1, 2, 3]  # prompt * n + completion
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # seeded: the same samples
+    assert finishes == {i: "length" for i in range(4)}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert whole["usage"]["completion_tokens"] == 40
+    await wait_idle(engine)
+
+
+async def test_completion_logprobs_and_echo(client, engine, offline):
+    prompt = "The capital of France is"
+    ref = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=3,
+                                                  ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
+    out = await client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                          echo=True, extra_body={"ignore_eos": True})  # fmt: skip
+    choice = out.choices[0]
+    assert choice.text == prompt + ref.outputs[0].text
+    lp = choice.logprobs
+    n_prompt = len(ref.prompt_token_ids)
+    assert len(lp.tokens) == n_prompt + 6 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [e[t] for t, e in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:])]
+    expected += [e[t] for t, e in zip(ref.outputs[0].token_ids, ref.outputs[0].logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    for token, token_lp, top in zip(lp.tokens[n_prompt:], lp.token_logprobs[n_prompt:], lp.top_logprobs[n_prompt:]):
+        assert len(top) == 3 and max(top.values()) == pytest.approx(token_lp)  # greedy: the best one
+        assert top[token] == pytest.approx(token_lp)
+    await wait_idle(engine)
+
+
+async def test_chat_equals_llm_chat_whole_and_streamed(client, engine, offline):
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    whole = await client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10,
+                                                 temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert whole.choices[0].message.content == ref.outputs[0].text
+    assert whole.choices[0].message.role == "assistant" and whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == len(ref.prompt_token_ids) and whole.usage.completion_tokens == 10
+    stream = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].object == "chat.completion.chunk"
+    await wait_idle(engine)
+
+
+async def test_chat_logprobs_n_and_response_format(client, engine):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    out = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, n=3, temperature=1.0,
+                                               seed=1, logprobs=True, top_logprobs=2)  # fmt: skip
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 5
+        for item in content:
+            assert len(item.top_logprobs) == 2 and item.bytes == list(item.token.encode())
+            assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob >= item.logprob - 1e-6 or any(
+                t.token == item.token for t in item.top_logprobs
+            )
+    schema = {"type": "string", "enum": ["red", "green", "blue"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}}
+    structured = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                      response_format=fmt)  # fmt: skip
+    assert json.loads(structured.choices[0].message.content) in schema["enum"]
+    assert structured.choices[0].finish_reason == "stop"
+    choice = await client.completions.create(model=NAME, prompt="Pick:", max_tokens=10, temperature=0,
+                                             extra_body={"structured_outputs": {"choice": ["yes", "no"]}})  # fmt: skip
+    assert choice.choices[0].text in ("yes", "no")
+    await wait_idle(engine)
+
+
+BAD = [
+    ({"prompt": "x", "n": "two"}, "$.n"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"prompt": "x", "stop": 5}, "$.stop"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": ["a", [1, 2]]}, "prompt"),
+    ({"prompt": [99999999]}, "token"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "$.response_format.type"),
+    ({"prompt": "word " * 3000}, "max_model_len"),
+    ({}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body, named", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+async def test_a_bad_completion_request_is_a_400_naming_the_field(http, engine, body, named):
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert named in error["message"] and error["type"] == "BadRequestError" and error["code"] == 400
+    await wait_idle(engine)
+
+
+async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, http, engine):
+    async def good(i: int) -> str:
+        out = await client.completions.create(model=NAME, prompt=PROMPTS[i % 3], max_tokens=8, temperature=0,
+                                              extra_body={"ignore_eos": True})  # fmt: skip
+        return out.choices[0].text
+
+    bad_chat = [
+        {"messages": []}, {"messages": [{"content": "no role"}]}, {"messages": "hi"},
+        {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ raise_exception('no') }}"},
+    ]
+    goods = [asyncio.ensure_future(good(i)) for i in range(6)]
+    statuses = [(await http.post("/v1/chat/completions", json=b)).status_code for b in bad_chat]
+    statuses.append((await http.post("/v1/completions", content=b"{not json")).status_code)
+    statuses.append((await http.post("/v1/completions", content=b"[1, 2]")).status_code)
+    assert statuses == [400] * len(statuses)
+    with pytest.raises(openai.NotFoundError, match="gpt-4"):
+        await client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        await client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], temperature=-2)
+    assert len(set(await asyncio.gather(*goods))) == 3  # each prompt's own greedy text
+    await wait_idle(engine)
+
+
+async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
+    """The second prompt is refused after the first was queued: the first is aborted."""
+    body = {"prompt": [[1, 2, 3], [99999999]], "max_tokens": 200, "ignore_eos": True}
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
+    await wait_idle(engine)
+    r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "request_id": "mine"})
+    assert r.json()["id"] == "mine"
+
+
+async def test_models_health_version_and_api_key(engine, http):
+    models = (await http.get("/v1/models")).json()
+    assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == engine.engine.max_model_len
+    assert (await http.get("/health")).status_code == 200
+    assert (await http.get("/version")).json()["version"]
+    locked = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, NAME, api_key="s3cret")),
+                               base_url="http://test")  # fmt: skip
+    body = {"prompt": "x", "max_tokens": 2}
+    assert (await locked.post("/v1/completions", json=body)).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert (await locked.post("/v1/completions", json=body, headers=wrong)).status_code == 401
+    right = {"Authorization": "Bearer s3cret"}
+    assert (await locked.post("/v1/completions", json=body, headers=right)).status_code == 200
+
+
+@pytest.fixture
+async def served(engine):
+    """The app on a real socket (uvicorn), for clients that hang up."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))  # fmt: skip
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    await task
+
+
+async def test_clients_that_hang_up_are_aborted_and_others_finish(served, engine):
+    long = {"model": NAME, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True}
+    generated = engine.engine.num_generated_tokens
+    async with httpx.AsyncClient(base_url=served, timeout=30) as c:
+        others = [asyncio.ensure_future(c.post("/v1/completions", json={**long, "max_tokens": 20})) for _ in range(3)]
+        async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            lines = r.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+        # the stream is closed after its first event: its request is aborted
+        with pytest.raises(httpx.ReadTimeout):  # a whole (not streamed) request, given up on
+            await c.post("/v1/chat/completions", json=chat, timeout=0.5)
+        done = await asyncio.gather(*others)
+    assert [r.json()["usage"]["completion_tokens"] for r in done] == [20, 20, 20]
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens - generated < 3 * 20 + 400  # the long ones did not run to the end
+
+
+def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir):
+    """As a user runs it: ``vllmini serve MODEL --port 0``, an OpenAI client, then Ctrl-C."""
+    cmd = [sys.executable, "-m", "vllmini", "serve", str(tiny_dir), "--port", "0", "--served-model-name", "m",
+           "--kv-cache-memory", str(KV)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        log = ""
+        while (m := re.search(r"Uvicorn running on (http://\S+)", log)) is None:
+            line = proc.stdout.readline()
+            assert line, f"the server did not start:\n{log}"
+            log += line
+        with openai.OpenAI(api_key="none", base_url=m.group(1) + "/v1", max_retries=0) as c:
+            assert [model.id for model in c.models.list()] == ["m"]
+            out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            assert out.usage.completion_tokens <= 4 and out.choices[0].message.role == "assistant"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_vllmini_serve_refuses_a_bad_chat_template_before_listening(tiny_dir):
+    cmd = [sys.executable, "-m", "vllmini", "serve", str(tiny_dir), "--port", "0", "--chat-template", "no/such.jinja",
+           "--kv-cache-memory", str(KV)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no/such.jinja" in done.stderr and "Uvicorn running" not in done.stderr

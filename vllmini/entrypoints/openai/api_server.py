@@ -1,0 +1,129 @@
+"""The OpenAI-compatible HTTP server (``vllmini serve``): a Starlette app over one
+``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
+
+Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
+field; a client that hangs up (streaming or not) has its requests aborted, so their KV blocks
+are freed at the next step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+import vllmini
+from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, decode_request
+from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllmini.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+
+logger = logging.getLogger("vllmini")
+
+
+def json_response(body: dict[str, Any], status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+def error_response(status: int, message: str) -> Response:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    return json_response(error_body(message, kind, status), status)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """``work``'s result, or None once the client has hung up (``work`` is cancelled then,
+    which aborts its engine requests)."""
+
+    async def hang_up() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hang_up())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
+              api_key: str | None = None) -> Starlette:  # fmt: skip
+    """The app; its lifespan shuts the engine down when the server stops."""
+    completion = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template)
+    created = int(time.time())
+
+    def handler(kind: type[SamplingRequest], create: Callable[[Any], Awaitable[Any]]) -> Callable:
+        async def endpoint(request: Request) -> Response:
+            if api_key is not None:
+                given = request.headers.get("authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    return error_response(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is needed")
+            try:
+                body, ignored = decode_request(await request.body(), kind)
+                if ignored:
+                    logger.warning("fields of the request ignored (not supported): %s", ", ".join(ignored))
+                result = await _until_disconnect(request, create(body))
+            except ModelNotFoundError as exc:
+                return error_response(404, str(exc))
+            except ValueError as exc:
+                return error_response(400, str(exc))
+            except EngineDeadError as exc:
+                return error_response(503, str(exc))
+            if result is None:  # the client hung up
+                return Response(status_code=499)
+            if isinstance(result, dict):
+                return json_response(result)
+            # the background task also runs when the client hangs up, even before the first event
+            return StreamingResponse(result.events, media_type="text/event-stream", background=BackgroundTask(result.close))
+
+        return endpoint
+
+    async def models(request: Request) -> Response:
+        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "vllmini",
+                "root": str(engine.engine.model_dir), "max_model_len": completion.max_model_len}  # fmt: skip
+        return json_response({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=503 if engine.errored else 200)
+
+    async def version(request: Request) -> Response:
+        return json_response({"version": vllmini.__version__})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await engine.shutdown()
+
+    routes = [
+        Route("/v1/completions", handler(CompletionRequest, completion.create_completion), methods=["POST"]),
+        Route("/v1/chat/completions", handler(ChatCompletionRequest, chat.create_chat_completion), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def run_server(engine: AsyncLLMEngine, served_model_name: str, host: str, port: int,
+               chat_template: str | None = None, api_key: str | None = None) -> None:  # fmt: skip
+    """Serve until interrupted (Ctrl-C), then shut the engine down."""
+    import uvicorn
+
+    app = build_app(engine, served_model_name, chat_template, api_key)
+    logger.info("serving %s on http://%s:%d/v1", served_model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

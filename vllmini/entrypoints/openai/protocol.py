@@ -1,0 +1,193 @@
+"""The OpenAI API's request bodies, as msgspec structs with vLLM's extra fields, and their
+translation into ``SamplingParams``.
+
+msgspec checks the JSON types and names the field at fault (``Expected `int`, got `str` - at
+`$.n```); ``SamplingParams`` then checks the values, naming the field too. A field left out
+(None here) takes the model's default sampling parameters (its generation_config.json, as
+vLLM's server does), then ``SamplingParams``' own.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False  # a last chunk with the whole request's usage (and no choices)
+    continuous_usage_stats: bool = False  # usage so far in every chunk
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# (request field, SamplingParams field) pairs taken as they are, when given
+_PASSED = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
+    "allowed_token_ids", "bad_words", "prompt_logprobs",
+)  # fmt: skip
+# fields the model's generation config may set a default for (vLLM's default_sampling_params)
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class SamplingRequest(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    priority: int = 0
+    request_id: str | None = None
+
+    def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
+        given: dict[str, Any] = {name: getattr(defaults, name) for name in _MODEL_DEFAULTS}
+        given.update({name: v for name in _PASSED if (v := getattr(self, name)) is not None})
+        if self.logit_bias is not None:
+            given["logit_bias"] = _token_id_keys(self.logit_bias)
+        structured = self._structured_outputs()
+        return SamplingParams(
+            **given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
+            output_kind="delta" if self.stream else "final",
+        )  # fmt: skip
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise ValueError("set response_format or structured_outputs, not both")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise ValueError("response_format.json_schema.schema is required when response_format.type is 'json_schema'")
+        return StructuredOutputsParams(json=fmt.json_schema.schema)
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    """``POST /v1/completions``."""
+
+    prompt: str | list
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None  # the top-N alternatives per token (OpenAI's legacy format)
+    echo: bool = False  # the prompt comes back before the completion
+    suffix: str | None = None  # refused: no insertion models here
+    best_of: int | None = None  # vLLM's V1 engine keeps only best_of == n
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one string or token-id list, or a list of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return [p]
+        ok = p and all(isinstance(s, str) for s in p) or p and all(
+            isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s) for s in p
+        )
+        if not ok:
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                             "non-empty token-id lists, and not empty")  # fmt: skip
+        return list(p)
+
+    def check(self) -> None:
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n (vLLM's V1 engine has no best_of), got best_of={self.best_of}")
+        if self.echo and self.prompt_logprobs is not None:
+            raise ValueError("echo with prompt_logprobs: use one of them (echo with logprobs returns the prompt's)")
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None  # deprecated by OpenAI for max_completion_tokens; both work
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    echo: bool = False  # the last message's content comes first, when it is the assistant's
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice: only 'none' is supported (the server parses no tool calls; "
+                             "tools are handed to the chat template)")  # fmt: skip
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
+
+
+def decode_request(body: bytes, kind: type[SamplingRequest]) -> tuple[SamplingRequest, list[str]]:
+    """The request and the names of the fields it carried that this server ignores (vLLM warns
+    of them, as here, rather than refusing). A body that is not a JSON object of the right
+    types is a ValueError naming the field."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("the request body must be a JSON object")
+    try:
+        request = msgspec.convert(raw, kind)
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+    return request, sorted(set(raw) - set(kind.__struct_fields__))

@@ -1,0 +1,101 @@
+"""``POST /v1/chat/completions``: the messages go through the chat template (the server's
+``--chat-template``, else the tokenizer's; a request may name its own), n completions answered
+whole or streamed as ``chat.completion.chunk`` events."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from vllmini.engine.async_engine import AsyncLLMEngine
+from vllmini.engine.chat import render_chat, resolve_chat_template
+from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
+from vllmini.entrypoints.openai.protocol import ChatCompletionRequest
+from vllmini.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
+)  # fmt: skip
+
+
+class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None) -> None:
+        super().__init__(engine, model_name)
+        # checked at start-up: a bad --chat-template stops the server before it listens (without
+        # one, a tokenizer with no template of its own fails each chat request, naming it)
+        self.chat_template = None if chat_template is None else resolve_chat_template(self.tokenizer, chat_template)
+
+    async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
+        """The whole response, or (``stream``) its events; raises ValueError for a bad request
+        before anything is generated."""
+        self.check_model(request.model)
+        request.check()
+        options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
+                   "continue_final_message": request.continue_final_message,
+                   "chat_template": request.chat_template or self.chat_template,
+                   **(request.chat_template_kwargs or {})}  # fmt: skip
+        prompt = render_chat(self.tokenizer, request.messages, **options)
+        max_tokens = request.max_completion_tokens or request.max_tokens or self.model_max_tokens
+        params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
+        request_id = self.new_id("chatcmpl", request.request_id)
+        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority)
+        if request.stream:
+            return EventStream(self._stream(request, request_id, group), group)
+        return await self._whole(request, request_id, group)
+
+    def _echo(self, request: ChatCompletionRequest) -> str:
+        """With ``echo``, the last message's content when it is the assistant's (being continued)."""
+        last = request.messages[-1]
+        if not request.echo or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+            return ""
+        return last["content"]
+
+    async def _whole(self, request: ChatCompletionRequest, request_id: str, group: RequestGroup) -> dict[str, Any]:
+        usage, choices = Usage(), []
+        async for i, out in group:
+            usage.add(i, out)
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                message = {"role": "assistant", "content": self._echo(request) + c.text, "tool_calls": []}
+                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+        return {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
+        """First a chunk per choice with the role (and any echo), then the text as it comes."""
+        usage, options = Usage(), request.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+
+        def chunk(choices: list[dict[str, Any]]) -> str:
+            body = {**self.header(request_id, "chat.completion.chunk"), "choices": choices}
+            if continuous:
+                body["usage"] = usage.body()
+            return sse(body)
+
+        try:
+            role = {"role": "assistant", "content": self._echo(request)}
+            yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)])
+            async for i, out in group:
+                usage.add(i, out)
+                choices = [
+                    {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                     "logprobs": self._logprobs(request, c), "finish_reason": c.finish_reason,
+                     "stop_reason": c.stop_reason}  # fmt: skip
+                    for c in out.outputs
+                ]
+                yield chunk(choices)
+            if options is not None and options.include_usage:
+                yield sse({**self.header(request_id, "chat.completion.chunk"), "choices": [], "usage": usage.body()})
+        except Exception as exc:  # (a failed step) the stream ends with the error, as vLLM's
+            yield sse(error_body(str(exc), type(exc).__name__, 500))
+        yield sse("[DONE]")
+
+    def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
+        ``top_logprobs`` most likely tokens there."""
+        if request.num_logprobs is None:
+            return None
+        return {"content": [self._token(token, entry, request.num_logprobs) for token, entry in
+                            zip(c.token_ids, c.logprobs or [])]}  # fmt: skip
+
+    def _token(self, token: int, entry: LogprobsEntry, num: int) -> dict[str, Any]:
+        def item(t: int, lp: float) -> dict[str, Any]:
+            text = self.token_text(t, entry)
+            return {"token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(text.encode())}
+
+        return {**item(token, float(entry[token])), "top_logprobs": [item(t, lp) for t, lp in self.top(entry, num)]}

@@ -1,0 +1,104 @@
+"""``POST /v1/completions``: one or several prompts (text or token ids), n completions each,
+answered whole or streamed as server-sent events. Choice ``index`` is ``prompt * n +
+completion``, as in vLLM."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from vllmini.engine.outputs import CompletionOutput, LogprobsEntry, RequestOutput
+from vllmini.entrypoints.openai.protocol import CompletionRequest
+from vllmini.entrypoints.openai.serving_engine import (
+    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
+)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest) -> dict[str, Any] | EventStream:
+        """The whole response, or (``stream``) its events; raises ValueError for a bad request
+        before anything is generated."""
+        self.check_model(request.model)
+        request.check()
+        prompts = request.prompts()
+        params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
+        if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
+            params = params.clone(prompt_logprobs=request.logprobs)
+        request_id = self.new_id("cmpl", request.request_id)
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority)
+        if request.stream:
+            return EventStream(self._stream(request, request_id, group), group)
+        return await self._whole(request, request_id, group)
+
+    async def _whole(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> dict[str, Any]:
+        finals: dict[int, RequestOutput] = {}
+        async for i, out in group:
+            finals[i] = out
+        usage, choices = Usage(), []
+        for i in sorted(finals):
+            usage.add(i, finals[i])
+            for c in sorted(finals[i].outputs, key=lambda c: c.index):
+                text, logprobs = self._echoed(request, finals[i], c, offset=None)
+                choices.append(self._choice(i * request.n + c.index, text, logprobs, c))
+        return {**self.header(request_id, "text_completion"), "choices": choices, "usage": usage.body()}
+
+    async def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
+        usage, sent = Usage(), {}  # sent: each choice's text length so far
+        options = request.stream_options
+        try:
+            async for i, out in group:
+                usage.add(i, out)  # (delta outputs: the new tokens only)
+                choices = []
+                for c in out.outputs:
+                    index = i * request.n + c.index
+                    text, logprobs = self._echoed(request, out, c, offset=sent.get(index))
+                    sent[index] = sent.get(index, 0) + len(text)
+                    choices.append(self._choice(index, text, logprobs, c))
+                chunk = {**self.header(request_id, "text_completion"), "choices": choices}
+                if options is not None and options.continuous_usage_stats:
+                    chunk["usage"] = usage.body()
+                yield sse(chunk)
+            if options is not None and options.include_usage:
+                yield sse({**self.header(request_id, "text_completion"), "choices": [], "usage": usage.body()})
+        except Exception as exc:  # (a failed step) the stream ends with the error, as vLLM's
+            yield sse(error_body(str(exc), type(exc).__name__, 500))
+        yield sse("[DONE]")
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}  # fmt: skip
+
+    def _echoed(
+        self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int | None
+    ) -> tuple[str, dict[str, Any] | None]:
+        """The choice's text and logprobs, the prompt's before them when echoed (in its first
+        chunk: ``offset`` None, else the length of the choice's text already sent)."""
+        token_ids, entries, text = list(c.token_ids), list(c.logprobs or []), c.text
+        if request.echo and offset is None:
+            prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+            text = prompt + text
+            token_ids = list(out.prompt_token_ids) + token_ids
+            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+        if request.logprobs is None:
+            return text, None
+        return text, self._logprobs(token_ids, entries, request.logprobs, offset or 0)
+
+    def _logprobs(
+        self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int
+    ) -> dict[str, Any]:
+        """OpenAI's legacy completion logprobs: each token's text and place in the choice's text,
+        its logprob (None for the prompt's first token, which has none) and the ``num`` most
+        likely tokens there."""
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token, entry in zip(token_ids, entries):
+            text = self.token_text(token, entry)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(max(float(entry[token]), MIN_LOGPROB))
+            top_logprobs.append({self.token_text(t, entry): lp for t, lp in self.top(entry, num)})
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}  # fmt: skip

@@ -1,0 +1,159 @@
+"""What the completion and chat endpoints share: the model name check, the engine requests
+behind one API request, usage, logprobs and the server-sent-event framing."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import msgspec
+
+from vllmini.engine.async_engine import AsyncLLMEngine
+from vllmini.engine.outputs import LogprobsEntry, RequestOutput
+from vllmini.engine.sampling_params import SamplingParams
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
+
+
+class ModelNotFoundError(LookupError):
+    """The request names a model this server does not serve (404, as in vLLM)."""
+
+
+def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event, as the OpenAI API streams them."""
+    data = payload if isinstance(payload, str) else msgspec.json.encode(payload).decode()
+    return f"data: {data}\n\n"
+
+
+class RequestGroup:
+    """The engine requests behind one API request (one per prompt, each with the request's n
+    completions), read as one stream of (prompt index, output). ``close()`` aborts what has not
+    finished: a client that hangs up frees its KV blocks at the next step."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str], streams: list[AsyncIterator[RequestOutput]]):
+        self.engine, self.request_ids, self.streams = engine, request_ids, streams
+        self.unfinished = set(range(len(streams)))
+
+    @classmethod
+    async def start(
+        cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int
+    ) -> RequestGroup:
+        """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
+        sent; those queued before it are aborted then."""
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        group = cls(engine, [], [])
+        try:
+            for rid, prompt in zip(ids, prompts):
+                group.streams.append(await engine.add_request(rid, prompt, params, priority=priority))
+                group.request_ids.append(rid)
+                group.unfinished.add(len(group.streams) - 1)
+        except BaseException:
+            await group.close()
+            raise
+        return group
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as exc:  # (a failed step): the whole API request fails with it
+                queue.put_nowait((i, exc))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            while self.unfinished:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    self.unfinished.discard(i)
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.close()
+
+    async def close(self) -> None:
+        """Abort the requests that have not finished (a no-op once all have)."""
+        ids = [self.request_ids[i] for i in self.unfinished if i < len(self.request_ids)]
+        self.unfinished.clear()
+        if ids:
+            await self.engine.abort(ids)
+
+
+class EventStream:
+    """A streamed response: its server-sent events and the requests behind them. ``close()``
+    runs once the response is sent or the client has hung up (even before the first event)."""
+
+    def __init__(self, events: AsyncIterator[str], group: RequestGroup) -> None:
+        self.events, self.group = events, group
+
+    async def close(self) -> None:
+        await self.events.aclose()
+        await self.group.close()
+
+
+class Usage:
+    """Token counts of one API request, as OpenAI's ``usage``."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}  # per prompt index
+        self.completion_tokens = 0
+
+    def add(self, i: int, out: RequestOutput) -> None:
+        self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def body(self) -> dict[str, int]:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+
+
+class OpenAIServing:
+    """One served model: its name, default sampling parameters and tokenizer."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.get_tokenizer()
+        self.defaults = engine.engine.get_default_sampling_params()
+        # the model's generation config's max_new_tokens, if it sets one: a chat request without
+        # max_tokens otherwise runs to the end of the context, as in vLLM
+        own = SamplingParams().max_tokens
+        self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
+        self.max_model_len = engine.engine.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    def header(self, request_id: str, kind: str) -> dict[str, Any]:
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+    @staticmethod
+    def new_id(prefix: str, given: str | None) -> str:
+        return given if given is not None else f"{prefix}-{uuid.uuid4().hex}"
+
+    def token_text(self, token_id: int, entry: LogprobsEntry | None = None) -> str:
+        logprob = entry.get(token_id) if entry else None
+        decoded = getattr(logprob, "decoded_token", None)
+        return decoded if decoded is not None else self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def top(entry: LogprobsEntry, num: int) -> list[tuple[int, float]]:
+        """The ``num`` most likely tokens of one position, best first, logprobs clamped for JSON."""
+        ranked = sorted(entry.items(), key=lambda kv: -float(kv[1]))[:num]
+        return [(token, max(float(lp), MIN_LOGPROB)) for token, lp in ranked]
