@@ -618,3 +618,27 @@ def test_a_stream_cancelled_with_the_step_loop_still_aborts_its_request(tiny_dir
     assert not engine.engine.requests and not engine._streams and not engine._aborts
     assert_no_leaks(engine)
     engine.shutdown()
+
+
+async def test_add_request_refuses_at_the_call_and_abort_frees_an_unread_stream(tiny_dir, offline):
+    """vLLM's ``add_request``: a bad request raises at the call (nothing queued); a good one is
+    queued before its first output. A stream that is never read still holds its id until
+    ``abort()``, which frees it (and the request's KV blocks)."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    async with make_engine(tiny_dir) as engine:
+        with pytest.raises(ValueError, match="temperature"):
+            await engine.add_request("bad", "hi", SamplingParams(temperature=-1))
+        assert "bad" not in engine._streams
+        stream = await engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, params)
+        assert [o async for o in stream][-1].outputs[0].token_ids == offline.generate(
+            {"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False
+        )[0].outputs[0].token_ids
+        await engine.add_request("unread", "hello", SamplingParams(max_tokens=500, ignore_eos=True))
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.add_request("unread", "hello", params)
+        await engine.abort("unread")
+        assert "unread" not in engine._streams
+        again = await engine.add_request("unread", {"prompt_token_ids": [5, 6, 7]}, params)
+        outs = [o async for o in again]
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+        assert_no_leaks(engine)
