@@ -1,0 +1,249 @@
+"""The serving benchmark over HTTP: ``vllmini serve`` and, side by side on the same workload and
+the same client, vLLM's OpenAI server (``--vllm-python``), as ``vllm bench serve`` measures them.
+
+Each server runs as a subprocess on a free port, one at a time (they never share the cores), is
+warmed up, driven, then stopped with Ctrl-C (SIGINT). The client streams ``/v1/completions`` with
+token-id prompts, greedy, ``ignore_eos``, one server-sent event per token, and reads the token count
+from the last event's ``usage``; every event's arrival is timestamped, so TTFT, ITL, TPOT and E2E
+are vLLM's definitions, scored by bench.serving_metrics as in bench.serving. The difference between
+this and bench.serving (in process) is what HTTP, JSON and the event loop of the server cost.
+
+    python -m bench.http_serving --workload poisson --rate 4 --num-requests 64
+    python -m bench.http_serving --workload offline --vllm-python .venv-vllm-cpu/bin/python --vllm-modes eager
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.baselines import VLLM_MODES, check_vllm_python
+from bench.driver import peak_rss_bytes
+from bench.offline import Workload, git_revision
+from bench.send_schedule import send_on_schedule, span_s
+from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
+from bench.workloads import arrival_offsets, chat_workload, parse_range, random_workload
+
+HERE = Path(__file__).resolve().parent
+SERVED_NAME = "bench"  # both servers answer to it, so the request bodies are the same
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.http_serving", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--workload", choices=["offline", "poisson", "concurrency"], default="poisson")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests/s for --workload poisson")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight for --workload concurrency")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dataset", choices=["chat", "random"], default="chat")
+    ap.add_argument("--input-len", default="16:512", help="random prompt length range LO:HI")
+    ap.add_argument("--output-len", default=None, help="output length N or LO:HI (chat: 64, random: 16:256)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (vllmini; vLLM gets whole GiB)")
+    ap.add_argument("--vllm-python", default=None, help="python of a vLLM virtualenv (bench/setup_vllm_cpu.sh)")
+    ap.add_argument("--vllm-modes", default="eager", help="vLLM rows: eager (--enforce-eager) and/or compile")
+    ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to answer /health")
+    ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON record")
+    return ap
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess: started, waited for (``/health``), stopped with SIGINT."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, env: dict[str, str], log: Path) -> None:
+        self.name, self.cmd, self.port, self.env, self.log = name, cmd, port, env, log
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Server:
+        print(f"{self.name}: starting ({' '.join(self.cmd)})", file=sys.stderr)
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        t0, deadline = time.perf_counter(), time.perf_counter() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self._tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self._tail()}")
+            time.sleep(0.5)
+
+    def _tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-25:])
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def vllmini_server(args, port: int, log: Path) -> Server:
+    cmd = [sys.executable, "-m", "vllmini", "serve", args.model, "--port", str(port), "--served-model-name", SERVED_NAME,
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
+    if args.kv_cache_memory is not None:
+        cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
+    return Server("vllmini", cmd, port, {**os.environ}, log)
+
+
+def vllm_server(args, mode: str, model_dir: Path, max_model_len: int, port: int, log: Path) -> Server:
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+           "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", str(args.seed),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-model-len", str(max_model_len)] + (["--enforce-eager"] if VLLM_MODES[mode] else [])  # fmt: skip
+    gib = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM's CPU KV cache comes in whole GiB
+    return Server(f"vllm-{mode}", cmd, port, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(gib)}, log)
+
+
+async def _one(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, rec: RequestRecord) -> None:
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    rec.send_time = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, event = time.perf_counter(), json.loads(line[len("data: "):])
+                if "error" in event:
+                    rec.error = str(event["error"])
+                elif event.get("choices"):
+                    rec.chunk_times.append(now)
+                if event.get("usage"):
+                    rec.output_len = event["usage"]["completion_tokens"]
+    except httpx.HTTPError as exc:  # counted as failed; the run goes on
+        rec.error = f"{type(exc).__name__}: {exc}"
+
+
+async def drive(url: str, wl: Workload, offsets: list[float], concurrency: int | None) -> tuple[list[RequestRecord], float]:
+    """Send ``wl`` at ``offsets`` (at most ``concurrency`` in flight); the records and the duration."""
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(None), limits=limits) as client:
+
+        async def request(i: int) -> None:
+            rec = RequestRecord(send_time=0.0, chunk_times=[], prompt_len=len(wl.prompts[i]), output_len=0)
+            records.append(rec)
+            await _one(client, wl.prompts[i], wl.output_lens[i], rec)
+
+        start = time.perf_counter()
+        await send_on_schedule(offsets, concurrency, request)
+    return records, span_s(start, (r.chunk_times for r in records))
+
+
+def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], args) -> tuple[list[RequestRecord], float]:
+    with server:
+        server.wait_ready(args.startup_timeout)
+        asyncio.run(drive(server.url, warm, [0.0] * len(warm.prompts), None))
+        return asyncio.run(drive(server.url, wl, offsets, args.concurrency if args.workload == "concurrency" else None))
+
+
+def main(argv: list[str] | None = None) -> RunRecord:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()] if args.vllm_python else []
+    if bad := [m for m in modes if m not in VLLM_MODES]:
+        ap.error(f"--vllm-modes: unknown mode(s) {bad}; choose from {sorted(VLLM_MODES)}")
+    if args.vllm_python:
+        check_vllm_python(args.vllm_python)
+    if args.num_requests < 1:
+        ap.error("--num-requests must be >= 1")
+    rate = args.rate if args.workload == "poisson" else math.inf
+    offsets = arrival_offsets(args.num_requests, rate, args.burstiness, seed=args.seed)
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from vllmini.models.weight_loader import default_cache_dir, resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model, default_cache_dir())
+    tokenizer, config = AutoTokenizer.from_pretrained(model_dir), AutoConfig.from_pretrained(model_dir)
+    out_range = parse_range(args.output_len or ("64" if args.dataset == "chat" else "16:256"))
+    if args.dataset == "chat":
+        wl = chat_workload(tokenizer, args.num_requests, out_range, seed=args.seed)
+    else:
+        wl = random_workload(config.vocab_size, args.num_requests, parse_range(args.input_len), out_range, seed=args.seed)
+    warm = random_workload(config.vocab_size, args.num_warmup, (16, 64), (4, 4), seed=args.seed + 1_000_003)
+    max_model_len = max(len(p) + n for p, n in zip(wl.prompts, wl.output_lens)) + 64
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    ours = vllmini_server(args, free_port(), out_dir / f"http-{stamp}-vllmini.log")
+    records, duration = measure(ours, wl, warm, offsets, args)
+    metrics = compute_metrics(records, duration)
+    baselines = []
+    for mode in modes:
+        server = vllm_server(args, mode, model_dir, max_model_len, free_port(), out_dir / f"http-{stamp}-vllm-{mode}.log")
+        try:
+            recs, dur = measure(server, wl, warm, offsets, args)
+        except RuntimeError as exc:  # a baseline that fails gets a row saying so
+            print(f"{server.name} failed: {exc}", file=sys.stderr)
+            baselines.append(Baseline(server.name, 0.0, 0.0, None, error=str(exc)[-2000:]))
+            continue
+        m = compute_metrics(recs, dur)
+        ratio = metrics.output_throughput / m.output_throughput if m.output_throughput else None
+        baselines.append(Baseline(server.name, dur, m.output_throughput, ratio, m, server.startup_s))
+    record = RunRecord(
+        benchmark="http-serving", workload=args.workload, dataset=args.dataset, num_requests=len(wl.prompts),
+        request_rate=None if math.isinf(rate) else rate, burstiness=args.burstiness,
+        max_concurrency=args.concurrency if args.workload == "concurrency" else None, seed=args.seed,
+        model=args.model, dtype="float32", device="cpu", torch=_torch_version(), threads=os.cpu_count() or 1,
+        machine=f"{platform.machine()} {platform.processor() or ''}".strip(), git=git_revision(),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S"), metrics=metrics, baselines=baselines, args=vars(args),
+    )  # fmt: skip
+    path = out_dir / f"http-serving-{args.workload}-{stamp}.json"
+    path.write_bytes(encode(record))
+    print(f"\nHTTP {args.workload} {args.dataset}, {len(wl.prompts)} requests (vllmini serve vs vllm serve)")
+    print(format_table(metrics, baselines))
+    print(f"client peak RSS {peak_rss_bytes() / 2**20:.0f} MiB; wrote {path}")
+    return record
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
+if __name__ == "__main__":
+    main()
