@@ -229,8 +229,11 @@ class AsyncLLMEngine:
         """Stream a request's outputs (cumulative, delta or final per ``output_kind``).
         ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
         stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
-        async for out in stream:
-            yield out
+        try:
+            async for out in stream:
+                yield out
+        finally:  # closing this generator leaves the loop without closing ``stream``: close it here,
+            await stream.aclose()  # so that the abort is done (the id free) when aclose() returns
 
     async def add_request(
         self,
