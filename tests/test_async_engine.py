@@ -618,3 +618,18 @@ def test_a_stream_cancelled_with_the_step_loop_still_aborts_its_request(tiny_dir
     assert not engine.engine.requests and not engine._streams and not engine._aborts
     assert_no_leaks(engine)
     engine.shutdown()
+
+
+async def test_a_stream_from_add_request_closed_before_its_first_read_aborts_its_request(tiny_dir):
+    """add_request's stream closed unread (a client gone before the first output) aborts its
+    request and frees its id, as one closed after reading does."""
+    engine = make_engine(tiny_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with engine:
+        stream = await engine.add_request("a", prompt, SamplingParams(max_tokens=900, ignore_eos=True))
+        await stream.aclose()
+        assert "a" not in engine._streams and "a" not in engine.engine.requests
+        stream = await engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = [o async for o in stream]
+        assert outs[-1].outputs[0].finish_reason == "length" and not engine._streams
+        assert_no_leaks(engine)

@@ -266,11 +266,14 @@ class AsyncLLMEngine:
             self._new.append(state)
         self._ensure_loop()
         self._wakeup.set()
-        return self._outputs(rid, queue)
+        stream = self._outputs(rid, queue)
+        await anext(stream)  # started: a generator closed before it started would skip its finally (no abort)
+        return stream
 
     async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
+            yield None  # (taken by add_request) from here on, closing the stream aborts the request
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
