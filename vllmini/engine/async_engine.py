@@ -284,12 +284,15 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            # not ours any more: abort() has ended the request and freed the id, which a newer
+            # request may hold now (aborts go by id: that one must not be aborted)
+            mine = self._streams.get(rid) is queue
             if finished or self._dead or not self._loop_running:
-                if self._streams.get(rid) is queue:
+                if mine:
                     del self._streams[rid]
-                if not finished and not self._dead:  # the step loop is gone (asyncio.run ending): abort all the same
+                if mine and not finished and not self._dead:  # the step loop is gone (asyncio.run ending): abort all the same
                     await self._abort_without_loop([rid])
-            else:  # as vLLM: once the stream is closed, the old request is gone and its id free
+            elif mine:  # as vLLM: once the stream is closed, the old request is gone and its id free
                 await self._abort([rid], closing=queue)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
