@@ -202,6 +202,14 @@ async def test_a_bad_completion_request_is_a_400_naming_the_field(http, engine, 
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
+    """0 is refused as in /v1/completions, not taken for "not given" (the end of the context)."""
+    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    await wait_idle(engine)
+
+
 async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, http, engine):
     async def good(i: int) -> str:
         out = await client.completions.create(model=NAME, prompt=PROMPTS[i % 3], max_tokens=8, temperature=0,

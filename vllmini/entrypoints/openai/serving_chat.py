@@ -31,7 +31,10 @@ class OpenAIServingChat(OpenAIServing):
                    "chat_template": request.chat_template or self.chat_template,
                    **(request.chat_template_kwargs or {})}  # fmt: skip
         prompt = render_chat(self.tokenizer, request.messages, **options)
-        max_tokens = request.max_completion_tokens or request.max_tokens or self.model_max_tokens
+        # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority)
