@@ -210,6 +210,14 @@ async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("key", ["tokenizer", "messages"])
+async def test_chat_template_kwargs_that_clash_with_the_renderer_are_a_400(http, engine, key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {key: 1}}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"] and key in r.text
+    await wait_idle(engine)
+
+
 async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, http, engine):
     async def good(i: int) -> str:
         out = await client.completions.create(model=NAME, prompt=PROMPTS[i % 3], max_tokens=8, temperature=0,
