@@ -218,6 +218,17 @@ async def test_chat_template_kwargs_that_clash_with_the_renderer_are_a_400(http,
     await wait_idle(engine)
 
 
+async def test_a_request_chat_template_naming_a_server_file_is_refused(http, engine, tmp_path):
+    """A client must not make the server read its files (the --chat-template option may name
+    one; a request's chat_template is Jinja text or one of the tokenizer's template names)."""
+    path = tmp_path / "secret.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": str(path)}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
+    await wait_idle(engine)
+
+
 async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, http, engine):
     async def good(i: int) -> str:
         out = await client.completions.create(model=NAME, prompt=PROMPTS[i % 3], max_tokens=8, temperature=0,

@@ -26,6 +26,11 @@ class OpenAIServingChat(OpenAIServing):
         before anything is generated."""
         self.check_model(request.model)
         request.check()
+        named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
+        if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
+            # render_chat would read it as a path: a client must not make the server open its files
+            raise ValueError("chat_template: a request's template must be Jinja text or the name of one of the "
+                             "tokenizer's templates, not a file path")  # fmt: skip
         options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
                    "continue_final_message": request.continue_final_message,
                    "chat_template": request.chat_template or self.chat_template,
