@@ -128,6 +128,28 @@ async def test_completion_logprobs_and_echo(client, engine, offline):
     await wait_idle(engine)
 
 
+async def test_a_streamed_echo_has_the_prompt_logprobs_in_every_choice(tiny_dir):
+    """Delta outputs carry the prompt's logprobs once; each of the n choices echoes them, also
+    one that starts in a later output (here: max_num_seqs=2 runs the third one later)."""
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_seqs=2))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(eng, NAME)), base_url="http://test")
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 0, "logprobs": 1,
+            "echo": True, "ignore_eos": True}  # fmt: skip
+    whole = (await http.post("/v1/completions", json=body)).json()
+    streamed = events((await http.post("/v1/completions", json={**body, "stream": True})).text)
+    firsts = {}
+    for chunk in streamed:
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c["logprobs"]["token_logprobs"])
+    assert sorted(firsts) == [0, 1, 2]
+    for c in whole["choices"]:
+        n_prompt = len(c["logprobs"]["tokens"]) - 4
+        assert None not in firsts[c["index"]][1:n_prompt]
+        assert firsts[c["index"]][:n_prompt] == pytest.approx(c["logprobs"]["token_logprobs"][:n_prompt], abs=1e-4)
+    await wait_idle(eng)
+    await eng.shutdown()
+
+
 async def test_chat_equals_llm_chat_whole_and_streamed(client, engine, offline):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
