@@ -642,3 +642,34 @@ async def test_add_request_refuses_at_the_call_and_abort_frees_an_unread_stream(
         outs = [o async for o in again]
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
         assert_no_leaks(engine)
+
+
+async def test_a_stream_from_add_request_closed_before_its_first_read_aborts_its_request(tiny_dir):
+    """add_request's stream closed unread (a client gone before the first output) aborts its
+    request and frees its id, as one closed after reading does."""
+    engine = make_engine(tiny_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with engine:
+        stream = await engine.add_request("a", prompt, SamplingParams(max_tokens=900, ignore_eos=True))
+        await stream.aclose()
+        assert "a" not in engine._streams and "a" not in engine.engine.requests
+        stream = await engine.add_request("a", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+        outs = [o async for o in stream]
+        assert outs[-1].outputs[0].finish_reason == "length" and not engine._streams
+        assert_no_leaks(engine)
+
+
+async def test_closing_a_stream_after_abort_freed_its_id_leaves_a_newer_request_with_that_id(tiny_dir):
+    """abort() frees the id before the stream reads its "abort" output; a new request may take the
+    id then, and closing the old stream must not abort that one (aborts go by id)."""
+    engine = make_engine(tiny_dir)
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with engine:
+        old = await engine.add_request("a", prompt, SamplingParams(max_tokens=900, ignore_eos=True))
+        await anext(old)
+        await engine.abort("a")
+        new = await engine.add_request("a", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        await old.aclose()
+        outs = [o async for o in new]
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
+        assert_no_leaks(engine)

@@ -128,6 +128,28 @@ async def test_completion_logprobs_and_echo(client, engine, offline):
     await wait_idle(engine)
 
 
+async def test_a_streamed_echo_has_the_prompt_logprobs_in_every_choice(tiny_dir):
+    """Delta outputs carry the prompt's logprobs once; each of the n choices echoes them, also
+    one that starts in a later output (here: max_num_seqs=2 runs the third one later)."""
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_seqs=2))
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(eng, NAME)), base_url="http://test")
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 0, "logprobs": 1,
+            "echo": True, "ignore_eos": True}  # fmt: skip
+    whole = (await http.post("/v1/completions", json=body)).json()
+    streamed = events((await http.post("/v1/completions", json={**body, "stream": True})).text)
+    firsts = {}
+    for chunk in streamed:
+        for c in chunk["choices"]:
+            firsts.setdefault(c["index"], c["logprobs"]["token_logprobs"])
+    assert sorted(firsts) == [0, 1, 2]
+    for c in whole["choices"]:
+        n_prompt = len(c["logprobs"]["tokens"]) - 4
+        assert None not in firsts[c["index"]][1:n_prompt]
+        assert firsts[c["index"]][:n_prompt] == pytest.approx(c["logprobs"]["token_logprobs"][:n_prompt], abs=1e-4)
+    await wait_idle(eng)
+    await eng.shutdown()
+
+
 async def test_chat_equals_llm_chat_whole_and_streamed(client, engine, offline):
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
@@ -199,6 +221,33 @@ async def test_a_bad_completion_request_is_a_400_naming_the_field(http, engine, 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert named in error["message"] and error["type"] == "BadRequestError" and error["code"] == 400
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
+    """0 is refused as in /v1/completions, not taken for "not given" (the end of the context)."""
+    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: 0})
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("key", ["tokenizer", "messages"])
+async def test_chat_template_kwargs_that_clash_with_the_renderer_are_a_400(http, engine, key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template_kwargs": {key: 1}}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"] and key in r.text
+    await wait_idle(engine)
+
+
+async def test_a_request_chat_template_naming_a_server_file_is_refused(http, engine, tmp_path):
+    """A client must not make the server read its files (the --chat-template option may name
+    one; a request's chat_template is Jinja text or one of the tokenizer's template names)."""
+    path = tmp_path / "secret.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": str(path)}
+    r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
     await wait_idle(engine)
 
 

@@ -229,8 +229,11 @@ class AsyncLLMEngine:
         """Stream a request's outputs (cumulative, delta or final per ``output_kind``).
         ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
         stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
-        async for out in stream:
-            yield out
+        try:
+            async for out in stream:
+                yield out
+        finally:  # closing this generator leaves the loop without closing ``stream``: close it here,
+            await stream.aclose()  # so that the abort is done (the id free) when aclose() returns
 
     async def add_request(
         self,
@@ -263,11 +266,14 @@ class AsyncLLMEngine:
             self._new.append(state)
         self._ensure_loop()
         self._wakeup.set()
-        return self._outputs(rid, queue)
+        stream = self._outputs(rid, queue)
+        await anext(stream)  # started: a generator closed before it started would skip its finally (no abort)
+        return stream
 
     async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
+            yield None  # (taken by add_request) from here on, closing the stream aborts the request
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -278,12 +284,15 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            # not ours any more: abort() has ended the request and freed the id, which a newer
+            # request may hold now (aborts go by id: that one must not be aborted)
+            mine = self._streams.get(rid) is queue
             if finished or self._dead or not self._loop_running:
-                if self._streams.get(rid) is queue:
+                if mine:
                     del self._streams[rid]
-                if not finished and not self._dead:  # the step loop is gone (asyncio.run ending): abort all the same
+                if mine and not finished and not self._dead:  # the step loop is gone (asyncio.run ending): abort all the same
                     await self._abort_without_loop([rid])
-            else:  # as vLLM: once the stream is closed, the old request is gone and its id free
+            elif mine:  # as vLLM: once the stream is closed, the old request is gone and its id free
                 await self._abort([rid], closing=queue)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:

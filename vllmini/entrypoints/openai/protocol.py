@@ -162,6 +162,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
             raise ValueError("top_logprobs needs logprobs=true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        # render_chat's own arguments: as template variables they would be a TypeError (a 500)
+        if clash := sorted({"tokenizer", "messages"} & set(self.chat_template_kwargs or {})):
+            raise ValueError(f"chat_template_kwargs cannot set {', '.join(clash)}")
 
     @property
     def num_logprobs(self) -> int | None:

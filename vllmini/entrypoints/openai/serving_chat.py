@@ -26,12 +26,20 @@ class OpenAIServingChat(OpenAIServing):
         before anything is generated."""
         self.check_model(request.model)
         request.check()
+        named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
+        if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
+            # render_chat would read it as a path: a client must not make the server open its files
+            raise ValueError("chat_template: a request's template must be Jinja text or the name of one of the "
+                             "tokenizer's templates, not a file path")  # fmt: skip
         options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
                    "continue_final_message": request.continue_final_message,
                    "chat_template": request.chat_template or self.chat_template,
                    **(request.chat_template_kwargs or {})}  # fmt: skip
         prompt = render_chat(self.tokenizer, request.messages, **options)
-        max_tokens = request.max_completion_tokens or request.max_tokens or self.model_max_tokens
+        # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_tokens is None:
+            max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority)

@@ -36,20 +36,23 @@ class OpenAIServingCompletion(OpenAIServing):
         for i in sorted(finals):
             usage.add(i, finals[i])
             for c in sorted(finals[i].outputs, key=lambda c: c.index):
-                text, logprobs = self._echoed(request, finals[i], c, offset=None)
+                text, logprobs = self._echoed(request, finals[i], c, None, finals[i].prompt_logprobs)
                 choices.append(self._choice(i * request.n + c.index, text, logprobs, c))
         return {**self.header(request_id, "text_completion"), "choices": choices, "usage": usage.body()}
 
     async def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
         usage, sent = Usage(), {}  # sent: each choice's text length so far
+        prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
         options = request.stream_options
         try:
             async for i, out in group:
                 usage.add(i, out)  # (delta outputs: the new tokens only)
+                if out.prompt_logprobs:  # for the choices that start in a later output
+                    prompt_logprobs[i] = out.prompt_logprobs
                 choices = []
                 for c in out.outputs:
                     index = i * request.n + c.index
-                    text, logprobs = self._echoed(request, out, c, offset=sent.get(index))
+                    text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                     sent[index] = sent.get(index, 0) + len(text)
                     choices.append(self._choice(index, text, logprobs, c))
                 chunk = {**self.header(request_id, "text_completion"), "choices": choices}
@@ -68,16 +71,18 @@ class OpenAIServingCompletion(OpenAIServing):
                 "stop_reason": c.stop_reason}  # fmt: skip
 
     def _echoed(
-        self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int | None
+        self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int | None,
+        prompt_logprobs: list[LogprobsEntry | None] | None,
     ) -> tuple[str, dict[str, Any] | None]:
-        """The choice's text and logprobs, the prompt's before them when echoed (in its first
-        chunk: ``offset`` None, else the length of the choice's text already sent)."""
+        """The choice's text and logprobs, the prompt's (with ``prompt_logprobs``) before them
+        when echoed (in its first chunk: ``offset`` None, else the length of the choice's text
+        already sent)."""
         token_ids, entries, text = list(c.token_ids), list(c.logprobs or []), c.text
         if request.echo and offset is None:
             prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
             text = prompt + text
             token_ids = list(out.prompt_token_ids) + token_ids
-            entries = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+            entries = list(prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
         if request.logprobs is None:
             return text, None
         return text, self._logprobs(token_ids, entries, request.logprobs, offset or 0)
