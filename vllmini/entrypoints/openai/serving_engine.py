@@ -33,11 +33,12 @@ def sse(payload: dict[str, Any] | str) -> str:
 
 class RequestGroup:
     """The engine requests behind one API request (one per prompt, each with the request's n
-    completions), read as one stream of (prompt index, output). ``close()`` aborts what has not
-    finished: a client that hangs up frees its KV blocks at the next step."""
+    completions), read as one stream of (prompt index, output). ``close()`` closes every stream,
+    which aborts what has not finished: a client that hangs up frees its KV blocks at the next
+    step (a stream aborts only its own request, never a newer one that took a freed id)."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_ids: list[str], streams: list[AsyncIterator[RequestOutput]]):
-        self.engine, self.request_ids, self.streams = engine, request_ids, streams
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self.streams = streams
         self.unfinished = set(range(len(streams)))
 
     @classmethod
@@ -47,11 +48,10 @@ class RequestGroup:
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
         sent; those queued before it are aborted then."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = cls(engine, [], [])
+        group = cls([])
         try:
             for rid, prompt in zip(ids, prompts):
                 group.streams.append(await engine.add_request(rid, prompt, params, priority=priority))
-                group.request_ids.append(rid)
                 group.unfinished.add(len(group.streams) - 1)
         except BaseException:
             await group.close()
@@ -86,11 +86,10 @@ class RequestGroup:
             await self.close()
 
     async def close(self) -> None:
-        """Abort the requests that have not finished (a no-op once all have)."""
-        ids = [self.request_ids[i] for i in self.unfinished if i < len(self.request_ids)]
+        """Close every stream (its request is aborted unless it finished; a no-op once closed)."""
         self.unfinished.clear()
-        if ids:
-            await self.engine.abort(ids)
+        for stream in self.streams:
+            await stream.aclose()
 
 
 class EventStream:
