@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ from bench.baselines import VLLM_MODES, check_vllm_python
 from bench.driver import peak_rss_bytes
 from bench.offline import Workload, git_revision
 from bench.send_schedule import send_on_schedule, span_s
-from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
+from bench.serving_metrics import (Baseline, RequestRecord, RunRecord, ServingMetrics, compute_metrics, encode,
+                                   format_table)  # fmt: skip
 from bench.workloads import arrival_offsets, chat_workload, parse_range, random_workload
 
 HERE = Path(__file__).resolve().parent
@@ -100,6 +102,28 @@ class Server:
             if time.perf_counter() > deadline:
                 raise RuntimeError(f"{self.name} did not answer /health within {timeout:.0f} s:\n{self._tail()}")
             time.sleep(0.5)
+
+    def peak_rss_bytes(self) -> int:
+        """The server's peak resident memory, its child processes' included (vLLM's engine core)."""
+        procs = {int(d.name): d for d in Path("/proc").iterdir() if d.name.isdigit()}
+        parents = {}
+        for pid, d in procs.items():
+            try:
+                parents[pid] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+        tree, grew = {self.proc.pid}, True
+        while grew:
+            more = {pid for pid, ppid in parents.items() if ppid in tree} - tree
+            tree, grew = tree | more, bool(more)
+        total = 0
+        for pid in tree:
+            try:
+                status = (procs[pid] / "status").read_text()
+            except OSError:
+                continue
+            total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        return total
 
     def _tail(self) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-25:])
@@ -171,11 +195,14 @@ async def drive(url: str, wl: Workload, offsets: list[float], concurrency: int |
     return records, span_s(start, (r.chunk_times for r in records))
 
 
-def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], args) -> tuple[list[RequestRecord], float]:
+def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], args) -> ServingMetrics:
     with server:
         server.wait_ready(args.startup_timeout)
         asyncio.run(drive(server.url, warm, [0.0] * len(warm.prompts), None))
-        return asyncio.run(drive(server.url, wl, offsets, args.concurrency if args.workload == "concurrency" else None))
+        records, duration = asyncio.run(drive(server.url, wl, offsets, args.concurrency if args.workload == "concurrency" else None))
+        metrics = compute_metrics(records, duration)
+        metrics.peak_rss_bytes = server.peak_rss_bytes() if sys.platform == "linux" else 0
+        return metrics
 
 
 def main(argv: list[str] | None = None) -> RunRecord:
@@ -208,21 +235,19 @@ def main(argv: list[str] | None = None) -> RunRecord:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
-    ours = vllmini_server(args, free_port(), out_dir / f"http-{stamp}-vllmini.log")
-    records, duration = measure(ours, wl, warm, offsets, args)
-    metrics = compute_metrics(records, duration)
-    baselines = []
-    for mode in modes:
-        server = vllm_server(args, mode, model_dir, max_model_len, free_port(), out_dir / f"http-{stamp}-vllm-{mode}.log")
-        try:
-            recs, dur = measure(server, wl, warm, offsets, args)
-        except RuntimeError as exc:  # a baseline that fails gets a row saying so
-            print(f"{server.name} failed: {exc}", file=sys.stderr)
-            baselines.append(Baseline(server.name, 0.0, 0.0, None, error=str(exc)[-2000:]))
-            continue
-        m = compute_metrics(recs, dur)
-        ratio = metrics.output_throughput / m.output_throughput if m.output_throughput else None
-        baselines.append(Baseline(server.name, dur, m.output_throughput, ratio, m, server.startup_s))
+    with tempfile.TemporaryDirectory(prefix="vllmini-http-bench-") as logs:  # (a failure prints its tail)
+        metrics = measure(vllmini_server(args, free_port(), Path(logs, "vllmini.log")), wl, warm, offsets, args)
+        baselines = []
+        for mode in modes:
+            server = vllm_server(args, mode, model_dir, max_model_len, free_port(), Path(logs, f"vllm-{mode}.log"))
+            try:
+                m = measure(server, wl, warm, offsets, args)
+            except RuntimeError as exc:  # a baseline that fails gets a row saying so
+                print(f"{server.name} failed: {exc}", file=sys.stderr)
+                baselines.append(Baseline(server.name, 0.0, 0.0, None, error=str(exc)[-2000:]))
+                continue
+            ratio = metrics.output_throughput / m.output_throughput if m.output_throughput else None
+            baselines.append(Baseline(server.name, m.duration_s, m.output_throughput, ratio, m, server.startup_s))
     record = RunRecord(
         benchmark="http-serving", workload=args.workload, dataset=args.dataset, num_requests=len(wl.prompts),
         request_rate=None if math.isinf(rate) else rate, burstiness=args.burstiness,
@@ -234,7 +259,7 @@ def main(argv: list[str] | None = None) -> RunRecord:
     path = out_dir / f"http-serving-{args.workload}-{stamp}.json"
     path.write_bytes(encode(record))
     print(f"\nHTTP {args.workload} {args.dataset}, {len(wl.prompts)} requests (vllmini serve vs vllm serve)")
-    print(format_table(metrics, baselines))
+    print(format_table(metrics, baselines, engine_rows=False))
     print(f"client peak RSS {peak_rss_bytes() / 2**20:.0f} MiB; wrote {path}")
     return record
 

@@ -171,8 +171,9 @@ def decode(data: bytes | str) -> RunRecord:
     return msgspec.json.decode(data, type=RunRecord)
 
 
-def format_table(m: ServingMetrics, baselines: list[Baseline] = ()) -> str:
-    """A vLLM-style result block."""
+def format_table(m: ServingMetrics, baselines: list[Baseline] = (), engine_rows: bool = True) -> str:
+    """A vLLM-style result block; ``engine_rows`` False leaves out what only an in-process run
+    reads from the engine (KV usage, preemptions, prefix-cache hits)."""
     w = 44
     lines = [f"{' Serving Benchmark Result ':=^{w + 12}}"]
 
@@ -200,9 +201,10 @@ def format_table(m: ServingMetrics, baselines: list[Baseline] = ()) -> str:
     row("Peak RSS (MiB):", f"{m.peak_rss_bytes / 2**20:.0f}")
     if m.peak_cuda_bytes:
         row("Peak CUDA allocated (MiB):", f"{m.peak_cuda_bytes / 2**20:.0f}")
-    row("Peak KV-cache usage (%):", f"{m.peak_kv_usage * 100:.1f}")
-    row("Preemptions:", m.num_preemptions)
-    row("Prefix-cache hit rate (%):", f"{m.prefix_cache_hit_rate * 100:.1f}")
+    if engine_rows:
+        row("Peak KV-cache usage (%):", f"{m.peak_kv_usage * 100:.1f}")
+        row("Preemptions:", m.num_preemptions)
+        row("Prefix-cache hit rate (%):", f"{m.prefix_cache_hit_rate * 100:.1f}")
     lines.append("=" * (w + 12))
     if baselines:
         lines.append(format_comparison(m, baselines))

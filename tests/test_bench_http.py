@@ -37,8 +37,9 @@ def test_both_servers_run_the_same_workload_over_http(tmp_path, tiny_dir):
     m = record.metrics
     assert m.completed == 4 and m.failed == 0 and m.total_output_tokens == 20
     assert m.ttft_s.median > 0 and m.itl_s.median > 0 and m.output_throughput > 0
+    assert m.peak_rss_bytes > 100 << 20  # the server's, read from /proc before it stops
     (vllm,) = record.baselines
     assert vllm.name == "vllm-eager" and vllm.error is None and vllm.ratio > 0 and vllm.startup_s > 0
-    assert vllm.metrics.completed == 4 and vllm.metrics.total_output_tokens == 20
+    assert vllm.metrics.completed == 4 and vllm.metrics.total_output_tokens == 20 and vllm.metrics.peak_rss_bytes > 0
     (path,) = (tmp_path / "out").glob("http-serving-*.json")
     assert msgspec.json.decode(path.read_bytes(), type=RunRecord) == record
