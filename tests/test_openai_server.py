@@ -212,6 +212,7 @@ BAD = [
     ({"prompt": "x", "response_format": {"type": "xml"}}, "$.response_format.type"),
     ({"prompt": "word " * 3000}, "max_model_len"),
     ({}, "prompt"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
 
@@ -379,3 +380,13 @@ def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_continuous_usage_in_a_chat_stream_counts_the_prompt_from_the_first_chunk(http, engine):
+    body = {"model": NAME, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    chunks = events((await http.post("/v1/chat/completions", json=body)).text)
+    prompt = chunks[-1]["usage"]["prompt_tokens"]
+    assert prompt > 0 and all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 4]
+    await wait_idle(engine)

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority)
         if request.stream:
-            return EventStream(self._stream(request, request_id, group), group)
+            return EventStream(self._stream(request, request_id, group, len(prompt["prompt_token_ids"])), group)
         return await self._whole(request, request_id, group)
 
     def _echo(self, request: ChatCompletionRequest) -> str:
@@ -64,9 +64,12 @@ class OpenAIServingChat(OpenAIServing):
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
         return {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
 
-    async def _stream(self, request: ChatCompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int
+    ) -> AsyncIterator[str]:
         """First a chunk per choice with the role (and any echo), then the text as it comes."""
         usage, options = Usage(), request.stream_options
+        usage.prompt_tokens[0] = num_prompt_tokens  # (known before the first output: the role chunk's usage has it)
         continuous = options is not None and options.continuous_usage_stats
 
         def chunk(choices: list[dict[str, Any]]) -> str:
