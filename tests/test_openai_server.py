@@ -213,6 +213,7 @@ BAD = [
     ({"prompt": "word " * 3000}, "max_model_len"),
     ({}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
 ]
 
 
@@ -389,4 +390,22 @@ async def test_continuous_usage_in_a_chat_stream_counts_the_prompt_from_the_firs
     prompt = chunks[-1]["usage"]["prompt_tokens"]
     assert prompt > 0 and all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 4]
+    await wait_idle(engine)
+
+
+async def test_prompt_logprobs_come_back_as_vllm_returns_them(http, engine, offline):
+    prompt = "The capital of France is"
+    ref = offline.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    (choice,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+    got = choice["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ref.prompt_token_ids)
+    for token, entry, theirs in zip(ref.prompt_token_ids[1:], got[1:], ref.prompt_logprobs[1:]):
+        assert list(entry)[0] == str(token) and len(entry) in (2, 3)  # the token, then the top 2
+        assert entry[str(token)]["logprob"] == pytest.approx(float(theirs[token]), abs=1e-4)
+        assert entry[str(token)]["rank"] == theirs[token].rank and entry[str(token)]["decoded_token"]
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0}
+    answer = (await http.post("/v1/chat/completions", json=chat)).json()
+    assert answer["prompt_logprobs"][0] is None and len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
+    assert "prompt_logprobs" not in (await http.post("/v1/completions", json={**body, "prompt_logprobs": None})).json()["choices"][0]
     await wait_idle(engine)

@@ -81,6 +81,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options needs stream=true")  # (as vLLM: it would be ignored otherwise)
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are not available with stream=true (as in vLLM)")
         given: dict[str, Any] = {name: getattr(defaults, name) for name in _MODEL_DEFAULTS}
         given.update({name: v for name in _PASSED if (v := getattr(self, name)) is not None})
         if self.logit_bias is not None:

@@ -55,14 +55,16 @@ class OpenAIServingChat(OpenAIServing):
         return last["content"]
 
     async def _whole(self, request: ChatCompletionRequest, request_id: str, group: RequestGroup) -> dict[str, Any]:
-        usage, choices = Usage(), []
+        usage, choices, prompt_logprobs = Usage(), [], None
         async for i, out in group:
             usage.add(i, out)
+            prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 message = {"role": "assistant", "content": self._echo(request) + c.text, "tool_calls": []}
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
-        return {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
+        body = {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
+        return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
 
     async def _stream(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int

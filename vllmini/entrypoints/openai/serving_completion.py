@@ -37,7 +37,10 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.add(i, finals[i])
             for c in sorted(finals[i].outputs, key=lambda c: c.index):
                 text, logprobs = self._echoed(request, finals[i], c, None, finals[i].prompt_logprobs)
-                choices.append(self._choice(i * request.n + c.index, text, logprobs, c))
+                choice = self._choice(i * request.n + c.index, text, logprobs, c)
+                if request.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
+                choices.append(choice)
         return {**self.header(request_id, "text_completion"), "choices": choices, "usage": usage.body()}
 
     async def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:

@@ -152,6 +152,16 @@ class OpenAIServing:
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
 
     @staticmethod
+    def prompt_logprobs(entries: list[LogprobsEntry | None] | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token (None for the first) {token id: {logprob,
+        rank, decoded_token}}, the token itself first, then the top-N."""
+        if entries is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": max(float(lp), MIN_LOGPROB), "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in e.items()}
+                for e in entries]  # fmt: skip
+
+    @staticmethod
     def top(entry: LogprobsEntry, num: int) -> list[tuple[int, float]]:
         """The ``num`` most likely tokens of one position, best first, logprobs clamped for JSON."""
         ranked = sorted(entry.items(), key=lambda kv: -float(kv[1]))[:num]
