@@ -319,6 +319,8 @@ async def test_models_health_version_and_api_key(engine, http):
                                base_url="http://test")  # fmt: skip
     body = {"prompt": "x", "max_tokens": 2}
     assert (await locked.post("/v1/completions", json=body)).status_code == 401
+    assert (await locked.get("/v1/models")).status_code == 401  # every /v1 route, as vLLM's
+    assert (await locked.get("/health")).status_code == 200
     wrong = {"Authorization": "Bearer nope"}
     assert (await locked.post("/v1/completions", json=body, headers=wrong)).status_code == 401
     right = {"Authorization": "Bearer s3cret"}
@@ -409,3 +411,21 @@ async def test_prompt_logprobs_come_back_as_vllm_returns_them(http, engine, offl
     assert answer["prompt_logprobs"][0] is None and len(answer["prompt_logprobs"]) == answer["usage"]["prompt_tokens"]
     assert "prompt_logprobs" not in (await http.post("/v1/completions", json={**body, "prompt_logprobs": None})).json()["choices"][0]
     await wait_idle(engine)
+
+
+async def test_tokenize_and_detokenize(http, engine):
+    tok = engine.get_tokenizer()
+    r = (await http.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True})).json()
+    assert r["tokens"] == tok("Hello world").input_ids and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == engine.engine.max_model_len and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    messages = [{"role": "user", "content": "Hi!"}]
+    chat = (await http.post("/tokenize", json={"messages": messages})).json()
+    answer = (await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})).json()
+    assert chat["count"] == answer["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    back = (await http.post("/detokenize", json={"tokens": r["tokens"]})).json()
+    assert back == {"prompt": "Hello world"}
+    for path, body, named in [("/detokenize", {"tokens": [10**9]}, "tokens"), ("/tokenize", {}, "prompt and messages"),
+                              ("/tokenize", {"prompt": "a", "messages": messages}, "prompt and messages"),
+                              ("/tokenize", {"prompt": "a", "model": "other"}, "other")]:  # fmt: skip
+        bad = await http.post(path, json=body)
+        assert bad.status_code in (400, 404) and named in bad.json()["error"]["message"]

@@ -2,7 +2,7 @@
 ``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
 
 Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
 field; a client that hangs up (streaming or not) has its requests aborted, so their KV blocks
 are freed at the next step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
 """
@@ -20,14 +20,18 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.middleware import Middleware
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllmini
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, decode_request
+from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                 TokenizeRequest, decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllmini.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("vllmini")
 
@@ -39,6 +43,22 @@ def json_response(body: dict[str, Any], status: int = 200) -> Response:
 def error_response(status: int, message: str) -> Response:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
     return json_response(error_body(message, kind, status), status)
+
+
+class RequireApiKey:
+    """With ``--api-key``, every /v1 route needs ``Authorization: Bearer KEY`` (as vLLM's)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Unauthorized: a valid 'Authorization: Bearer <api key>' header is needed"
+                await error_response(401, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -67,12 +87,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     chat = OpenAIServingChat(engine, served_model_name, chat_template)
     created = int(time.time())
 
-    def handler(kind: type[SamplingRequest], create: Callable[[Any], Awaitable[Any]]) -> Callable:
+    tokenization = OpenAIServingTokenization(chat)
+
+    def handler(kind: type[msgspec.Struct], create: Callable[[Any], Awaitable[Any]]) -> Callable:
         async def endpoint(request: Request) -> Response:
-            if api_key is not None:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                    return error_response(401, "Unauthorized: a valid 'Authorization: Bearer <api key>' header is needed")
             try:
                 body, ignored = decode_request(await request.body(), kind)
                 if ignored:
@@ -113,10 +131,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         Route("/v1/completions", handler(CompletionRequest, completion.create_completion), methods=["POST"]),
         Route("/v1/chat/completions", handler(ChatCompletionRequest, chat.create_chat_completion), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/tokenize", handler(TokenizeRequest, tokenization.tokenize), methods=["POST"]),
+        Route("/detokenize", handler(DetokenizeRequest, tokenization.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    middleware = [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str, host: str, port: int,

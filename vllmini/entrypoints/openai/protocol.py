@@ -164,15 +164,47 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
                              "tools are handed to the chat template)")  # fmt: skip
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        # render_chat's own arguments: as template variables they would be a TypeError (a 500)
-        if clash := sorted({"tokenizer", "messages"} & set(self.chat_template_kwargs or {})):
-            raise ValueError(f"chat_template_kwargs cannot set {', '.join(clash)}")
+        check_chat_options(self)
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_chat_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
+    """What render_chat cannot take from a request's chat fields."""
+    if request.continue_final_message and request.add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    # render_chat's own arguments: as template variables they would be a TypeError (a 500)
+    if clash := sorted({"tokenizer", "messages"} & set(request.chat_template_kwargs or {})):
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(clash)}")
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: a ``prompt``, or chat ``messages`` through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True  # (a prompt's; a chat template writes its own)
+    return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("set exactly one of prompt and messages")
+        check_chat_options(self)
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -183,7 +215,7 @@ def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
         raise ValueError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
 
 
-def decode_request(body: bytes, kind: type[SamplingRequest]) -> tuple[SamplingRequest, list[str]]:
+def decode_request(body: bytes, kind: type[msgspec.Struct]) -> tuple[Any, list[str]]:
     """The request and the names of the fields it carried that this server ignores (vLLM warns
     of them, as here, rather than refusing). A body that is not a JSON object of the right
     types is a ValueError naming the field."""

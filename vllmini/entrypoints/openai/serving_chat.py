@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.chat import render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
-from vllmini.entrypoints.openai.protocol import ChatCompletionRequest
+from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.serving_engine import (
     MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
 )  # fmt: skip
@@ -26,16 +26,7 @@ class OpenAIServingChat(OpenAIServing):
         before anything is generated."""
         self.check_model(request.model)
         request.check()
-        named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
-        if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
-            # render_chat would read it as a path: a client must not make the server open its files
-            raise ValueError("chat_template: a request's template must be Jinja text or the name of one of the "
-                             "tokenizer's templates, not a file path")  # fmt: skip
-        options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
-                   "continue_final_message": request.continue_final_message,
-                   "chat_template": request.chat_template or self.chat_template,
-                   **(request.chat_template_kwargs or {})}  # fmt: skip
-        prompt = render_chat(self.tokenizer, request.messages, **options)
+        prompt = self.render(request)
         # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
@@ -46,6 +37,19 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             return EventStream(self._stream(request, request_id, group, len(prompt["prompt_token_ids"])), group)
         return await self._whole(request, request_id, group)
+
+    def render(self, request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+        """``{"prompt", "prompt_token_ids"}`` of the request's messages through the chat template."""
+        named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
+        if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
+            # render_chat would read it as a path: a client must not make the server open its files
+            raise ValueError("chat_template: a request's template must be Jinja text or the name of one of the "
+                             "tokenizer's templates, not a file path")  # fmt: skip
+        options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
+                   "continue_final_message": request.continue_final_message,
+                   "chat_template": request.chat_template or self.chat_template,
+                   **(request.chat_template_kwargs or {})}  # fmt: skip
+        return render_chat(self.tokenizer, request.messages, **options)
 
     def _echo(self, request: ChatCompletionRequest) -> str:
         """With ``echo``, the last message's content when it is the assistant's (being continued)."""
