@@ -429,3 +429,25 @@ async def test_tokenize_and_detokenize(http, engine):
                               ("/tokenize", {"prompt": "a", "model": "other"}, "other")]:  # fmt: skip
         bad = await http.post(path, json=body)
         assert bad.status_code in (400, 404) and named in bad.json()["error"]["message"]
+
+
+async def test_metrics_in_prometheus_format_with_vllms_names(engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = build_app(engine, NAME)  # its own registry: counts start at 0
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        body = {"model": NAME, "prompt": PROMPTS, "max_tokens": 4, "ignore_eos": True}
+        await http.post("/v1/completions", json=body)
+        await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                                      "n": 2, "ignore_eos": True, "stream": True})  # fmt: skip
+        r = await http.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for family in text_string_to_metric_families(r.text) for s in family.samples
+               if s.labels.get("model_name") == NAME}  # fmt: skip
+    assert samples[("vllm:request_success_total", "length")] == 4  # one per request (the chat's n=2 included)
+    assert samples[("vllm:time_to_first_token_seconds_count", None)] == 4
+    assert samples[("vllm:request_generation_tokens_sum", None)] == 3 * 4 + 2 * 3
+    assert samples[("vllm:e2e_request_latency_seconds_sum", None)] > 0
+    assert samples[("vllm:num_requests_running", None)] == 0 and samples[("vllm:kv_cache_usage_perc", None)] == 0
+    assert samples[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens

@@ -2,7 +2,7 @@
 ``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
 
 Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
+``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
 field; a client that hangs up (streaming or not) has its requests aborted, so their KV blocks
 are freed at the next step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
 """
@@ -16,6 +16,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllmini
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  TokenizeRequest, decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -83,8 +85,9 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
               api_key: str | None = None) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops."""
-    completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, chat_template)
+    metrics = ServerMetrics(engine, served_model_name)
+    completion = OpenAIServingCompletion(engine, served_model_name, metrics)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics)
     created = int(time.time())
 
     tokenization = OpenAIServingTokenization(chat)
@@ -119,6 +122,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     async def health(request: Request) -> Response:
         return Response(status_code=503 if engine.errored else 200)
 
+    async def prometheus(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     async def version(request: Request) -> Response:
         return json_response({"version": vllmini.__version__})
 
@@ -135,6 +141,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         Route("/detokenize", handler(DetokenizeRequest, tokenization.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
     ]
     middleware = [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.chat import render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
+from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.serving_engine import (
     MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
@@ -15,8 +16,11 @@ from vllmini.entrypoints.openai.serving_engine import (
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
+        metrics: ServerMetrics | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__(engine, model_name, metrics)
         # checked at start-up: a bad --chat-template stops the server before it listens (without
         # one, a tokenizer with no template of its own fails each chat request, naming it)
         self.chat_template = None if chat_template is None else resolve_chat_template(self.tokenizer, chat_template)
@@ -33,7 +37,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
         request_id = self.new_id("chatcmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority)
+        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics)
         if request.stream:
             return EventStream(self._stream(request, request_id, group, len(prompt["prompt_token_ids"])), group)
         return await self._whole(request, request_id, group)

@@ -12,6 +12,7 @@ import msgspec
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.entrypoints.openai.metrics import ServerMetrics
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
 
@@ -37,18 +38,19 @@ class RequestGroup:
     which aborts what has not finished: a client that hangs up frees its KV blocks at the next
     step (a stream aborts only its own request, never a newer one that took a freed id)."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
-        self.streams = streams
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics | None = None) -> None:
+        self.streams, self.metrics = streams, metrics
         self.unfinished = set(range(len(streams)))
 
     @classmethod
     async def start(
-        cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int
-    ) -> RequestGroup:
+        cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
+        metrics: ServerMetrics | None = None,
+    ) -> RequestGroup:  # fmt: skip
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
         sent; those queued before it are aborted then."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = cls([])
+        group = cls([], metrics)
         try:
             for rid, prompt in zip(ids, prompts):
                 group.streams.append(await engine.add_request(rid, prompt, params, priority=priority))
@@ -62,9 +64,14 @@ class RequestGroup:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+            generated, reason = 0, "abort"  # (for the metrics: outputs are deltas, or one final)
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
+                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), reason)
+                    if out.finished and self.metrics is not None:
+                        self.metrics.observe(out, generated, reason)
             except Exception as exc:  # (a failed step): the whole API request fails with it
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
@@ -124,9 +131,10 @@ class Usage:
 class OpenAIServing:
     """One served model: its name, default sampling parameters and tokenizer."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.metrics = metrics
         self.tokenizer = engine.get_tokenizer()
         self.defaults = engine.engine.get_default_sampling_params()
         # the model's generation config's max_new_tokens, if it sets one: a chat request without
