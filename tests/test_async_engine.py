@@ -673,3 +673,24 @@ async def test_closing_a_stream_after_abort_freed_its_id_leaves_a_newer_request_
         outs = [o async for o in new]
         assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
         assert_no_leaks(engine)
+
+
+async def test_a_stale_abort_spares_a_newer_request_with_its_id(tiny_dir):
+    """A stream closed while abort() runs (a client hanging up meanwhile, or the garbage collector
+    closing a dropped stream) queues its own abort, by id, behind the one in flight. Once abort()
+    has freed the id a newer request may take it before that stale abort reaches the worker: it
+    must not end the newer request. (The interleaving is set up directly: it depends on timing.)"""
+    from vllmini.engine.async_engine import _Abort
+
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with make_engine(tiny_dir) as engine:
+        old = await engine.add_request("x", prompt, SamplingParams(max_tokens=900, ignore_eos=True))
+        await anext(old)
+        old_queue = engine._streams["x"]
+        await engine.abort("x")  # the id is free
+        new = await engine.add_request("x", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        engine._aborts.append(_Abort("x", asyncio.Event(), old_queue))  # the old stream's, still queued
+        outs = [o async for o in new]
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
+        await old.aclose()
+        assert_no_leaks(engine)

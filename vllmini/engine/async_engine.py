@@ -391,10 +391,11 @@ class AsyncLLMEngine:
                     await self._wakeup.wait()
                 continue
             aborts, self._aborts = self._aborts, []
+            # aborts go by id: one whose stream has already ended (its request finished or aborted, its
+            # id free and maybe taken by a newer request since) has nothing left to abort
+            ids = [a.request_id for a in aborts if a.queue is None or self._streams.get(a.request_id) is a.queue]
             try:
-                outputs, errors = await loop.run_in_executor(
-                    self._executor, self._step_once, [a.request_id for a in aborts]
-                )
+                outputs, errors = await loop.run_in_executor(self._executor, self._step_once, ids)
             except Exception as exc:  # a bug in the engine itself: fail its requests, keep the loop alive
                 logger.exception("engine step failed")
                 with self._lock:  # requests submitted during the step are still in _new, untouched: they go on
