@@ -451,3 +451,22 @@ async def test_metrics_in_prometheus_format_with_vllms_names(engine):
     assert samples[("vllm:e2e_request_latency_seconds_sum", None)] > 0
     assert samples[("vllm:num_requests_running", None)] == 0 and samples[("vllm:kv_cache_usage_perc", None)] == 0
     assert samples[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
+
+
+async def test_a_stream_given_up_between_two_events_aborts_its_requests(engine):
+    """Starlette leaves the events unread when a client hangs up while one is being sent; the
+    response's close (its background task) must still stop the readers and abort every request."""
+    from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
+    from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+    completion, chat = OpenAIServingCompletion(engine, NAME), OpenAIServingChat(engine, NAME)
+    many = CompletionRequest(prompt=PROMPTS, n=2, max_tokens=300, ignore_eos=True, stream=True)
+    one = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], max_tokens=300, ignore_eos=True,
+                                stream=True)  # fmt: skip
+    for start in (lambda: completion.create_completion(many), lambda: chat.create_chat_completion(one)):
+        result = await start()
+        for _ in range(3):
+            assert (await anext(result.events)).startswith("data: {")
+        await result.close()
+        await wait_idle(engine)

@@ -11,7 +11,7 @@ from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.serving_engine import (
-    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
+    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, sse,
 )  # fmt: skip
 
 
@@ -74,13 +74,19 @@ class OpenAIServingChat(OpenAIServing):
         body = {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
         return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
 
-    async def _stream(
+    def _stream(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int
     ) -> AsyncIterator[str]:
-        """First a chunk per choice with the role (and any echo), then the text as it comes."""
-        usage, options = Usage(), request.stream_options
+        usage = Usage()
         usage.prompt_tokens[0] = num_prompt_tokens  # (known before the first output: the role chunk's usage has it)
-        continuous = options is not None and options.continuous_usage_stats
+        return self.events(self._chunks(request, request_id, group, usage), request_id, "chat.completion.chunk",
+                           usage, request.stream_options)  # fmt: skip
+
+    async def _chunks(
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage
+    ) -> AsyncIterator[str]:
+        """First a chunk per choice with the role (and any echo), then the text as it comes."""
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             body = {**self.header(request_id, "chat.completion.chunk"), "choices": choices}
@@ -88,23 +94,17 @@ class OpenAIServingChat(OpenAIServing):
                 body["usage"] = usage.body()
             return sse(body)
 
-        try:
-            role = {"role": "assistant", "content": self._echo(request)}
-            yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)])
-            async for i, out in group:
-                usage.add(i, out)
-                choices = [
-                    {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                     "logprobs": self._logprobs(request, c), "finish_reason": c.finish_reason,
-                     "stop_reason": c.stop_reason}  # fmt: skip
-                    for c in out.outputs
-                ]
-                yield chunk(choices)
-            if options is not None and options.include_usage:
-                yield sse({**self.header(request_id, "chat.completion.chunk"), "choices": [], "usage": usage.body()})
-        except Exception as exc:  # (a failed step) the stream ends with the error, as vLLM's
-            yield sse(error_body(str(exc), type(exc).__name__, 500))
-        yield sse("[DONE]")
+        role = {"role": "assistant", "content": self._echo(request)}
+        yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)])
+        async for i, out in group:
+            usage.add(i, out)
+            choices = [
+                {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                 "logprobs": self._logprobs(request, c), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason}  # fmt: skip
+                for c in out.outputs
+            ]
+            yield chunk(choices)
 
     def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the

@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry, RequestOutput
 from vllmini.entrypoints.openai.protocol import CompletionRequest
 from vllmini.entrypoints.openai.serving_engine import (
-    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, error_body, sse,
+    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, sse,
 )
 
 
@@ -43,30 +43,31 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(choice)
         return {**self.header(request_id, "text_completion"), "choices": choices, "usage": usage.body()}
 
-    async def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
-        usage, sent = Usage(), {}  # sent: each choice's text length so far
+    def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
+        usage = Usage()
+        return self.events(self._chunks(request, request_id, group, usage), request_id, "text_completion", usage,
+                           request.stream_options)  # fmt: skip
+
+    async def _chunks(
+        self, request: CompletionRequest, request_id: str, group: RequestGroup, usage: Usage
+    ) -> AsyncIterator[str]:
+        sent: dict[int, int] = {}  # each choice's text length so far
         prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
-        options = request.stream_options
-        try:
-            async for i, out in group:
-                usage.add(i, out)  # (delta outputs: the new tokens only)
-                if out.prompt_logprobs:  # for the choices that start in a later output
-                    prompt_logprobs[i] = out.prompt_logprobs
-                choices = []
-                for c in out.outputs:
-                    index = i * request.n + c.index
-                    text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
-                    sent[index] = sent.get(index, 0) + len(text)
-                    choices.append(self._choice(index, text, logprobs, c))
-                chunk = {**self.header(request_id, "text_completion"), "choices": choices}
-                if options is not None and options.continuous_usage_stats:
-                    chunk["usage"] = usage.body()
-                yield sse(chunk)
-            if options is not None and options.include_usage:
-                yield sse({**self.header(request_id, "text_completion"), "choices": [], "usage": usage.body()})
-        except Exception as exc:  # (a failed step) the stream ends with the error, as vLLM's
-            yield sse(error_body(str(exc), type(exc).__name__, 500))
-        yield sse("[DONE]")
+        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        async for i, out in group:
+            usage.add(i, out)  # (delta outputs: the new tokens only)
+            if out.prompt_logprobs:  # for the choices that start in a later output
+                prompt_logprobs[i] = out.prompt_logprobs
+            choices = []
+            for c in out.outputs:
+                index = i * request.n + c.index
+                text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
+                sent[index] = sent.get(index, 0) + len(text)
+                choices.append(self._choice(index, text, logprobs, c))
+            chunk = {**self.header(request_id, "text_completion"), "choices": choices}
+            if continuous:
+                chunk["usage"] = usage.body()
+            yield sse(chunk)
 
     @staticmethod
     def _choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput) -> dict[str, Any]:

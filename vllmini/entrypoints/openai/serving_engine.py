@@ -3,6 +3,7 @@ behind one API request, usage, logprobs and the server-sent-event framing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -13,6 +14,7 @@ from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.metrics import ServerMetrics
+from vllmini.entrypoints.openai.protocol import StreamOptions
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
 
@@ -41,6 +43,7 @@ class RequestGroup:
     def __init__(self, streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics | None = None) -> None:
         self.streams, self.metrics = streams, metrics
         self.unfinished = set(range(len(streams)))
+        self._merged: AsyncIterator[tuple[int, RequestOutput]] | None = None  # the reader, once iterated
 
     @classmethod
     async def start(
@@ -60,7 +63,11 @@ class RequestGroup:
             raise
         return group
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        self._merged = self._merge()
+        return self._merged
+
+    async def _merge(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
@@ -90,9 +97,16 @@ class RequestGroup:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self.close()
+            await self._close_streams()
 
     async def close(self) -> None:
+        """Stop reading (a reader left mid-way, e.g. by a client that hung up while an event was
+        being sent, is closed first: its tasks still read the streams) and close every stream."""
+        if self._merged is not None:
+            await self._merged.aclose()
+        await self._close_streams()
+
+    async def _close_streams(self) -> None:
         """Close every stream (its request is aborted unless it finished; a no-op once closed)."""
         self.unfinished.clear()
         for stream in self.streams:
@@ -146,6 +160,21 @@ class OpenAIServing:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFoundError(f"The model `{model}` does not exist.")
+
+    async def events(
+        self, chunks: AsyncIterator[str], request_id: str, kind: str, usage: Usage, options: StreamOptions | None
+    ) -> AsyncIterator[str]:
+        """A stream's events: ``chunks``, then the usage chunk when asked for, and ``[DONE]``; a failed
+        step ends it with the error event, as vLLM's."""
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+            if options is not None and options.include_usage:
+                yield sse({**self.header(request_id, kind), "choices": [], "usage": usage.body()})
+        except Exception as exc:
+            yield sse(error_body(str(exc), type(exc).__name__, 500))
+        yield sse("[DONE]")
 
     def header(self, request_id: str, kind: str) -> dict[str, Any]:
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
