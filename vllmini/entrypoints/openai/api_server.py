@@ -2,9 +2,10 @@
 ``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
 
 Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``, ``GET /version``. A bad request is a 400 in OpenAI's error shape naming the
-field; a client that hangs up (streaming or not) has its requests aborted, so their KV blocks
-are freed at the next step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
+``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
+``GET /version``. A bad request is a 400 in OpenAI's error shape naming the field; a client that
+hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
+step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.middleware import Middleware
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
