@@ -327,6 +327,15 @@ async def test_models_health_version_and_api_key(engine, http):
     assert (await locked.post("/v1/completions", json=body, headers=right)).status_code == 200
 
 
+async def test_the_api_key_guards_the_v1_routes_under_a_root_path(engine):
+    """Behind a proxy's prefix (``--root-path /api``), ``scope["path"]`` is ``/api/v1/...``: the routes still match."""
+    app = build_app(engine, NAME, api_key="s3cret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path="/api"), base_url="http://test") as c:
+        assert (await c.get("/api/v1/models")).status_code == 401
+        assert (await c.get("/api/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+        assert (await c.get("/api/health")).status_code == 200
+
+
 @pytest.fixture
 async def served(engine):
     """The app on a real socket (uvicorn), for clients that hang up."""
