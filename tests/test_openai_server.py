@@ -462,6 +462,23 @@ async def test_metrics_in_prometheus_format_with_vllms_names(engine):
     assert samples[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine, stream):
+    """n sequences are decoded side by side: n x 5 tokens take 4 gaps, not 5n - 1."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = build_app(engine, NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        body = {"model": NAME, "prompt": "Hi", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": stream}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        text = (await http.get("/metrics")).text
+    sums = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert sums["vllm:request_generation_tokens_sum"] == 15
+    between = sums["vllm:e2e_request_latency_seconds_sum"] - sums["vllm:time_to_first_token_seconds_sum"]
+    assert sums["vllm:time_per_output_token_seconds_sum"] == pytest.approx(between / 4)
+    await wait_idle(engine)
+
+
 async def test_a_stream_given_up_between_two_events_aborts_its_requests(engine):
     """Starlette leaves the events unread when a client hangs up while one is being sent; the
     response's close (its background task) must still stop the readers and abort every request."""
