@@ -694,3 +694,36 @@ async def test_a_stale_abort_spares_a_newer_request_with_its_id(tiny_dir):
         assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
         await old.aclose()
         assert_no_leaks(engine)
+
+
+async def test_an_abort_spares_a_request_that_takes_its_id_while_the_step_runs(tiny_dir):
+    """An abort passes the loop's check (the old stream still holds the id), then the old stream
+    reads its final output and a newer request takes the id while the worker is starting the
+    step: the worker must not admit the newer request before it applies that abort. (The
+    interleaving is set up directly: the worker waits at the step's start.)"""
+    import threading
+
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    async with make_engine(tiny_dir) as engine:
+        loop, gate, entered = asyncio.get_running_loop(), threading.Event(), asyncio.Event()
+        real = engine._step_once
+
+        def held(*args):
+            if "x" in args[-1]:  # the step that applies the abort of "x"
+                loop.call_soon_threadsafe(entered.set)
+                gate.wait(10)
+            return real(*args)
+
+        engine._step_once = held
+        old = await engine.add_request("x", prompt, SamplingParams(max_tokens=1))
+        while engine._streams["x"].empty():  # finished: its final output waits unread
+            await asyncio.sleep(0.01)
+        abort = asyncio.ensure_future(engine.abort("x"))
+        await entered.wait()
+        assert [o.finished for o in [o async for o in old]] == [True]  # the id is free
+        new = await engine.add_request("x", prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+        gate.set()
+        await abort
+        outs = [o async for o in new]
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
+        assert_no_leaks(engine)

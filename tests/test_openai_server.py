@@ -327,6 +327,15 @@ async def test_models_health_version_and_api_key(engine, http):
     assert (await locked.post("/v1/completions", json=body, headers=right)).status_code == 200
 
 
+async def test_the_api_key_guards_the_v1_routes_under_a_root_path(engine):
+    """Behind a proxy's prefix (``--root-path /api``), ``scope["path"]`` is ``/api/v1/...``: the routes still match."""
+    app = build_app(engine, NAME, api_key="s3cret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, root_path="/api"), base_url="http://test") as c:
+        assert (await c.get("/api/v1/models")).status_code == 401
+        assert (await c.get("/api/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+        assert (await c.get("/api/health")).status_code == 200
+
+
 @pytest.fixture
 async def served(engine):
     """The app on a real socket (uvicorn), for clients that hang up."""
@@ -451,6 +460,23 @@ async def test_metrics_in_prometheus_format_with_vllms_names(engine):
     assert samples[("vllm:e2e_request_latency_seconds_sum", None)] > 0
     assert samples[("vllm:num_requests_running", None)] == 0 and samples[("vllm:kv_cache_usage_perc", None)] == 0
     assert samples[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine, stream):
+    """n sequences are decoded side by side: n x 5 tokens take 4 gaps, not 5n - 1."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = build_app(engine, NAME)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        body = {"model": NAME, "prompt": "Hi", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": stream}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        text = (await http.get("/metrics")).text
+    sums = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    assert sums["vllm:request_generation_tokens_sum"] == 15
+    between = sums["vllm:e2e_request_latency_seconds_sum"] - sums["vllm:time_to_first_token_seconds_sum"]
+    assert sums["vllm:time_per_output_token_seconds_sum"] == pytest.approx(between / 4)
+    await wait_idle(engine)
 
 
 async def test_a_stream_given_up_between_two_events_aborts_its_requests(engine):

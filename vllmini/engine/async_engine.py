@@ -344,10 +344,10 @@ class AsyncLLMEngine:
         return EngineStats(len(sched.running), len(sched.waiting), bm.usage, bm.num_free_blocks, self._rate.per_second())
 
     # ---- the step loop -------------------------------------------------------------------
-    def _step_once(self, aborts: list[str]) -> tuple[list[RequestOutput], dict[str, BaseException]]:
+    def _step_once(
+        self, new: list[RequestState], aborts: list[str]
+    ) -> tuple[list[RequestOutput], dict[str, BaseException]]:
         """Runs on the worker thread: admit, abort, one step."""
-        with self._lock:
-            new, self._new = self._new, []
         errors: dict[str, BaseException] = {}
         for state in new:
             try:
@@ -378,10 +378,14 @@ class AsyncLLMEngine:
                 continue
             aborts, self._aborts = self._aborts, []
             # aborts go by id: one whose stream has already ended (its request finished or aborted, its
-            # id free and maybe taken by a newer request since) has nothing left to abort
+            # id free and maybe taken by a newer request since) has nothing left to abort. The new requests
+            # are taken here, with that check: one that takes a freed id once the step is handed to the
+            # worker waits for the next step, so that an abort of the old request cannot end it
             ids = [a.request_id for a in aborts if a.queue is None or self._streams.get(a.request_id) is a.queue]
+            with self._lock:
+                new, self._new = self._new, []
             try:
-                outputs, errors = await loop.run_in_executor(self._executor, self._step_once, ids)
+                outputs, errors = await loop.run_in_executor(self._executor, self._step_once, new, ids)
             except Exception as exc:  # a bug in the engine itself: fail its requests, keep the loop alive
                 logger.exception("engine step failed")
                 with self._lock:  # requests submitted during the step are still in _new, untouched: they go on

@@ -55,7 +55,9 @@ class RequireApiKey:
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        # the path the routes match: under a root path (a proxy's prefix) scope["path"] includes it
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and path.startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "Unauthorized: a valid 'Authorization: Bearer <api key>' header is needed"

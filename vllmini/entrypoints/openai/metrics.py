@@ -72,10 +72,12 @@ class ServerMetrics:
         self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", _LENGTHS)
         self.output_len = histogram("vllm:request_generation_tokens", "Tokens generated per request.", _LENGTHS)
 
-    def observe(self, out: RequestOutput, num_generated: int, finish_reason: str) -> None:
-        """A finished request: its last output, its tokens over all of its n sequences, and the
-        finish reason of its last sequence to end (one count per request, as vLLM's)."""
+    def observe(self, out: RequestOutput, generated: dict[int, int], finish_reason: str) -> None:
+        """A finished request: its last output, the tokens of each of its n sequences, and the
+        finish reason of its last sequence to end (one count per request, as vLLM's). The time
+        per output token is over its longest sequence: the n sequences are decoded side by side."""
         name, m = self.model_name, out.metrics
+        num_generated, longest = sum(generated.values()), max(generated.values(), default=0)
         self.success.labels(name, finish_reason).inc()
         self.prompt_len.labels(name).observe(len(out.prompt_token_ids))
         self.output_len.labels(name).observe(num_generated)
@@ -86,8 +88,8 @@ class ServerMetrics:
             self.queue.labels(name).observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
             self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
-            if num_generated > 1:
-                self.tpot.labels(name).observe((m.finished_time - m.first_token_time) / (num_generated - 1))
+            if longest > 1:
+                self.tpot.labels(name).observe((m.finished_time - m.first_token_time) / (longest - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

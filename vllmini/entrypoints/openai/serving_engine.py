@@ -71,11 +71,13 @@ class RequestGroup:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-            generated, reason = 0, "abort"  # (for the metrics: outputs are deltas, or one final)
+            generated: dict[int, int] = {}  # tokens per sequence (for the metrics: outputs are deltas, or one final)
+            reason = "abort"
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
-                    generated += sum(len(c.token_ids) for c in out.outputs)
+                    for c in out.outputs:
+                        generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                     reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), reason)
                     if out.finished and self.metrics is not None:
                         self.metrics.observe(out, generated, reason)
