@@ -431,6 +431,9 @@ async def test_tokenize_and_detokenize(http, engine):
     chat = (await http.post("/tokenize", json={"messages": messages})).json()
     answer = (await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})).json()
     assert chat["count"] == answer["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    special = (await http.post("/tokenize", json={"messages": messages, "add_special_tokens": True})).json()
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert special["tokens"] == tok(text, add_special_tokens=True).input_ids
     back = (await http.post("/detokenize", json={"tokens": r["tokens"]})).json()
     assert back == {"prompt": "Hello world"}
     for path, body, named in [("/detokenize", {"tokens": [10**9]}, "tokens"), ("/tokenize", {}, "prompt and messages"),

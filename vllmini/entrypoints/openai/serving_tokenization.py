@@ -17,9 +17,13 @@ class OpenAIServingTokenization:
         self.chat.check_model(request.model)
         request.check()
         if request.messages is not None:
-            ids = self.chat.render(request)["prompt_token_ids"]
+            rendered = self.chat.render(request)
+            ids = rendered["prompt_token_ids"]
+            if request.add_special_tokens:  # (as vLLM: False unless asked, the template wrote them)
+                ids = self.chat.tokenizer(rendered["prompt"], add_special_tokens=True).input_ids
         else:
-            ids = self.chat.tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids
+            special = request.add_special_tokens is not False
+            ids = self.chat.tokenizer(request.prompt, add_special_tokens=special).input_ids
         strs = self.chat.tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return {"count": len(ids), "max_model_len": self.chat.max_model_len, "tokens": list(ids), "token_strs": strs}
 
