@@ -478,7 +478,7 @@ async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine
     sums = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
     assert sums["vllm:request_generation_tokens_sum"] == 15
     between = sums["vllm:e2e_request_latency_seconds_sum"] - sums["vllm:time_to_first_token_seconds_sum"]
-    assert sums["vllm:time_per_output_token_seconds_sum"] == pytest.approx(between / 4)
+    assert sums["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(between / 4)
     await wait_idle(engine)
 
 

@@ -68,14 +68,16 @@ class ServerMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _LATENCY)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY)
         self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.", _LATENCY)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time between output tokens.", _TOKEN_TIME)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds",
+                              "Mean time between output tokens, one per request.", _TOKEN_TIME)
         self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", _LENGTHS)
         self.output_len = histogram("vllm:request_generation_tokens", "Tokens generated per request.", _LENGTHS)
 
     def observe(self, out: RequestOutput, generated: dict[int, int], finish_reason: str) -> None:
         """A finished request: its last output, the tokens of each of its n sequences, and the
-        finish reason of its last sequence to end (one count per request, as vLLM's). The time
-        per output token is over its longest sequence: the n sequences are decoded side by side."""
+        finish reason of its last sequence to end (one count per request; vLLM's V1 counts each of
+        n samples, its child requests). The time per output token is over its longest sequence:
+        the n sequences are decoded side by side."""
         name, m = self.model_name, out.metrics
         num_generated, longest = sum(generated.values()), max(generated.values(), default=0)
         self.success.labels(name, finish_reason).inc()
