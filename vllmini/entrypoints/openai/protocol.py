@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -121,11 +121,9 @@ class CompletionRequest(SamplingRequest, kw_only=True):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if p and all(map(is_int, p)):
             return [p]
-        ok = p and all(isinstance(s, str) for s in p) or p and all(
-            isinstance(s, list) and s and all(isinstance(t, int) and not isinstance(t, bool) for t in s) for s in p
-        )
+        ok = p and all(isinstance(s, str) for s in p) or p and all(isinstance(s, list) and s and all(map(is_int, s)) for s in p)
         if not ok:
             raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
                              "non-empty token-id lists, and not empty")  # fmt: skip
