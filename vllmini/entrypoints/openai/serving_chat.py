@@ -11,7 +11,7 @@ from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.serving_engine import (
-    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, sse,
+    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
 )  # fmt: skip
 
 
@@ -117,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
     def _token(self, token: int, entry: LogprobsEntry, num: int) -> dict[str, Any]:
         def item(t: int, lp: float) -> dict[str, Any]:
             text = self.token_text(t, entry)
-            return {"token": text, "logprob": max(lp, MIN_LOGPROB), "bytes": list(text.encode())}
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-        return {**item(token, float(entry[token])), "top_logprobs": [item(t, lp) for t, lp in self.top(entry, num)]}
+        top = [item(t, lp) for t, lp in self.top(entry, num)]  # (clamped there)
+        return {**item(token, json_logprob(entry[token])), "top_logprobs": top}

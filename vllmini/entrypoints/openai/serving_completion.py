@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry, RequestOutput
 from vllmini.entrypoints.openai.protocol import CompletionRequest
 from vllmini.entrypoints.openai.serving_engine import (
-    MIN_LOGPROB, EventStream, OpenAIServing, RequestGroup, Usage, sse,
+    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
 )
 
 
@@ -107,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 token_logprobs.append(None)
                 top_logprobs.append(None)
                 continue
-            token_logprobs.append(max(float(entry[token]), MIN_LOGPROB))
+            token_logprobs.append(json_logprob(entry[token]))
             top_logprobs.append({self.token_text(t, entry): lp for t, lp in self.top(entry, num)})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}  # fmt: skip

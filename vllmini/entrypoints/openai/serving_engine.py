@@ -19,6 +19,11 @@ from vllmini.entrypoints.openai.protocol import StreamOptions
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
 
 
+def json_logprob(logprob: float) -> float:
+    """A logprob as the API writes it: a plain float, -inf as ``MIN_LOGPROB``."""
+    return max(float(logprob), MIN_LOGPROB)
+
+
 class ModelNotFoundError(LookupError):
     """The request names a model this server does not serve (404, as in vLLM)."""
 
@@ -196,7 +201,7 @@ class OpenAIServing:
         rank, decoded_token}}, the token itself first, then the top-N."""
         if entries is None:
             return None
-        return [None if e is None else {str(t): {"logprob": max(float(lp), MIN_LOGPROB), "rank": lp.rank,
+        return [None if e is None else {str(t): {"logprob": json_logprob(lp), "rank": lp.rank,
                                                  "decoded_token": lp.decoded_token} for t, lp in e.items()}
                 for e in entries]  # fmt: skip
 
@@ -204,4 +209,4 @@ class OpenAIServing:
     def top(entry: LogprobsEntry, num: int) -> list[tuple[int, float]]:
         """The ``num`` most likely tokens of one position, best first, logprobs clamped for JSON."""
         ranked = sorted(entry.items(), key=lambda kv: -float(kv[1]))[:num]
-        return [(token, max(float(lp), MIN_LOGPROB)) for token, lp in ranked]
+        return [(token, json_logprob(lp)) for token, lp in ranked]
