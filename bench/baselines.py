@@ -107,6 +107,14 @@ class VllmResult:
     peak_rss_bytes: int
 
 
+def parse_vllm_modes(text: str) -> list[str]:
+    """--vllm-modes ("eager,compile") as a list, each one checked."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    if bad := [m for m in modes if m not in VLLM_MODES]:
+        raise ValueError(f"--vllm-modes: unknown mode(s) {bad}; choose from {sorted(VLLM_MODES)}")
+    return modes
+
+
 def check_vllm_python(python: str) -> None:
     """Fail before any load is sent when the interpreter cannot import vllm."""
     try:

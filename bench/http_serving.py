@@ -29,13 +29,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.baselines import VLLM_MODES, check_vllm_python
+from bench.baselines import VLLM_MODES, check_vllm_python, parse_vllm_modes
 from bench.driver import peak_rss_bytes
 from bench.offline import Workload, git_revision
 from bench.send_schedule import send_on_schedule, span_s
 from bench.serving_metrics import (Baseline, RequestRecord, RunRecord, ServingMetrics, compute_metrics, encode,
                                    format_table)  # fmt: skip
-from bench.workloads import arrival_offsets, chat_workload, parse_range, random_workload
+from bench.workloads import add_workload_args, arrival_offsets, chat_workload, parse_range, random_workload
 
 HERE = Path(__file__).resolve().parent
 SERVED_NAME = "bench"  # both servers answer to it, so the request bodies are the same
@@ -44,16 +44,7 @@ SERVED_NAME = "bench"  # both servers answer to it, so the request bodies are th
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.http_serving", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--workload", choices=["offline", "poisson", "concurrency"], default="poisson")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests/s for --workload poisson")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight for --workload concurrency")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--dataset", choices=["chat", "random"], default="chat")
-    ap.add_argument("--input-len", default="16:512", help="random prompt length range LO:HI")
-    ap.add_argument("--output-len", default=None, help="output length N or LO:HI (chat: 64, random: 16:256)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
+    add_workload_args(ap, datasets=("chat", "random"))
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (vllmini; vLLM gets whole GiB)")
@@ -208,11 +199,12 @@ def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], 
 def main(argv: list[str] | None = None) -> RunRecord:
     ap = build_parser()
     args = ap.parse_args(argv)
-    modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()] if args.vllm_python else []
-    if bad := [m for m in modes if m not in VLLM_MODES]:
-        ap.error(f"--vllm-modes: unknown mode(s) {bad}; choose from {sorted(VLLM_MODES)}")
-    if args.vllm_python:
-        check_vllm_python(args.vllm_python)
+    try:
+        modes = parse_vllm_modes(args.vllm_modes) if args.vllm_python else []
+        if args.vllm_python:
+            check_vllm_python(args.vllm_python)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     rate = args.rate if args.workload == "poisson" else math.inf

@@ -37,14 +37,15 @@ from pathlib import Path
 
 import torch
 
-from bench.baselines import VLLM_MODES, VllmPoint, bare_decode_forward_s, check_vllm_python, run_hf_single, run_vllm
+from bench.baselines import (VllmPoint, bare_decode_forward_s, check_vllm_python, parse_vllm_modes, run_hf_single,
+                             run_vllm)  # fmt: skip
 from bench.driver import drive, peak_rss_bytes
 from bench.offline import Workload, git_revision, run_hf_static
 from bench.plots import plot_distributions, plot_sweep
 from bench.send_schedule import span_s
 from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
-from bench.workloads import (arrival_offsets, chat_workload, file_workload, load_workload_file, parse_range,
-                             random_workload)  # fmt: skip
+from bench.workloads import (add_workload_args, arrival_offsets, chat_workload, file_workload, load_workload_file,
+                             parse_range, random_workload)  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
 
@@ -53,19 +54,10 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--workload", choices=["offline", "poisson", "concurrency"], default="poisson")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests/s for --workload poisson")
-    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
-    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight for --workload concurrency")
+    add_workload_args(ap)
     ap.add_argument("--sweep", default=None,
                     help="comma-separated rates (poisson) or concurrencies (concurrency); one record per point")
-    ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--dataset", choices=["chat", "random", "file"], default="chat")
     ap.add_argument("--dataset-path", default=None, help="JSONL workload file for --dataset file")
-    ap.add_argument("--input-len", default="16:512", help="random prompt length range LO:HI")
-    ap.add_argument("--output-len", default=None, help="output length N or LO:HI (chat: 64, random/file: 16:256)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
     ap.add_argument("--hf-batch-size", default="16", help="HF static batch sizes, comma-separated; 0 = none")
     ap.add_argument("--hf-single", action="store_true", help="also run HF one request at a time (slow)")
     ap.add_argument("--vllm-python", default=None,
@@ -121,9 +113,7 @@ def _check_args(args) -> dict:
     if (args.dataset == "file") != (args.dataset_path is not None):
         raise ValueError("--dataset file and --dataset-path go together")
     checked["rows"] = load_workload_file(args.dataset_path) if args.dataset == "file" else None
-    modes = [m.strip() for m in args.vllm_modes.split(",") if m.strip()]
-    if bad := [m for m in modes if m not in VLLM_MODES]:
-        raise ValueError(f"--vllm-modes: unknown mode(s) {bad}; choose from {sorted(VLLM_MODES)}")
+    modes = parse_vllm_modes(args.vllm_modes)
     checked["vllm_modes"] = modes if args.vllm_python else []
     if args.vllm_python:
         check_vllm_python(args.vllm_python)

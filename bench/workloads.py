@@ -10,6 +10,7 @@ everything at t = 0.
 """
 from __future__ import annotations
 
+import argparse
 import math
 import random
 
@@ -135,3 +136,18 @@ def file_workload(rows: list[dict], tokenizer, vocab_size: int, n: int, output_r
         prompts.append(ids)
         outs.append(row.get("output_len") or rng.randint(*output_range))
     return Workload("file", prompts, outs)
+
+
+def add_workload_args(ap: argparse.ArgumentParser, datasets: tuple[str, ...] = ("chat", "random", "file")) -> None:
+    """The workload flags bench.serving and bench.http_serving share: what is sent, and when."""
+    ap.add_argument("--workload", choices=["offline", "poisson", "concurrency"], default="poisson")
+    ap.add_argument("--rate", type=float, default=4.0, help="requests/s for --workload poisson")
+    ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
+    ap.add_argument("--concurrency", type=int, default=8, help="requests in flight for --workload concurrency")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--dataset", choices=list(datasets), default="chat")
+    ap.add_argument("--input-len", default="16:512", help="random prompt length range LO:HI")
+    others = "/".join(d for d in datasets if d != "chat")
+    ap.add_argument("--output-len", default=None, help=f"output length N or LO:HI (chat: 64, {others}: 16:256)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
