@@ -28,6 +28,7 @@ from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
 from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from vllmini.lora.request import LoRARequest
 
 __all__ = [
     "LLM",
@@ -36,6 +37,7 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "StructuredOutputsParams",
+    "LoRARequest",
     "BeamSearchParams",
     "BeamSearchOutput",
     "BeamSearchSequence",

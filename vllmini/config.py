@@ -144,6 +144,12 @@ class EngineArgs:
     generation_config: str = "auto"
     attention_backend: str | None = None  # None: auto (models/backend_select.py): cpu, torch, flash_attn, torch_varlen, triton
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
+    # LoRA adapters (vllmini/lora/): requests bring a LoRARequest; at most max_loras adapters run in a
+    # step (the model's slots), each of rank <= max_lora_rank; max_cpu_loras stay loaded (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -167,7 +173,12 @@ class EngineArgs:
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a hub branch, tag or commit (or None), got {self.revision!r}")
-        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code"):
+        positive_int("max_loras", self.max_loras)
+        positive_int("max_lora_rank", self.max_lora_rank)
+        positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code", "enable_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

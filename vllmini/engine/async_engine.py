@@ -27,6 +27,7 @@ from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepE
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.structured_outputs import load_xgrammar
+from vllmini.lora.request import LoRARequest
 
 T = TypeVar("T")
 
@@ -127,6 +128,17 @@ class AsyncLLMEngine:
         await self.check_health()
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests, off the event loop (vLLM's name)."""
+        await self.check_health()
+        return await asyncio.to_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return self.engine.list_loras()
+
     async def __aenter__(self) -> AsyncLLMEngine:
         return self
 
@@ -215,10 +227,12 @@ class AsyncLLMEngine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs (cumulative, delta or final per ``output_kind``).
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM;
+        ``lora_request`` an engine started with ``enable_lora``."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -232,6 +246,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's name: validate and queue a request now (a bad one raises ValueError here and
         nothing is queued) and return its output stream, for callers that must know a request
@@ -244,7 +259,10 @@ class AsyncLLMEngine:
             request_id = self.engine.new_request_id(self._streams)
         if getattr(sampling_params, "structured_outputs", None) is not None:
             await asyncio.to_thread(load_xgrammar)  # its first import (~1.5 s) off the event loop
-        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority)
+        if lora_request is not None and self.engine.lora_manager is not None:  # load it off the event loop
+            await asyncio.to_thread(self.engine.lora_manager.get, lora_request)
+        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority,
+                                            lora_request=lora_request)  # fmt: skip
         rid = state.request_id
         if rid in self._streams:
             if state.grammar is not None:  # (refused: no need to compile its grammar)

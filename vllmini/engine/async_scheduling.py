@@ -128,6 +128,6 @@ def plan_continuation(
         ids=[0] * n, positions=positions,
         slots=[t[p // bs] * bs + p % bs for t, p in zip(tables, positions)],
         query_lens=[1] * n, seq_lens=[p + 1 for p in positions], block_tables=tables,
-        logits_rows=list(range(n)), sample_indices=list(range(n)),
+        logits_rows=list(range(n)), sample_indices=list(range(n)), loras=[s.lora for s in seqs],
     )  # fmt: skip
     return Continuation(flat, seqs, keep)

@@ -14,6 +14,7 @@ from vllmini.engine.input_processor import as_prompt_list
 from vllmini.engine.llm_engine import LLMEngine, PromptType
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.lora.request import LoRARequest
 
 Messages = list[dict[str, Any]]
 
@@ -45,14 +46,19 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
         progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one per
-        prompt (lower first), with ``scheduling_policy="priority"``."""
+        prompt (lower first), with ``scheduling_policy="priority"``. ``lora_request``: one
+        adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
         prompts = as_prompt_list(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, (list, tuple)) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request has {len(loras)} entries but there are {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
@@ -67,8 +73,9 @@ class LLM:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params, prio in zip(prompts, params_list, priorities):
-                ids.append(engine.add_request(None, prompt, params, default_output_kind="final", priority=prio))
+            for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):
+                ids.append(engine.add_request(None, prompt, params, default_output_kind="final", priority=prio,
+                                              lora_request=lora))  # fmt: skip
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise
@@ -111,6 +118,7 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``: Jinja text or a file's path)
         to each conversation, then generate. As in vLLM: ``continue_final_message`` leaves the last
@@ -135,4 +143,4 @@ class LLM:
                 prompts.append(render_chat(tok, conv, content_format=chat_template_content_format, **options))
             except ValueError as exc:  # which conversation of a batch is at fault
                 raise ValueError(f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)) from exc
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)

@@ -36,6 +36,9 @@ from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.kv.block_manager import BlockManager
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from vllmini.lora.adapter import LoRAAdapter
+from vllmini.lora.manager import LoRAManager
+from vllmini.lora.request import LoRARequest
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -77,7 +80,13 @@ class LLMEngine:
             self.hf_config.num_attention_heads, self.model.num_kv_heads, self.model.head_dim, self.model.sliding_window,
         )  # fmt: skip
         self.model.set_attention_backend(backend)
-        use_graphs = self.device.type == "cuda" and not args.enforce_eager
+        self.lora_manager: LoRAManager | None = None
+        if args.enable_lora:  # (before the KV budget: the adapter slots take memory too)
+            self.lora_manager = LoRAManager(self.model, args.max_loras, args.max_lora_rank,
+                                            args.max_cpu_loras or args.max_loras, self.dtype, self.device)  # fmt: skip
+            logger.info("LoRA: %d adapter slots of rank <= %d", args.max_loras, args.max_lora_rank)
+        # decode graphs read no LoRA mapping: steps with adapters run eagerly
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager and not args.enable_lora
         logger.info(
             "attention backend: %s (block size %d, %s, CUDA graphs %s)",
             self.attention_backend, block_size, self.dtype, "on" if use_graphs else "off",
@@ -98,7 +107,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows,
-                            args.scheduling_policy),  # fmt: skip
+                            args.scheduling_policy, args.max_loras if args.enable_lora else None),  # fmt: skip
             self.block_manager,
         )
         kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, self.device)
@@ -107,7 +116,7 @@ class LLMEngine:
             graphs = capture_decode_graphs(
                 self.model, kv_caches, block_size, args.max_num_seqs, self.max_model_len, num_blocks, self.device
             )
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs)
+        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs, self.lora_manager)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
@@ -166,18 +175,22 @@ class LLMEngine:
     def add_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
         arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> str:  # fmt: skip
         """Validate and queue a request. Raises ValueError (naming the field) on bad input;
         nothing is queued then. ``arrival_time``: a ``time.time()`` value, as in vLLM (it is moved
         onto ``time.monotonic()``, the clock of ``RequestMetrics``; a future one counts as now).
-        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM."""
-        state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind, priority)
+        ``priority`` (lower first) needs ``scheduling_policy="priority"``, as in vLLM.
+        ``lora_request``: run it with that LoRA adapter (needs ``enable_lora``)."""
+        state = self.prepare_request(request_id, prompt, params, arrival_time, default_output_kind, priority,
+                                     lora_request)  # fmt: skip
         self.enqueue(state)
         return state.request_id
 
     def prepare_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
         arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:  # fmt: skip
         """Validate and tokenize without touching the scheduler, so that the async engine can
         do it on the caller's thread and raise right at the call. ``params`` None: the model's
@@ -188,6 +201,7 @@ class LLMEngine:
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs EngineArgs.scheduling_policy='priority' (it is "
                              f"{self.args.scheduling_policy!r})")  # fmt: skip
+        adapter = None if lora_request is None else self._lora_adapter(lora_request)
         inp = self.input_processor.process(prompt, params, default_output_kind)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = self.new_request_id() if request_id is None else str(request_id)
@@ -196,7 +210,7 @@ class LLMEngine:
             now -= min(max(0.0, time.time() - arrival_time), now)
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now,
-                     priority=priority)  # fmt: skip
+                     priority=priority, lora=adapter)  # fmt: skip
             for i in range(params.n)
         ]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
@@ -212,6 +226,24 @@ class LLMEngine:
             state.grammar = self.structured.submit(params.structured_outputs)
         prompt_logprobs.start(state)
         return state
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
+    def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        if self.lora_manager is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        return self.lora_manager.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (ValueError when it cannot be used)."""
+        self._lora_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a loaded adapter (running requests finish with it); False when it was not loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora_manager is None else self.lora_manager.list_loras()
 
     def new_request_id(self, taken: Container[str] = ()) -> str:
         """The next counter value ("0", "1", ...) that no request holds, nor ``taken``."""

@@ -6,11 +6,13 @@ the scheduler's output (token ids, computed counts, block tables).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.kv.block_manager import BlockManager
+from vllmini.lora.manager import LoRAManager
 from vllmini.models.base import AttentionMetadata
 from vllmini.scheduler.scheduler import SchedulerOutput
 
@@ -39,6 +41,7 @@ class FlatBatch:
     # prompt_logprobs: (index into scheduled, first position, count); their logits rows follow
     # the sampled ones, in this order
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    loras: list[Any] = field(default_factory=list)  # each sequence's LoRA adapter (None: the base model)
 
     @property
     def num_seqs(self) -> int:
@@ -76,6 +79,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
             flat.query_lens.append(1)
             flat.seq_lens.append(end)
             flat.block_tables.append(table)
+            flat.loras.append(seq.lora)
             continue
         if seq.prompt_logits_from is not None:  # position p's logits give prompt token p + 1's logprob
             first, last = max(start, seq.prompt_logits_from), min(end, seq.num_prompt_tokens - 1)
@@ -89,6 +93,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         flat.query_lens.append(s.num_new_tokens)
         flat.seq_lens.append(end)
         flat.block_tables.append(table)
+        flat.loras.append(seq.lora)
         if s.completes:
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
@@ -104,12 +109,14 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         decode_graphs: DecodeGraphRunner | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly (CPU, enforce_eager)
+        self.lora = lora  # enable_lora: puts each step's adapters in the model's slots
 
     @staticmethod
     @torch.inference_mode()
@@ -148,6 +155,8 @@ class ModelRunner:
     def run_flat(self, flat: FlatBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for ``flat``'s logits rows. ``token_ids``: the input ids already on the device
         (async scheduling: the previous step's samples), replacing ``flat.ids``."""
+        if self.lora is not None:
+            self.lora.prepare(flat.loras, flat.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(flat):
             return self.decode_graphs.run(flat, token_ids)
         inp = flat.to_model_input(self.device)

@@ -237,7 +237,8 @@ class OutputProcessor:
         metrics = self._metrics(state)
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, self._prompt_logprobs(state), outputs, finished,
-            metrics, num_cached_tokens=metrics.num_cached_tokens,
+            metrics, None if state.seqs[0].lora is None else state.seqs[0].lora.request,
+            num_cached_tokens=metrics.num_cached_tokens,
         )  # fmt: skip
 
     @staticmethod

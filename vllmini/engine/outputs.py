@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllmini.lora.request import LoRARequest
+
 
 class Logprob(float):
     """One token's logprob, as vLLM reports it: ``.logprob``, ``.rank`` (1-based, ties counted
@@ -74,4 +76,5 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     metrics: RequestMetrics | None = None
+    lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
     num_cached_tokens: int | None = field(default=None, kw_only=True)  # prompt tokens from the prefix cache

@@ -42,6 +42,12 @@ SeqId = Union[int, str]
 ROOT_HASH = hashlib.sha256(b"vllmini/prefix-cache/v1").digest()
 
 
+def prefix_root(lora_int_id: int = 0) -> bytes:
+    """The parent hash of a sequence's first block. The same tokens give different K/V under a
+    LoRA adapter (its q/k/v deltas), so each adapter's blocks hash apart from the base model's."""
+    return ROOT_HASH if not lora_int_id else hashlib.sha256(ROOT_HASH + struct.pack("<q", lora_int_id)).digest()
+
+
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block: a block's KV depends on every token before it, so the
     key covers the whole prefix (through the parent's digest), not just the block's tokens."""
@@ -66,6 +72,7 @@ class _SeqState:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks so far
     num_cached_tokens: int = 0  # prefix tokens taken from the prefix cache at admission
     num_released: int = 0  # leading table entries behind the sliding window (placeholders, not owned)
+    root: bytes = ROOT_HASH  # parent hash of its first block (prefix_root)
 
 
 class BlockManager:
@@ -135,8 +142,9 @@ class BlockManager:
         return -(-(self.sliding_window - 1 + max_new_tokens) // self.block_size) + 1
 
     # ---- prefix cache --------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> tuple[list[int], int]:
         """Longest run of cached full blocks at the start of ``token_ids``: (block ids, tokens).
+        ``root``: the sequence's :func:`prefix_root` (its LoRA adapter's).
 
         Never covers the last token: it must be computed to get logits, and a sequence
         never writes into a shared block. Changes no state (not even the counters)."""
@@ -144,7 +152,7 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         found: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for i in range(max(0, (len(token_ids) - 1) // bs)):
             h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             bid = self._cached.get(h)
@@ -166,14 +174,16 @@ class BlockManager:
         token_ids: Sequence[int],
         num_new_tokens: int,
         cached_blocks: list[int] | None = None,
+        root: bytes = ROOT_HASH,
     ) -> bool:
         """Extend the sequence's table to cover ``num_computed + num_new_tokens`` slots.
 
         A new sequence starts from ``cached_blocks`` (from :meth:`find_cached_prefix`, just
-        before). ``token_ids`` is every token known now; newly full blocks get hashed and
-        registered incrementally. All-or-nothing for the new slots: returns False and takes no
-        block when the pool is short (with a sliding window, the blocks behind the window of
-        the first new token are released either way: no query from there on reads them).
+        before, with the same ``root``). ``token_ids`` is every token known now; newly full
+        blocks get hashed and registered incrementally. All-or-nothing for the new slots:
+        returns False and takes no block when the pool is short (with a sliding window, the
+        blocks behind the window of the first new token are released either way: no query from
+        there on reads them).
         Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -187,7 +197,7 @@ class BlockManager:
                 self._release_behind_window(seq)
             table, num_computed, reclaimed, hashes, skip = seq.block_table, seq.num_tokens, 0, [], 0
         else:
-            hashes = self._check_cached(token_ids, cached)
+            hashes = self._check_cached(token_ids, cached, root)
             num_computed = len(cached) * bs
             # cached blocks behind the window are not taken: they stay in the cache as they are
             skip = min(len(cached), self._blocks_behind_window(num_computed))
@@ -202,7 +212,7 @@ class BlockManager:
             for bid in cached[skip:]:
                 self._evictable.pop(bid, None)
                 self.blocks[bid].ref_count += 1
-            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed, skip)
+            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed, skip, root)
             if self.enable_prefix_caching:
                 self.prefix_cache_queries += len(token_ids)
                 self.prefix_cache_hits += num_computed
@@ -273,7 +283,8 @@ class BlockManager:
             table.append(dst)
             copies.append((parent.block_table[n_full], dst))
         self._seqs[child_id] = _SeqState(
-            table, num_tokens, parent.block_hashes[:n_full], min(parent.num_cached_tokens, num_tokens), released
+            table, num_tokens, parent.block_hashes[:n_full], min(parent.num_cached_tokens, num_tokens), released,
+            parent.root,
         )
         return copies
 
@@ -305,7 +316,7 @@ class BlockManager:
             else:
                 self._free.append(bid)
 
-    def _check_cached(self, token_ids: Sequence[int], cached: list[int]) -> list[bytes]:
+    def _check_cached(self, token_ids: Sequence[int], cached: list[int], root: bytes) -> list[bytes]:
         """Hashes of the cached prefix blocks; raises if they are not (or no longer) what
         the prefix cache holds for these tokens, e.g. evicted since find_cached_prefix."""
         if not cached:
@@ -316,7 +327,7 @@ class BlockManager:
         if len(cached) * bs > len(token_ids):
             raise ValueError("cached_blocks cover more tokens than token_ids")
         hashes: list[bytes] = []
-        parent = ROOT_HASH
+        parent = root
         for i, bid in enumerate(cached):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             if self._cached.get(parent) != bid:
@@ -327,7 +338,7 @@ class BlockManager:
     def _register_full_blocks(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
         """Hash the blocks that became full with known tokens since the last call."""
         bs = self.block_size
-        parent = seq.block_hashes[-1] if seq.block_hashes else ROOT_HASH
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
         for i in range(len(seq.block_hashes), min(seq.num_tokens, len(token_ids)) // bs):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(parent)

@@ -172,6 +172,24 @@ class LlamaForCausalLM(nn.Module):
     def head_dim(self) -> int:
         return self.model.layers[0].self_attn.head_dim
 
+    def lora_targets(self) -> list[tuple[str, list[str], list[int]]]:
+        """The linears a LoRA adapter may adapt: (our module path, the checkpoint projections its
+        output is made of, their output sizes). A PEFT adapter names checkpoint projections
+        (``q_proj``); ours are fused (``qkv_proj``), so each fused shard is adapted on its own."""
+        targets = []
+        for i, layer in enumerate(self.model.layers):
+            attn, prefix = layer.self_attn, f"model.layers.{i}"
+            fused = [(f"{prefix}.self_attn.qkv_proj", _SHARDS["qkv_proj"], [attn.q_size, attn.kv_size, attn.kv_size]),
+                     (f"{prefix}.mlp.gate_up_proj", _SHARDS["gate_up_proj"], [layer.mlp.intermediate_size] * 2)]  # fmt: skip
+            for path, shards, sizes in fused:
+                if self.fused_checkpoint:  # (Phi-3) adapters target the fused projection itself
+                    targets.append((path, [path], [sum(sizes)]))
+                else:
+                    targets.append((path, [f"{path.rpartition('.')[0]}.{s}" for s in shards], sizes))
+            targets.append((f"{prefix}.self_attn.o_proj", [f"{prefix}.self_attn.o_proj"], [attn.o_proj.out_features]))
+            targets.append((f"{prefix}.mlp.down_proj", [f"{prefix}.mlp.down_proj"], [layer.mlp.down_proj.out_features]))
+        return targets
+
     def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
         for layer in self.model.layers:
             layer.self_attn.attn.backend = backend

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.block_manager import BlockManager, prefix_root
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -34,6 +34,9 @@ class SchedulerConfig:
     # a vocabulary-wide row; None: no cap), so a long prompt is scored in several steps
     max_prompt_logits_rows: int | None = None
     policy: str = "fcfs"  # or "priority"
+    # enable_lora: at most this many LoRA adapters among the running sequences (the model's slots);
+    # a waiting sequence whose adapter would exceed it is passed over for those behind it
+    max_loras: int | None = None
 
 
 @dataclass
@@ -139,9 +142,15 @@ class Scheduler:
                 i += 1
 
         # Admit new work only when nothing had to be preempted this step.
-        while not out.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids)
+        loras = {s.lora_int_id for s in self.running} - {0} if self.config.max_loras else set()
+        w = 0  # the queue position looked at: sequences passed over for their adapter stay where they are
+        while not out.preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[w]
+            if seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= (self.config.max_loras or 0):
+                w += 1
+                continue
+            root = prefix_root(seq.lora_int_id)
+            cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids, root)
             if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:
                 # a cache hit computes no logits: keep the hit below the positions still wanted
                 keep = seq.prompt_logits_from // self.block_manager.block_size
@@ -151,9 +160,11 @@ class Scheduler:
                 num_new = seq.cap_prompt_logits_rows(num_cached, num_new, rows_left)
                 if num_new == 0:
                     break
-            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks):
+            if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks, root):
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
+            if seq.lora_int_id:
+                loras.add(seq.lora_int_id)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             cached_prompt = min(num_cached, seq.num_prompt_tokens)  # a recompute's hit may cover outputs too

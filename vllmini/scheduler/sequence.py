@@ -35,6 +35,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # scheduling_policy="priority": lower is served first (vLLM's convention)
+    lora: Any = None  # its LoRA adapter (lora/adapter.py), None: the base model; the scheduler reads lora_int_id
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -52,6 +53,12 @@ class Sequence:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self._output_ids: list[int] = []  # token_ids past the prompt, kept apart: read every step
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id (0: none): the scheduler caps the adapters running at once, and the
+        prefix cache keeps each adapter's blocks apart (``prefix_root``)."""
+        return 0 if self.lora is None else self.lora.lora_int_id
 
     @property
     def num_tokens(self) -> int:
