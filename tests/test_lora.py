@@ -340,3 +340,34 @@ def test_block_hashes_are_salted_by_adapter():
     assert bm.allocate("b", tokens, 1, blocks, root=prefix_root(1))
     with pytest.raises(ValueError, match="stale cached block"):
         bm.allocate("c", tokens, 1, blocks)  # hashes under another root
+
+
+def test_lora_linear_adds_each_rows_own_adapter_in_any_row_order():
+    """Rows of several adapters in any order (runs of one slot, base rows between them): each row
+    gets base(x) + x @ A.T @ B.T of its own adapter and shard, nothing of the others'."""
+    from vllmini.lora.layers import LoRALinear, LoRAStepState
+
+    torch.manual_seed(0)
+    base = torch.nn.Linear(6, 5 + 3, bias=True)
+    state = LoRAStepState(max_loras=2, max_rank=4)
+    layer = LoRALinear(base, [5, 3], state, torch.float32, torch.device("cpu"))
+    weights = {slot: [(torch.randn(r, 6), torch.randn(size, r)) for size, r in zip([5, 3], ranks)]
+               for slot, ranks in ((0, (4, 2)), (1, (3, 3)))}  # fmt: skip
+    layer.set_slot(0, weights[0])
+    layer.set_slot(1, [None, weights[1][1]])  # slot 1 adapts the second shard only
+    x = torch.randn(7, 6)
+    seq_slots, query_lens = [0, -1, 1, 1, 0], [2, 1, 1, 2, 1]
+    state.set(seq_slots, query_lens)
+    assert state.runs == [(0, 0, 2), (1, 3, 6), (0, 6, 7)]
+    with torch.no_grad():
+        got = layer(x)
+        rows = [slot for slot, n in zip(seq_slots, query_lens) for _ in range(n)]
+        for row, slot in enumerate(rows):
+            want = base(x[row])
+            if slot >= 0:
+                shards = weights[slot] if slot == 0 else [None, weights[1][1]]
+                delta = [torch.zeros(5) if ab is None else ab[1] @ (ab[0] @ x[row]) for ab in shards]
+                want = want + torch.cat(delta)
+            torch.testing.assert_close(got[row], want)
+        state.set([], [])
+        torch.testing.assert_close(layer(x), base(x))

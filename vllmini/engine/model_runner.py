@@ -6,7 +6,7 @@ the scheduler's output (token ids, computed counts, block tables).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -66,7 +66,11 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
     """Lay the scheduled chunks end to end: token ids, positions, KV slots, block tables."""
     flat = FlatBatch([], [], [], [], [], [], [], [])
     prompt_logits_rows: list[int] = []
-    for i, s in enumerate(sched.scheduled):
+    order: Iterable[int] = range(len(sched.scheduled))
+    if any(s.seq.lora is not None for s in sched.scheduled):  # each adapter's rows together (lora/layers.py)
+        order = sorted(order, key=lambda i: sched.scheduled[i].seq.lora_int_id)
+    for i in order:
+        s = sched.scheduled[i]
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = block_manager.block_table(seq.seq_id)

@@ -78,18 +78,16 @@ class LoRAManager:
 
     # ---- one step (the engine's thread) ---------------------------------------------------------
     def prepare(self, adapters: list[LoRAAdapter | None], query_lens: list[int]) -> None:
-        """Put the step's adapters in slots and map its tokens (``query_lens[i]`` rows of sequence
+        """Put the step's adapters in slots and map its rows (``query_lens[i]`` rows of sequence
         ``i``, which runs with ``adapters[i]``) to them."""
         self._steps += 1
         if not any(a is not None for a in adapters):
-            self.state.set(None)
+            self.state.set([], [])
             return
         slot_of: dict[int, int] = {}
         for adapter in dict.fromkeys(a for a in adapters if a is not None):
             slot_of[id(adapter)] = self._slot_for(adapter, adapters)
-        seq_slots = [-1 if a is None else slot_of[id(a)] for a in adapters]
-        per_token = torch.tensor(seq_slots).repeat_interleave(torch.tensor(query_lens))
-        self.state.set(per_token.to(self.device, non_blocking=True))
+        self.state.set([-1 if a is None else slot_of[id(a)] for a in adapters], query_lens)
 
     def _slot_for(self, adapter: LoRAAdapter, step: list[LoRAAdapter | None]) -> int:
         for i, held in enumerate(self._slots):
