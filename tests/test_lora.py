@@ -309,8 +309,8 @@ def test_engine_args_and_request_fields_are_checked():
 
 
 class _Adapter:
-    def __init__(self, lora_int_id: int) -> None:
-        self.lora_int_id = lora_int_id
+    def __init__(self, key: int) -> None:
+        self.key = key
 
 
 def test_scheduler_passes_over_a_third_adapter_but_admits_what_follows():
@@ -371,3 +371,54 @@ def test_lora_linear_adds_each_rows_own_adapter_in_any_row_order():
             torch.testing.assert_close(got[row], want)
         state.set([], [])
         torch.testing.assert_close(layer(x), base(x))
+
+
+def test_an_id_reused_for_other_weights_and_a_reloaded_adapter_while_requests_run(models):
+    """remove_lora frees an id that may come back as another adapter while requests of the old one
+    still run: each keeps its own weights and cache blocks. An adapter evicted from the loaded set
+    (max_cpu_loras) and reloaded while one of its requests runs shares that request's slot."""
+    base, adapters = models
+    llm = LLM(str(base), kv_cache_memory=1 << 26, enable_lora=True, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    engine = llm.llm_engine
+    a1, a2 = LoRARequest("a1", 5, str(adapters["a1"])), LoRARequest("a2", 5, str(adapters["a2"]))
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    alone = {r.lora_name: llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+             for r in (a1, LoRARequest("a2", 6, str(adapters["a2"])))}  # fmt: skip
+    engine.remove_lora(6)
+    a1_again = LoRARequest("a1", 8, str(adapters["a1"]))
+    engine.add_request("old", prompt, GREEDY, lora_request=a1)
+    engine.add_request("a1-first", prompt, GREEDY, lora_request=a1_again)
+    engine.step()
+    assert engine.remove_lora(5)
+    engine.add_request("new", prompt, GREEDY, lora_request=a2)  # id 5 now names a2
+    for i in range(2):  # a1 as id 8 evicted from the loaded set (max_cpu_loras=2)...
+        engine.add_lora(LoRARequest(f"x{i}", 10 + i, str(adapters["a2"])))
+    assert 8 not in engine.list_loras()
+    engine.add_request("a1-reloaded", prompt, GREEDY, lora_request=a1_again)  # ...and reloaded while it runs
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    for rid in ("old", "a1-first", "a1-reloaded"):
+        assert finals[rid].outputs[0].token_ids == alone["a1"], rid
+    assert finals["new"].outputs[0].token_ids == alone["a2"]
+    assert finals["new"].num_cached_tokens == 0  # a1's blocks under id 5 are not a2's
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prompt_logprobs_under_an_adapter_equal_peft_logits(models):
+    """The prefill path (a whole prompt's rows under one adapter, next to a base request's):
+    every prompt position's logprob equals PEFT's."""
+    base, adapters = models
+    req = _requests(adapters)["a1"]
+    llm = LLM(str(base), kv_cache_memory=1 << 26, enable_lora=True, max_lora_rank=8, block_size=4)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    prompt = list(range(200, 230))
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[1]}, {"prompt_token_ids": prompt}], params, use_tqdm=False,
+                        lora_request=[None, req])  # fmt: skip
+    oracle = _peft_oracle(base, adapters)
+    oracle.set_adapter("a1")
+    with torch.no_grad():
+        logits = oracle(input_ids=torch.tensor([prompt])).logits[0].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    got = [entry[t] for entry, t in zip(outs[1].prompt_logprobs[1:], prompt[1:])]
+    assert got == pytest.approx(want.tolist(), abs=2e-4)

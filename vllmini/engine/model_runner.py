@@ -68,7 +68,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
     prompt_logits_rows: list[int] = []
     order: Iterable[int] = range(len(sched.scheduled))
     if any(s.seq.lora is not None for s in sched.scheduled):  # each adapter's rows together (lora/layers.py)
-        order = sorted(order, key=lambda i: sched.scheduled[i].seq.lora_int_id)
+        order = sorted(order, key=lambda i: sched.scheduled[i].seq.lora_key)
     for i in order:
         s = sched.scheduled[i]
         seq, start = s.seq, s.seq.num_computed_tokens

@@ -42,10 +42,11 @@ SeqId = Union[int, str]
 ROOT_HASH = hashlib.sha256(b"vllmini/prefix-cache/v1").digest()
 
 
-def prefix_root(lora_int_id: int = 0) -> bytes:
+def prefix_root(lora_key: int = 0) -> bytes:
     """The parent hash of a sequence's first block. The same tokens give different K/V under a
-    LoRA adapter (its q/k/v deltas), so each adapter's blocks hash apart from the base model's."""
-    return ROOT_HASH if not lora_int_id else hashlib.sha256(ROOT_HASH + struct.pack("<q", lora_int_id)).digest()
+    LoRA adapter (its q/k/v deltas), so each adapter's blocks (``Sequence.lora_key``) hash apart
+    from the base model's and from each other's."""
+    return ROOT_HASH if not lora_key else hashlib.sha256(ROOT_HASH + struct.pack("<q", lora_key)).digest()
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

@@ -22,13 +22,17 @@ _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")  # PEFT may keep the adapter name
 
 
-@dataclass(eq=False)  # identity: the model's slots and each step's mapping tell adapters apart by object
+@dataclass(eq=False)
 class LoRAAdapter:
     """One adapter's weights on the engine's device and dtype (see the module docstring)."""
 
     request: LoRARequest
     rank: int  # the largest rank of its projections
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]  # checkpoint module path -> (A, scaled B)
+    # one per (lora_int_id, lora_name, lora_path) (LoRAManager): what the scheduler counts, the
+    # slots hold and the prefix cache is salted with. Not lora_int_id alone: an id freed by
+    # remove_lora may come back as another adapter while requests of the old one still run.
+    key: int = 0
 
     @property
     def lora_int_id(self) -> int:

@@ -41,6 +41,7 @@ class LoRAManager:
         self._steps = 0
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self._lock = threading.Lock()  # _loaded: requests are added on callers' threads
+        self._keys: dict[tuple[int, str, str], int] = {}  # LoRAAdapter.key of each adapter ever loaded
 
     # ---- adapters (any thread) --------------------------------------------------------------
     def get(self, request: LoRARequest) -> LoRAAdapter:
@@ -60,6 +61,8 @@ class LoRAManager:
                 return adapter
         adapter = load_adapter(request, self.targets, self.max_rank, self.dtype, self.device)
         with self._lock:
+            ident = (request.lora_int_id, request.lora_name, request.lora_path)
+            adapter.key = self._keys.setdefault(ident, len(self._keys) + 1)
             adapter = self._loaded.setdefault(request.lora_int_id, adapter)  # (another thread may have won)
             self._loaded.move_to_end(request.lora_int_id)
             while len(self._loaded) > self.max_cpu_loras:  # running requests keep theirs: they hold it
@@ -84,18 +87,18 @@ class LoRAManager:
         if not any(a is not None for a in adapters):
             self.state.set([], [])
             return
-        slot_of: dict[int, int] = {}
-        for adapter in dict.fromkeys(a for a in adapters if a is not None):
-            slot_of[id(adapter)] = self._slot_for(adapter, adapters)
-        self.state.set([-1 if a is None else slot_of[id(a)] for a in adapters], query_lens)
+        step = {a.key: a for a in adapters if a is not None}
+        slot_of = {key: self._slot_for(adapter, step) for key, adapter in step.items()}
+        self.state.set([-1 if a is None else slot_of[a.key] for a in adapters], query_lens)
 
-    def _slot_for(self, adapter: LoRAAdapter, step: list[LoRAAdapter | None]) -> int:
+    def _slot_for(self, adapter: LoRAAdapter, step: dict[int, LoRAAdapter]) -> int:
+        """The slot holding ``adapter`` (by key: a reload of the same files is the same adapter),
+        written now into the least recently used slot that this step's adapters do not hold."""
         for i, held in enumerate(self._slots):
-            if held is adapter:
+            if held is not None and held.key == adapter.key:
                 self._slot_last_used[i] = self._steps
                 return i
-        needed = {id(a) for a in step if a is not None}
-        free = [i for i, held in enumerate(self._slots) if held is None or id(held) not in needed]
+        free = [i for i, held in enumerate(self._slots) if held is None or held.key not in step]
         if not free:
             raise RuntimeError(f"a step holds more than max_loras={len(self._slots)} adapters (scheduler bug)")
         i = min(free, key=lambda j: (self._slots[j] is not None, self._slot_last_used[j]))

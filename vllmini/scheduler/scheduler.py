@@ -142,14 +142,14 @@ class Scheduler:
                 i += 1
 
         # Admit new work only when nothing had to be preempted this step.
-        loras = {s.lora_int_id for s in self.running} - {0} if self.config.max_loras else set()
+        loras = {s.lora_key for s in self.running} - {0} if self.config.max_loras else set()
         w = 0  # the queue position looked at: sequences passed over for their adapter stay where they are
         while not out.preempted and w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[w]
-            if seq.lora_int_id and seq.lora_int_id not in loras and len(loras) >= (self.config.max_loras or 0):
+            if seq.lora_key and seq.lora_key not in loras and len(loras) >= (self.config.max_loras or 0):
                 w += 1
                 continue
-            root = prefix_root(seq.lora_int_id)
+            root = prefix_root(seq.lora_key)
             cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids, root)
             if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:
                 # a cache hit computes no logits: keep the hit below the positions still wanted
@@ -163,8 +163,8 @@ class Scheduler:
             if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new, cached_blocks, root):
                 break
             del self.waiting[w]
-            if seq.lora_int_id:
-                loras.add(seq.lora_int_id)
+            if seq.lora_key:
+                loras.add(seq.lora_key)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached
             cached_prompt = min(num_cached, seq.num_prompt_tokens)  # a recompute's hit may cover outputs too

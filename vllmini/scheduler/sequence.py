@@ -35,7 +35,7 @@ class Sequence:
     index: int = 0  # which of the request's n completions
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # scheduling_policy="priority": lower is served first (vLLM's convention)
-    lora: Any = None  # its LoRA adapter (lora/adapter.py), None: the base model; the scheduler reads lora_int_id
+    lora: Any = None  # its LoRA adapter (lora/adapter.py), None: the base model; the scheduler reads lora_key
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -55,10 +55,10 @@ class Sequence:
         self._output_ids: list[int] = []  # token_ids past the prompt, kept apart: read every step
 
     @property
-    def lora_int_id(self) -> int:
-        """Its adapter's id (0: none): the scheduler caps the adapters running at once, and the
-        prefix cache keeps each adapter's blocks apart (``prefix_root``)."""
-        return 0 if self.lora is None else self.lora.lora_int_id
+    def lora_key(self) -> int:
+        """Its adapter's key (0: none; unique per loaded adapter): the scheduler caps the adapters
+        running at once, and the prefix cache keeps each adapter's blocks apart (``prefix_root``)."""
+        return 0 if self.lora is None else self.lora.key
 
     @property
     def num_tokens(self) -> int:
