@@ -422,3 +422,21 @@ def test_prompt_logprobs_under_an_adapter_equal_peft_logits(models):
     want = torch.log_softmax(logits, -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
     got = [entry[t] for entry, t in zip(outs[1].prompt_logprobs[1:], prompt[1:])]
     assert got == pytest.approx(want.tolist(), abs=2e-4)
+
+
+def test_beam_search_takes_lora_requests(models):
+    """vLLM's argument order (prompts, params, lora_request): width 1 is the adapter's greedy output."""
+    from vllmini import BeamSearchParams
+
+    base, adapters = models
+    reqs = _requests(adapters)
+    llm = LLM(str(base), kv_cache_memory=1 << 26, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    which = [reqs["a1"], None, reqs["a2"]]
+    beams = llm.beam_search(prompts, BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True), which)
+    greedy = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False,
+                          lora_request=which)  # fmt: skip
+    for prompt, beam, out in zip(PROMPTS, beams, greedy):
+        assert beam.sequences[0].tokens == prompt + out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="lora_request has 1 entries but there are 3 prompts"):
+        llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2), [None])

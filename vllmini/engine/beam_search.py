@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Collection
 import msgspec
 from tqdm.auto import tqdm
 
-from vllmini.engine.input_processor import PromptType, as_prompt_list
+from vllmini.engine.input_processor import PromptType, as_prompt_list, per_prompt_loras
 from vllmini.engine.outputs import LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, bad_value, is_int, raised_temperature, real_value
 
@@ -87,11 +87,12 @@ class _Search:
     prompt_len: int
     live: list[BeamSearchSequence]
     done: list[BeamSearchSequence] = field(default_factory=list)
+    lora: Any = None  # its LoRARequest
 
 
 def beam_search(
     llm: LLM, prompts: PromptType | list[PromptType], params: BeamSearchParams,
-    use_tqdm: bool = False, concurrency_limit: int | None = None,
+    use_tqdm: bool = False, concurrency_limit: int | None = None, lora_request: Any = None,
 ) -> list[BeamSearchOutput]:  # fmt: skip
     """``LLM.beam_search``: one ``BeamSearchOutput`` per prompt, in input order.
     ``concurrency_limit``: search that many prompts at a time (vLLM's option); None: all."""
@@ -112,7 +113,11 @@ def beam_search(
     # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
     processor = engine.input_processor
     prompt_ids = [processor.process(p, step_params).prompt_token_ids for p in as_prompt_list(prompts)]
-    searches = [_Search(len(ids), [BeamSearchSequence(ids)]) for ids in prompt_ids]
+    loras = per_prompt_loras(lora_request, len(prompt_ids))
+    for lora in dict.fromkeys(loras):  # (checked up front too, as the prompts)
+        if lora is not None:
+            engine.add_lora(lora)
+    searches = [_Search(len(ids), [BeamSearchSequence(ids)], lora=lora) for ids, lora in zip(prompt_ids, loras)]
     group = concurrency_limit or max(len(searches), 1)
     for start in range(0, len(searches), group):
         steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm)
@@ -143,7 +148,8 @@ def _step(llm: LLM, searches: list[_Search], step_params: SamplingParams, params
     beams = [(search, beam) for search in searches for beam in search.live]
     if not beams:
         return False
-    results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False)
+    results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False,
+                           lora_request=[search.lora for search, _ in beams])  # fmt: skip
     candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
     for (search, beam), result in zip(beams, results):
         # no logprobs: the row ended without a token (invalid logits), so the beam ends here, as in vLLM

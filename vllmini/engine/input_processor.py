@@ -247,3 +247,11 @@ class InputProcessor:
                 if ids := tuple(self.tokenizer.encode(text, add_special_tokens=False)):
                     seqs[ids] = None
         return list(seqs)
+
+
+def per_prompt_loras(lora_request: Any, num_prompts: int) -> list[Any]:
+    """``lora_request`` as generate takes it (one for all, or one per prompt), one per prompt."""
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * num_prompts
+    if len(loras) != num_prompts:
+        raise ValueError(f"lora_request has {len(loras)} entries but there are {num_prompts} prompts")
+    return loras

@@ -10,7 +10,7 @@ from vllmini.config import EngineArgs
 from vllmini.engine import beam_search
 from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from vllmini.engine.chat import render_chat
-from vllmini.engine.input_processor import as_prompt_list
+from vllmini.engine.input_processor import as_prompt_list, per_prompt_loras
 from vllmini.engine.llm_engine import LLMEngine, PromptType
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
@@ -56,9 +56,7 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
-        loras = [lora_request] * len(prompts) if not isinstance(lora_request, (list, tuple)) else list(lora_request)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request has {len(loras)} entries but there are {len(prompts)} prompts")
+        loras = per_prompt_loras(lora_request, len(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
         else:
@@ -100,12 +98,14 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's offline beam search, built on ``generate`` (engine/beam_search.py): one
-        ``BeamSearchOutput`` per prompt, its ``sequences`` best first."""
-        return beam_search.beam_search(self, prompts, params, use_tqdm, concurrency_limit)
+        ``BeamSearchOutput`` per prompt, its ``sequences`` best first (vLLM's argument order).
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt."""
+        return beam_search.beam_search(self, prompts, params, use_tqdm, concurrency_limit, lora_request)
 
     def chat(
         self,
