@@ -371,10 +371,13 @@ async def test_clients_that_hang_up_are_aborted_and_others_finish(served, engine
     assert engine.engine.num_generated_tokens - generated < 3 * 20 + 400  # the long ones did not run to the end
 
 
-def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir):
-    """As a user runs it: ``vllmini serve MODEL --port 0``, an OpenAI client, then Ctrl-C."""
+def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir, tmp_path):
+    """As a user runs it: ``vllmini serve MODEL --port 0`` (with a LoRA adapter), an OpenAI client, then Ctrl-C."""
+    from helpers import save_tiny_lora
+
+    adapter = save_tiny_lora(tiny_dir, tmp_path / "adapter", seed=1)
     cmd = [sys.executable, "-m", "vllmini", "serve", str(tiny_dir), "--port", "0", "--served-model-name", "m",
-           "--kv-cache-memory", str(KV)]  # fmt: skip
+           "--kv-cache-memory", str(KV), "--enable-lora", "--lora-modules", f"lora={adapter}"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     try:
@@ -384,9 +387,11 @@ def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir):
             assert line, f"the server did not start:\n{log}"
             log += line
         with openai.OpenAI(api_key="none", base_url=m.group(1) + "/v1", max_retries=0) as c:
-            assert [model.id for model in c.models.list()] == ["m"]
+            assert [model.id for model in c.models.list()] == ["m", "lora"]
             out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
             assert out.usage.completion_tokens <= 4 and out.choices[0].message.role == "assistant"
+            tuned = c.completions.create(model="lora", prompt="hi", max_tokens=4)
+            assert tuned.model == "lora" and tuned.usage.completion_tokens <= 4
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:

@@ -292,10 +292,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from vllmini import AsyncLLMEngine
     from vllmini.entrypoints.openai.api_server import run_server
+    from vllmini.entrypoints.openai.serving_models import check_lora_modules, parse_lora_module
 
+    served_name = ns.served_model_name or ns.model
+    lora_modules = [parse_lora_module(item) for item in ns.lora_modules or []]
+    check_lora_modules(lora_modules, ns.enable_lora, served_name)  # (before the model loads)
     engine = AsyncLLMEngine.from_engine_args(_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
-    run_server(engine, ns.served_model_name or ns.model, ns.host, ns.port, ns.chat_template, api_key)
+    run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules)
     return 0
 
 
@@ -320,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $VLLMINI_API_KEY, else none)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help='LoRA adapters served under their own names (needs --enable-lora): NAME=PATH or '
+                            '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")

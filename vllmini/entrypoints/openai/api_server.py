@@ -3,7 +3,9 @@
 
 Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
-``GET /version``. A bad request is a 400 in OpenAI's error shape naming the field; a client that
+``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
+(serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
 hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
 step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
 """
@@ -13,7 +15,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -30,10 +31,13 @@ import vllmini
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 TokenizeRequest, decode_request)  # fmt: skip
+                                                 LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
+                                                 decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllmini.entrypoints.openai.serving_engine import ModelNotFoundError, error_body
+from vllmini.entrypoints.openai.serving_engine import error_body
+from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
+                                                       runtime_lora_updating)  # fmt: skip
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("vllmini")
@@ -86,12 +90,14 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
-              api_key: str | None = None) -> Starlette:  # fmt: skip
-    """The app; its lifespan shuts the engine down when the server stops."""
+              api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> Starlette:  # fmt: skip
+    """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
+    loaded now: a bad one raises ValueError (naming it) before the server listens."""
+    models = OpenAIServingModels(engine, served_model_name)
+    models.load_static(lora_modules or [])
     metrics = ServerMetrics(engine, served_model_name)
-    completion = OpenAIServingCompletion(engine, served_model_name, metrics)
-    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics)
-    created = int(time.time())
+    completion = OpenAIServingCompletion(engine, served_model_name, metrics, models)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics, models)
 
     tokenization = OpenAIServingTokenization(chat)
 
@@ -112,15 +118,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
                 return Response(status_code=499)
             if isinstance(result, dict):
                 return json_response(result)
+            if isinstance(result, str):  # (vLLM answers the adapter routes in plain text)
+                return Response(result, media_type="text/plain")
             # the background task also runs when the client hangs up, even before the first event
             return StreamingResponse(result.events, media_type="text/event-stream", background=BackgroundTask(result.close))
 
         return endpoint
 
-    async def models(request: Request) -> Response:
-        card = {"id": served_model_name, "object": "model", "created": created, "owned_by": "vllmini",
-                "root": str(engine.engine.model_dir), "max_model_len": completion.max_model_len}  # fmt: skip
-        return json_response({"object": "list", "data": [card]})
+    async def list_models(request: Request) -> Response:
+        return json_response(models.cards(completion.max_model_len))
 
     async def health(request: Request) -> Response:
         return Response(status_code=503 if engine.errored else 200)
@@ -139,22 +145,32 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     routes = [
         Route("/v1/completions", handler(CompletionRequest, completion.create_completion), methods=["POST"]),
         Route("/v1/chat/completions", handler(ChatCompletionRequest, chat.create_chat_completion), methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
         Route("/tokenize", handler(TokenizeRequest, tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", handler(DetokenizeRequest, tokenization.detokenize), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
+    if runtime_lora_updating():
+        logger.warning("LoRA adapters may be loaded and unloaded at run time (/v1/load_lora_adapter): any "
+                       "client can make the server read a folder; for local development only")  # fmt: skip
+        routes += [Route("/v1/load_lora_adapter", handler(LoadLoRAAdapterRequest, models.load), methods=["POST"]),
+                   Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
     middleware = [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str, host: str, port: int,
-               chat_template: str | None = None, api_key: str | None = None) -> None:  # fmt: skip
+               chat_template: str | None = None, api_key: str | None = None,
+               lora_modules: list[LoRAModulePath] | None = None) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down."""
     import uvicorn
 
-    app = build_app(engine, served_model_name, chat_template, api_key)
+    try:
+        app = build_app(engine, served_model_name, chat_template, api_key, lora_modules)
+    except BaseException:  # (a bad --chat-template or adapter): stop the engine's thread before exiting
+        engine.shutdown()
+        raise
     logger.info("serving %s on http://%s:%d/v1", served_model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

@@ -2,12 +2,14 @@
 so that a dashboard made for vLLM's server reads this one.
 
 The engine's state and counters (requests running and waiting, KV-cache usage, tokens,
-preemptions, prefix-cache queries and hits) are read when the metrics are scraped; per-request
+preemptions, prefix-cache queries and hits; with LoRA, the adapters of the running and waiting
+requests) are read when the metrics are scraped; per-request
 latencies and lengths are observed as each request finishes. The registry belongs to the app
 (no process-wide state), so several servers or test apps do not share counts.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -49,6 +51,22 @@ class _EngineCollector:
                   bm.prefix_cache_queries)  # fmt: skip
         yield one(CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                   bm.prefix_cache_hits)  # fmt: skip
+        if core.lora_manager is not None:
+            yield self._lora_info(core.args.max_loras, list(sched.running), list(sched.waiting))
+
+    @staticmethod
+    def _lora_info(max_loras: int, running: list, waiting: list) -> Metric:
+        """vLLM's ``vllm:lora_requests_info``: the adapters (names, comma-joined) of the running
+        and waiting requests in labels, the time as its value (the latest sample is the state).
+        The queues are copied first (``list()`` of a list or deque runs without letting the
+        engine's thread in), so a step taken meanwhile cannot break the iteration."""
+        def names(seqs: list) -> str:
+            return ",".join(sorted({s.lora.request.lora_name for s in seqs if s.lora is not None}))
+
+        metric = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+                                   labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
+        metric.add_metric([str(max_loras), names(running), names(waiting)], time.time())
+        return metric
 
 
 class ServerMetrics:

@@ -205,6 +205,19 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: the name clients will send as ``model``, and the adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+
+
 def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias keys are token ids written as strings."""
     try:

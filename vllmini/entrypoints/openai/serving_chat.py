@@ -13,14 +13,15 @@ from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeR
 from vllmini.entrypoints.openai.serving_engine import (
     EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
 )  # fmt: skip
+from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-        metrics: ServerMetrics | None = None,
+        metrics: ServerMetrics | None = None, models: OpenAIServingModels | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(engine, model_name, metrics)
+        super().__init__(engine, model_name, metrics, models)
         # checked at start-up: a bad --chat-template stops the server before it listens (without
         # one, a tokenizer with no template of its own fails each chat request, naming it)
         self.chat_template = None if chat_template is None else resolve_chat_template(self.tokenizer, chat_template)
@@ -28,7 +29,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
         before anything is generated."""
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         request.check()
         prompt = self.render(request)
         # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
@@ -37,7 +38,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
         request_id = self.new_id("chatcmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics)
+        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics,
+                                         lora_request)  # fmt: skip
         if request.stream:
             return EventStream(self._stream(request, request_id, group, len(prompt["prompt_token_ids"])), group)
         return await self._whole(request, request_id, group)
@@ -71,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
                 message = {"role": "assistant", "content": self._echo(request) + c.text, "tool_calls": []}
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
-        body = {**self.header(request_id, "chat.completion"), "choices": choices, "usage": usage.body()}
+        body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
+                "usage": usage.body()}  # fmt: skip
         return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
 
     def _stream(
@@ -80,7 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         usage = Usage()
         usage.prompt_tokens[0] = num_prompt_tokens  # (known before the first output: the role chunk's usage has it)
         return self.events(self._chunks(request, request_id, group, usage), request_id, "chat.completion.chunk",
-                           usage, request.stream_options)  # fmt: skip
+                           usage, request.stream_options, request.model)  # fmt: skip
 
     async def _chunks(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage
@@ -89,7 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
 
         def chunk(choices: list[dict[str, Any]]) -> str:
-            body = {**self.header(request_id, "chat.completion.chunk"), "choices": choices}
+            body = {**self.header(request_id, "chat.completion.chunk", request.model), "choices": choices}
             if continuous:
                 body["usage"] = usage.body()
             return sse(body)

@@ -16,14 +16,15 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
         before anything is generated."""
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         request.check()
         prompts = request.prompts()
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, self.metrics)
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, self.metrics,
+                                         lora_request)  # fmt: skip
         if request.stream:
             return EventStream(self._stream(request, request_id, group), group)
         return await self._whole(request, request_id, group)
@@ -41,12 +42,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
                 choices.append(choice)
-        return {**self.header(request_id, "text_completion"), "choices": choices, "usage": usage.body()}
+        return {**self.header(request_id, "text_completion", request.model), "choices": choices,
+                "usage": usage.body()}  # fmt: skip
 
     def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
         usage = Usage()
         return self.events(self._chunks(request, request_id, group, usage), request_id, "text_completion", usage,
-                           request.stream_options)  # fmt: skip
+                           request.stream_options, request.model)  # fmt: skip
 
     async def _chunks(
         self, request: CompletionRequest, request_id: str, group: RequestGroup, usage: Usage
@@ -64,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
                 choices.append(self._choice(index, text, logprobs, c))
-            chunk = {**self.header(request_id, "text_completion"), "choices": choices}
+            chunk = {**self.header(request_id, "text_completion", request.model), "choices": choices}
             if continuous:
                 chunk["usage"] = usage.body()
             yield sse(chunk)

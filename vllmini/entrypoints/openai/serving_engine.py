@@ -1,5 +1,6 @@
-"""What the completion and chat endpoints share: the model name check, the engine requests
-behind one API request, usage, logprobs and the server-sent-event framing."""
+"""What the completion and chat endpoints share: the model name check (and the LoRA adapter it
+names), the engine requests behind one API request, usage, logprobs and the server-sent-event
+framing."""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +16,8 @@ from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import StreamOptions
+from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
+from vllmini.lora.request import LoRARequest
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
 
@@ -22,10 +25,6 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occu
 def json_logprob(logprob: float) -> float:
     """A logprob as the API writes it: a plain float, -inf as ``MIN_LOGPROB``."""
     return max(float(logprob), MIN_LOGPROB)
-
-
-class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve (404, as in vLLM)."""
 
 
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
@@ -53,7 +52,7 @@ class RequestGroup:
     @classmethod
     async def start(
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
-        metrics: ServerMetrics | None = None,
+        metrics: ServerMetrics | None = None, lora_request: LoRARequest | None = None,
     ) -> RequestGroup:  # fmt: skip
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
         sent; those queued before it are aborted then."""
@@ -61,7 +60,8 @@ class RequestGroup:
         group = cls([], metrics)
         try:
             for rid, prompt in zip(ids, prompts):
-                group.streams.append(await engine.add_request(rid, prompt, params, priority=priority))
+                group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
+                                                              lora_request=lora_request))  # fmt: skip
                 group.unfinished.add(len(group.streams) - 1)
         except BaseException:
             await group.close()
@@ -150,12 +150,16 @@ class Usage:
 
 
 class OpenAIServing:
-    """One served model: its name, default sampling parameters and tokenizer."""
+    """One served model (and its adapters): its name, default sampling parameters and tokenizer."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None,
+        models: OpenAIServingModels | None = None,
+    ) -> None:  # fmt: skip
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.models = models if models is not None else OpenAIServingModels(engine, model_name)
         self.tokenizer = engine.get_tokenizer()
         self.defaults = engine.engine.get_default_sampling_params()
         # the model's generation config's max_new_tokens, if it sets one: a chat request without
@@ -164,12 +168,13 @@ class OpenAIServing:
         self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
         self.max_model_len = engine.engine.max_model_len
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter ``model`` names (None: the base model); ModelNotFoundError (404) for a name not served."""
+        return self.models.resolve(model)
 
     async def events(
-        self, chunks: AsyncIterator[str], request_id: str, kind: str, usage: Usage, options: StreamOptions | None
+        self, chunks: AsyncIterator[str], request_id: str, kind: str, usage: Usage, options: StreamOptions | None,
+        model: str | None = None,
     ) -> AsyncIterator[str]:
         """A stream's events: ``chunks``, then the usage chunk when asked for, and ``[DONE]``; a failed
         step ends it with the error event, as vLLM's."""
@@ -178,13 +183,14 @@ class OpenAIServing:
                 async for chunk in chunks:
                     yield chunk
             if options is not None and options.include_usage:
-                yield sse({**self.header(request_id, kind), "choices": [], "usage": usage.body()})
+                yield sse({**self.header(request_id, kind, model), "choices": [], "usage": usage.body()})
         except Exception as exc:
             yield sse(error_body(str(exc), type(exc).__name__, 500))
         yield sse("[DONE]")
 
-    def header(self, request_id: str, kind: str) -> dict[str, Any]:
-        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+    def header(self, request_id: str, kind: str, model: str | None = None) -> dict[str, Any]:
+        """A response's (or chunk's) first fields; ``model`` is the name the request asked for."""
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": model or self.model_name}
 
     @staticmethod
     def new_id(prefix: str, given: str | None) -> str:
