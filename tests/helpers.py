@@ -176,14 +176,16 @@ def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_tiny_lora(model_dir: Path, out_dir: Path, seed: int, r: int = 8) -> str:
+def save_tiny_lora(model_dir: Path, out_dir: Path, seed: int, r: int = 8, **lora_config) -> str:
     """A PEFT LoRA adapter of the model in ``model_dir`` with random A and B
-    (``init_lora_weights=False``: PEFT's default B is zero), so that it changes the output."""
+    (``init_lora_weights=False``: PEFT's default B is zero), so that it changes the output.
+    ``lora_config``: more LoraConfig fields (lora_alpha, target_modules, use_rslora, ...)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_pretrained(model_dir)
-    config = LoraConfig(r=r, lora_alpha=2 * r, init_lora_weights=False, target_modules=LORA_TARGETS)
+    options = {"lora_alpha": 2 * r, "target_modules": LORA_TARGETS, **lora_config}
+    config = LoraConfig(r=r, init_lora_weights=False, **options)
     get_peft_model(hf, config).save_pretrained(out_dir)
     return str(out_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
 from safetensors.torch import load_file, save_file
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
@@ -20,20 +20,8 @@ from vllmini.scheduler.sequence import Sequence
 
 peft = pytest.importorskip("peft")
 
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPTS = [[1, 520, 33, 4000, 77, 91, 12000], [5, 6, 7, 8, 9, 10, 11, 12, 13], [300, 301, 44, 9000], [2, 3]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=0)
-
-
-def _make_adapter(base: Path, out: Path, seed: int, **lora_config) -> Path:
-    """A PEFT adapter with random A and B (``init_lora_weights=False``: B is not zero), saved as PEFT does."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(base)
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(init_lora_weights=False, **lora_config)
-    peft.get_peft_model(hf, config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -49,9 +37,9 @@ def models(request, tmp_path_factory, default_model_dir):
     else:
         hf = Qwen3ForCausalLM(tiny_qwen3_config(vocab_size=49152, initializer_range=0.05))
     base = save_tiny_model(hf.eval(), root / "base", default_model_dir)
-    a1 = _make_adapter(base, root / "a1", 1, r=8, lora_alpha=16, target_modules=ALL_TARGETS)
-    a2 = _make_adapter(base, root / "a2", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"],
-                       rank_pattern={"v_proj": 2})  # fmt: skip
+    a1 = Path(save_tiny_lora(base, root / "a1", 1, r=8, lora_alpha=16))
+    a2 = Path(save_tiny_lora(base, root / "a2", 2, r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj"],
+                             rank_pattern={"v_proj": 2}))  # fmt: skip
     return base, {"a1": a1, "a2": a2}
 
 
@@ -242,8 +230,8 @@ def test_bad_adapters_are_refused_by_name_and_nothing_leaks(models, lora_llm, tm
         "not an adapter folder": LoRARequest("x", 11, str(tmp_path / "missing")),
         "no adapter_config.json": LoRARequest("x", 12, str(tmp_path)),
         "pickle: never loaded": LoRARequest("x", 13, str(bin_only)),
-        "greater than max_lora_rank 8": LoRARequest("x", 14, str(_make_adapter(
-            base, tmp_path / "r16", 3, r=16, lora_alpha=16, target_modules=["q_proj"]))),  # fmt: skip
+        "greater than max_lora_rank 8": LoRARequest("x", 14, save_tiny_lora(base, tmp_path / "r16", 3, r=16,
+                                                                             target_modules=["q_proj"])),  # fmt: skip
         "DoRA is not supported": LoRARequest("x", 15, str(_edit_config(_copy(a1, tmp_path / "dora"), use_dora=True))),
         "LoRA on 'lm_head' is not supported": LoRARequest("x", 16, str(lm_head)),
         "not both lora_A and lora_B": LoRARequest("x", 17, str(half)),
