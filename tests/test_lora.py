@@ -382,7 +382,9 @@ def test_an_id_reused_for_other_weights_and_a_reloaded_adapter_while_requests_ru
     for i in range(2):  # a1 as id 8 evicted from the loaded set (max_cpu_loras=2)...
         engine.add_lora(LoRARequest(f"x{i}", 10 + i, str(adapters["a2"])))
     assert 8 not in engine.list_loras()
-    engine.add_request("a1-reloaded", prompt, GREEDY, lora_request=a1_again)  # ...and reloaded while it runs
+    engine.add_request("a1-reloaded", prompt, GREEDY, lora_request=a1_again)  # ...and asked for while it runs:
+    held = engine.requests["a1-first"].seqs[0].lora
+    assert engine.requests["a1-reloaded"].seqs[0].lora is held and 8 in engine.list_loras()  # not read again
     finals = {}
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -42,34 +43,52 @@ class LoRAManager:
         self._loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self._lock = threading.Lock()  # _loaded: requests are added on callers' threads
         self._keys: dict[tuple[int, str, str], int] = {}  # LoRAAdapter.key of each adapter ever loaded
+        # every adapter still referenced (by a request, a slot, a caller), loaded set or not: asked
+        # for again, it is taken from here rather than read again
+        self._live: weakref.WeakValueDictionary[tuple[int, str, str], LoRAAdapter] = weakref.WeakValueDictionary()
 
     # ---- adapters (any thread) --------------------------------------------------------------
     def get(self, request: LoRARequest) -> LoRAAdapter:
-        """The adapter of ``request``, loaded now unless it is already; ValueError when it cannot be used."""
+        """The adapter of ``request``, loaded now unless it is already (or is still held by a
+        request or a slot since it left the loaded set); ValueError when it cannot be used."""
         if not isinstance(request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        ident = (request.lora_int_id, request.lora_name, request.lora_path)
         with self._lock:
-            adapter = self._loaded.get(request.lora_int_id)
+            adapter = self._loaded_as(ident)
+            if adapter is None and (adapter := self._live.get(ident)) is not None:
+                self._remember(adapter)
             if adapter is not None:
-                known = adapter.request
-                if (known.lora_name, known.lora_path) != (request.lora_name, request.lora_path):
-                    raise ValueError(
-                        f"lora_request.lora_int_id {request.lora_int_id} is already the adapter {known.lora_name!r} "
-                        f"({known.lora_path}); give {request.lora_name!r} another id, or remove_lora() first"
-                    )
                 self._loaded.move_to_end(request.lora_int_id)
                 return adapter
         adapter = load_adapter(request, self.targets, self.max_rank, self.dtype, self.device)
         with self._lock:
-            ident = (request.lora_int_id, request.lora_name, request.lora_path)
+            if (loaded := self._loaded_as(ident) or self._live.get(ident)) is not None:  # another thread was quicker
+                return loaded
             adapter.key = self._keys.setdefault(ident, len(self._keys) + 1)
-            adapter = self._loaded.setdefault(request.lora_int_id, adapter)  # (another thread may have won)
-            self._loaded.move_to_end(request.lora_int_id)
-            while len(self._loaded) > self.max_cpu_loras:  # running requests keep theirs: they hold it
-                self._loaded.popitem(last=False)
+            self._live[ident] = adapter
+            self._remember(adapter)
         logger.info("LoRA adapter %r (id %d, rank %d) loaded from %s", request.lora_name, request.lora_int_id,
                     adapter.rank, request.lora_path)  # fmt: skip
         return adapter
+
+    def _loaded_as(self, ident: tuple[int, str, str]) -> LoRAAdapter | None:
+        """The loaded adapter with ``ident``'s id (the caller holds the lock); ValueError when
+        that id is loaded as another adapter."""
+        adapter = self._loaded.get(ident[0])
+        if adapter is None:
+            return None
+        known = adapter.request
+        if ident != (known.lora_int_id, known.lora_name, known.lora_path):
+            raise ValueError(f"lora_request.lora_int_id {ident[0]} is already the adapter {known.lora_name!r} "
+                             f"({known.lora_path}); give {ident[1]!r} another id, or remove_lora() first")  # fmt: skip
+        return adapter
+
+    def _remember(self, adapter: LoRAAdapter) -> None:
+        """Into the loaded set (the caller holds the lock), the least recent one out past max_cpu_loras."""
+        self._loaded[adapter.request.lora_int_id] = adapter
+        while len(self._loaded) > self.max_cpu_loras:
+            self._loaded.popitem(last=False)
 
     def remove(self, lora_int_id: int) -> bool:
         with self._lock:
