@@ -293,3 +293,59 @@ def test_kv_budget_leaves_room_for_the_costliest_step(tmp_path):
     assert peak <= limit + (32 << 20), f"peak {peak} > budget {limit}"
     del llm
     torch.cuda.empty_cache()
+
+
+def _write_adapter(config, out, seed: int, r: int = 4) -> str:
+    """A PEFT-format LoRA adapter (every projection, random A and B) written without peft, which
+    the GPU machine does not have."""
+    import json
+
+    from safetensors.torch import save_file
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    h, inter = config.hidden_size, config.intermediate_size
+    shapes = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+              "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
+              "mlp.down_proj": (inter, h)}  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for module, (fan_in, fan_out) in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(r, fan_in, generator=g) * 0.2
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, r, generator=g) * 0.2
+    out.mkdir(parents=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    targets = sorted({m.rpartition(".")[2] for m in shapes})
+    (out / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+                                                         "target_modules": targets}))  # fmt: skip
+    return str(out)
+
+
+def test_lora_on_cuda_matches_the_cpu_path(model_dir, tmp_path):
+    """LoRA on CUDA (eager: an engine with enable_lora captures no decode graphs): the same greedy
+    tokens, fp32, as the CPU path, which tests/test_lora.py holds to transformers + PEFT; the base
+    model and two adapters in one batch."""
+    from transformers import AutoConfig
+
+    from vllmini import LLM, LoRARequest, SamplingParams
+
+    config = AutoConfig.from_pretrained(model_dir)
+    reqs = [LoRARequest(f"a{i}", i + 1, _write_adapter(config, tmp_path / f"a{i}", seed=i)) for i in range(2)]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (7, 300, 40, 129)]
+    prompts[1] = prompts[0]  # the same prompt on the base model and under an adapter
+    loras = [None, reqs[0], reqs[1], reqs[0]]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model=str(model_dir), device=device, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                  max_model_len=1024, max_num_seqs=8, kv_cache_memory=KV_BYTES)  # fmt: skip
+        assert llm.llm_engine.runner.decode_graphs is None
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                            use_tqdm=False, lora_request=loras)  # fmt: skip
+        runs[device] = [o.outputs[0].token_ids for o in outs]
+        del llm, outs
+        torch.cuda.empty_cache()
+    assert runs["cuda"] == runs["cpu"]
+    assert runs["cpu"][0] != runs["cpu"][1]  # the adapter changes the output
