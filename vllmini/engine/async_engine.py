@@ -259,10 +259,12 @@ class AsyncLLMEngine:
             request_id = self.engine.new_request_id(self._streams)
         if getattr(sampling_params, "structured_outputs", None) is not None:
             await asyncio.to_thread(load_xgrammar)  # its first import (~1.5 s) off the event loop
-        if lora_request is not None and self.engine.lora_manager is not None:  # load it off the event loop
-            await asyncio.to_thread(self.engine.lora_manager.get, lora_request)
+        adapter = None  # loaded off the event loop, and held: prepare_request finds it even if evicted since
+        if lora_request is not None and self.engine.lora_manager is not None:
+            adapter = await asyncio.to_thread(self.engine.lora_manager.get, lora_request)
         state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority,
                                             lora_request=lora_request)  # fmt: skip
+        del adapter
         rid = state.request_id
         if rid in self._streams:
             if state.grammar is not None:  # (refused: no need to compile its grammar)
