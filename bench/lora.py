@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
-from bench.offline import HERE, Workload, git_revision, run_hf_static, uniform_workload
+from bench.offline import HERE, Workload, run_hf_static, uniform_workload, write_record
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -150,18 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'engine':<58}{'tok/s':>8}{'LoRA (max_loras=K) is':>24}")
     for row in rows:
         print(f"{row['engine']:<58}{row['tok_s']:>8}{str(row['vs_vllmini_lora']) + 'x':>24}")
-    record = {
-        "benchmark": "lora", "model": args.model, "dtype": "torch.float32", "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "git": git_revision(), "args": vars(args), "results": rows, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }  # fmt: skip
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"lora-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path}")
-    return record
-
+    return write_record("lora", args.out, model=args.model, dtype="torch.float32", args=vars(args), results=rows)
 
 if __name__ == "__main__":
     main()

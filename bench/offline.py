@@ -97,6 +97,19 @@ def git_revision() -> str:
     return f"{rev}-dirty" if dirty else rev
 
 
+def write_record(benchmark: str, out_dir: str, **fields) -> dict:
+    """``bench/results/<benchmark>-<time>.json``: ``fields`` plus where and on what it ran."""
+    record = {"benchmark": benchmark, **fields, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "git": git_revision(),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{benchmark}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(f"wrote {path}")
+    return record
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
@@ -151,26 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{'workload':<10}{'vllmini tok/s':>15}{f'HF static-{args.hf_batch_size} tok/s':>22}{'ratio':>8}")
     for r in rows:
         print(f"{r['workload']:<10}{r['vllmini_tok_s']:>15}{str(r['hf_static_tok_s']):>22}{str(r['ratio']):>8}")
-    record = {
-        "benchmark": "offline",
-        "model": args.model,
-        "dtype": str(eng.dtype),
-        "device": str(eng.device),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "git": git_revision(),
-        "args": vars(args),
-        "results": rows,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"offline-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"wrote {path}")
-    return record
-
+    return write_record("offline", args.out, model=args.model, dtype=str(eng.dtype), device=str(eng.device),
+                        args=vars(args), results=rows)
 
 if __name__ == "__main__":
     main()
