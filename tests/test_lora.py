@@ -395,6 +395,24 @@ def test_an_id_reused_for_other_weights_and_a_reloaded_adapter_while_requests_ru
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_seeded_request_under_an_adapter_is_batch_invariant(models):
+    """As the base model's (tests/test_sampling_engine.py): on CPU the prepacked base linears give
+    a row the same bits whatever rows share its step, and so must the adapter's delta, or a seeded
+    request's tokens depend on the requests of its adapter running beside it."""
+    from vllmini.models.packed_linear import packing_available
+
+    base, adapters = models
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN: the base linears are not batch invariant either")
+    req = _requests(adapters)["a1"]
+    llm = LLM(str(base), kv_cache_memory=1 << 26, enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=0)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False, lora_request=req)[0].outputs[0]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=req)[0].outputs[0]
+    assert mixed.token_ids == alone.token_ids
+    assert [e[t] for e, t in zip(mixed.logprobs, mixed.token_ids)] == [e[t] for e, t in zip(alone.logprobs, alone.token_ids)]
+
+
 def test_prompt_logprobs_under_an_adapter_equal_peft_logits(models):
     """The prefill path (a whole prompt's rows under one adapter, next to a base request's):
     every prompt position's logprob equals PEFT's."""
