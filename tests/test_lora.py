@@ -226,8 +226,17 @@ def test_bad_adapters_are_refused_by_name_and_nothing_leaks(models, lora_llm, tm
     wrong_shape = _copy(a1, tmp_path / "shape")
     weights = load_file(wrong_shape / "adapter_model.safetensors")
     save_file({k: v[:, :-1].contiguous() if ".lora_A." in k else v for k, v in weights.items()}, wrong_shape / "adapter_model.safetensors")
+    truncated = _copy(a1, tmp_path / "truncated")  # (an interrupted download)
+    data = (truncated / "adapter_model.safetensors").read_bytes()
+    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    rank0 = _copy(a1, tmp_path / "rank0")
+    weights = load_file(rank0 / "adapter_model.safetensors")
+    save_file({k: v[:0].contiguous() if ".lora_A." in k else v[:, :0].contiguous() for k, v in weights.items()},
+              rank0 / "adapter_model.safetensors")  # fmt: skip
     bad = {
+        "a LoRA rank must be at least 1": LoRARequest("x", 21, str(rank0)),
         "not an adapter folder": LoRARequest("x", 11, str(tmp_path / "missing")),
+        "adapter_model.safetensors is not a readable safetensors file": LoRARequest("x", 20, str(truncated)),
         "no adapter_config.json": LoRARequest("x", 12, str(tmp_path)),
         "pickle: never loaded": LoRARequest("x", 13, str(bin_only)),
         "greater than max_lora_rank 8": LoRARequest("x", 14, save_tiny_lora(base, tmp_path / "r16", 3, r=16,
