@@ -226,8 +226,17 @@ def test_bad_adapters_are_refused_by_name_and_nothing_leaks(models, lora_llm, tm
     wrong_shape = _copy(a1, tmp_path / "shape")
     weights = load_file(wrong_shape / "adapter_model.safetensors")
     save_file({k: v[:, :-1].contiguous() if ".lora_A." in k else v for k, v in weights.items()}, wrong_shape / "adapter_model.safetensors")
+    truncated = _copy(a1, tmp_path / "truncated")  # (an interrupted download)
+    data = (truncated / "adapter_model.safetensors").read_bytes()
+    (truncated / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    rank0 = _copy(a1, tmp_path / "rank0")
+    weights = load_file(rank0 / "adapter_model.safetensors")
+    save_file({k: v[:0].contiguous() if ".lora_A." in k else v[:, :0].contiguous() for k, v in weights.items()},
+              rank0 / "adapter_model.safetensors")  # fmt: skip
     bad = {
+        "a LoRA rank must be at least 1": LoRARequest("x", 21, str(rank0)),
         "not an adapter folder": LoRARequest("x", 11, str(tmp_path / "missing")),
+        "adapter_model.safetensors is not a readable safetensors file": LoRARequest("x", 20, str(truncated)),
         "no adapter_config.json": LoRARequest("x", 12, str(tmp_path)),
         "pickle: never loaded": LoRARequest("x", 13, str(bin_only)),
         "greater than max_lora_rank 8": LoRARequest("x", 14, save_tiny_lora(base, tmp_path / "r16", 3, r=16,
@@ -393,6 +402,24 @@ def test_an_id_reused_for_other_weights_and_a_reloaded_adapter_while_requests_ru
     assert finals["new"].outputs[0].token_ids == alone["a2"]
     assert finals["new"].num_cached_tokens == 0  # a1's blocks under id 5 are not a2's
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_seeded_request_under_an_adapter_is_batch_invariant(models):
+    """As the base model's (tests/test_sampling_engine.py): on CPU the prepacked base linears give
+    a row the same bits whatever rows share its step, and so must the adapter's delta, or a seeded
+    request's tokens depend on the requests of its adapter running beside it."""
+    from vllmini.models.packed_linear import packing_available
+
+    base, adapters = models
+    if not packing_available(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN: the base linears are not batch invariant either")
+    req = _requests(adapters)["a1"]
+    llm = LLM(str(base), kv_cache_memory=1 << 26, enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=0)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, params, use_tqdm=False, lora_request=req)[0].outputs[0]
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=req)[0].outputs[0]
+    assert mixed.token_ids == alone.token_ids
+    assert [e[t] for e, t in zip(mixed.logprobs, mixed.token_ids)] == [e[t] for e, t in zip(alone.logprobs, alone.token_ids)]
 
 
 def test_prompt_logprobs_under_an_adapter_equal_peft_logits(models):

@@ -96,8 +96,13 @@ def load_adapter(
         pickled = [p.name for p in folder.glob("adapter_model.*")]
         hint = f" ({', '.join(pickled)} is a pickle: never loaded, convert it to safetensors)" if pickled else ""
         raise ValueError(f"lora_request.lora_path {request.lora_path!r} has no adapter_model.safetensors{hint}")
+    try:
+        tensors = load_file(str(file))
+    except Exception as exc:  # SafetensorError (a truncated download...) is no ValueError: name the file
+        raise ValueError(f"lora_request.lora_path {request.lora_path!r}: adapter_model.safetensors is not a readable "
+                         f"safetensors file ({type(exc).__name__}: {exc})") from exc  # fmt: skip
     pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(file)).items():
+    for key, tensor in tensors.items():
         m = _KEY.match(key.removeprefix(_PREFIX))
         if m is None:
             raise ValueError(f"{file}: tensor {key!r} is not a LoRA A/B weight (embedding LoRA, DoRA and "
@@ -117,7 +122,9 @@ def load_adapter(
             raise ValueError(f"{file}: {module!r} has lora_{''.join(ab)} but not both lora_A and lora_B")
         a, b = ab["A"], ab["B"]
         in_features, out_features = targets[module]
-        r = a.shape[0]
+        r = a.shape[0] if a.dim() else 0
+        if r < 1:  # (the scaling alpha / r below would divide by zero)
+            raise ValueError(f"{file}: {module!r} has lora_A {tuple(a.shape)}: a LoRA rank must be at least 1")
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, in_features) or tuple(b.shape) != (out_features, r):
             raise ValueError(f"{file}: {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the model "
                              f"needs ({r}, {in_features}) and ({out_features}, {r}) (an adapter of another model?)")  # fmt: skip
