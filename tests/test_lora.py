@@ -242,6 +242,7 @@ def test_bad_adapters_are_refused_by_name_and_nothing_leaks(models, lora_llm, tm
         "greater than max_lora_rank 8": LoRARequest("x", 14, save_tiny_lora(base, tmp_path / "r16", 3, r=16,
                                                                              target_modules=["q_proj"])),  # fmt: skip
         "DoRA is not supported": LoRARequest("x", 15, str(_edit_config(_copy(a1, tmp_path / "dora"), use_dora=True))),
+        "layer_replication": LoRARequest("x", 23, str(_edit_config(_copy(a1, tmp_path / "rep"), layer_replication=[[0, 2]]))),
         "LoRA on 'lm_head' is not supported": LoRARequest("x", 16, str(lm_head)),
         "not both lora_A and lora_B": LoRARequest("x", 17, str(half)),
         "an adapter of another model": LoRARequest("x", 18, str(wrong_shape)),
@@ -457,3 +458,5 @@ def test_beam_search_takes_lora_requests(models):
         assert beam.sequences[0].tokens == prompt + out.outputs[0].token_ids
     with pytest.raises(ValueError, match="lora_request has 1 entries but there are 3 prompts"):
         llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=2), [None])
+    with pytest.raises(ValueError, match="lora_request must be a LoRARequest"):
+        llm.beam_search(prompts[:1], BeamSearchParams(beam_width=2, max_tokens=2), {"lora_name": "a1"})

@@ -114,7 +114,7 @@ def beam_search(
     processor = engine.input_processor
     prompt_ids = [processor.process(p, step_params).prompt_token_ids for p in as_prompt_list(prompts)]
     loras = per_prompt_loras(lora_request, len(prompt_ids))
-    for lora in dict.fromkeys(loras):  # (checked up front too, as the prompts)
+    for lora in loras:  # (checked up front too, as the prompts; a loaded one is only looked up)
         if lora is not None:
             engine.add_lora(lora)
     searches = [_Search(len(ids), [BeamSearchSequence(ids)], lora=lora) for ids, lora in zip(prompt_ids, loras)]

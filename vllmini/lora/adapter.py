@@ -70,7 +70,7 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{file}: peft_type {config['peft_type']!r} is not supported (only LORA)")
     refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D models)", "lora_bias": "lora_bias",
                "modules_to_save": "modules_to_save (fully trained modules)", "alpha_pattern": "alpha_pattern",
-               "target_parameters": "target_parameters"}  # fmt: skip
+               "target_parameters": "target_parameters", "layer_replication": "layer_replication"}  # fmt: skip
     for key, what in refused.items():
         if config.get(key):
             raise ValueError(f"{file}: {key}={config[key]!r}: {what} is not supported for LoRA adapters here")
