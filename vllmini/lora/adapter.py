@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from vllmini.lora.request import LoRARequest
+from vllmini.models.weight_loader import is_hub_id
 
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")  # PEFT may keep the adapter name
@@ -44,7 +45,7 @@ def adapter_dir(path: str) -> Path:
     local = Path(path).expanduser()
     if local.is_dir():
         return local
-    if local.exists() or path.startswith((".", "/", "~")) or path.count("/") != 1:
+    if local.exists() or not is_hub_id(path):
         raise ValueError(f"lora_request.lora_path {path!r} is not an adapter folder")
     from huggingface_hub import snapshot_download
 

@@ -39,6 +39,12 @@ ACCEPTED_FORMS = (
     "(from the local HF cache, else downloaded)"
 )
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a hub id 'org/name' (not a relative or home path)."""
+    return bool(_HUB_ID_RE.match(name)) and not name.startswith((".", "~"))
+
 _HUB_PATTERNS = [
     "config.json",
     "generation_config.json",
@@ -85,7 +91,7 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
         return _converted_gguf(path, cache)
     if path.exists():
         raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
-    if _HUB_ID_RE.match(model) and not model.startswith((".", "~")):
+    if is_hub_id(model):
         return _hub_snapshot(model, revision)
     raise FileNotFoundError(f"model {model!r} is neither an existing path nor a hub id; {ACCEPTED_FORMS}")
 
@@ -198,7 +204,7 @@ def load_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     path = Path(source).expanduser()
-    if not path.is_dir() and not (_HUB_ID_RE.match(str(source)) and not str(source).startswith((".", "~"))):
+    if not path.is_dir() and not is_hub_id(str(source)):
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
         return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(source), trust_remote_code=False)
