@@ -85,7 +85,7 @@ class LLMEngine:
             self.lora_manager = LoRAManager(self.model, args.max_loras, args.max_lora_rank,
                                             args.max_cpu_loras or args.max_loras, self.dtype, self.device)  # fmt: skip
             logger.info("LoRA: %d adapter slots of rank <= %d", args.max_loras, args.max_lora_rank)
-        # decode graphs read no LoRA mapping: steps with adapters run eagerly
+        # the decode graphs capture no LoRA mapping: an engine with enable_lora runs every step eagerly
         use_graphs = self.device.type == "cuda" and not args.enforce_eager and not args.enable_lora
         logger.info(
             "attention backend: %s (block size %d, %s, CUDA graphs %s)",

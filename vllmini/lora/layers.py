@@ -9,9 +9,10 @@ adds its delta in two matmuls on a slice:
     y[start:end] += x[start:end] @ lora_a[slot].T @ lora_b[slot].T
 
 so a token costs only its own adapter's rank (vLLM's punica kernels do this per token on a GPU).
-Measured on this 2-core CPU (fp32, 64 rows over 4 adapters of rank 16, SmolLM2's q/k/v):
-232 us per layer this way, 404 us for the dense form that multiplies every row by every
-slot's matrices and masks.
+Measured on this 2-core CPU with torch.mm (fp32, 64 rows over 4 adapters of rank 16, SmolLM2's
+q/k/v): 232 us per layer this way, 404 us for the dense form that multiplies every row by every
+slot's matrices and masks. Over a prepacked (oneDNN) base the two matmuls go through oneDNN
+instead (see ``LoRALinear``): batch invariant, and slower per call (README, "Benchmarks").
 """
 from __future__ import annotations
 

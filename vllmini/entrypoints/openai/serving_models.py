@@ -4,8 +4,8 @@ served name, and LoRA adapters under their own names (``--lora-modules`` at star
 
 A request's ``model`` picks the adapter it runs with (none for the base name). Adapters get
 ``lora_int_id`` 1, 2, ... in the order they are added (after any id the engine holds already) and
-an id is never given twice, so that an adapter unloaded and another loaded later never share the
-engine's weights or prefix-cache blocks (both keyed by that id).
+an id is never given twice, so that an id always names one adapter (the engine would also keep an
+adapter unloaded and another loaded later under the same id apart: it keys them by id, name and path).
 """
 from __future__ import annotations
 
