@@ -201,8 +201,9 @@ class LLMEngine:
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs EngineArgs.scheduling_policy='priority' (it is "
                              f"{self.args.scheduling_policy!r})")  # fmt: skip
-        adapter = None if lora_request is None else self._lora_adapter(lora_request)
         inp = self.input_processor.process(prompt, params, default_output_kind)
+        # (after the cheap checks: loading an adapter may read its files)
+        adapter = None if lora_request is None else self._lora_adapter(lora_request)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
         request_id = self.new_request_id() if request_id is None else str(request_id)
         now = time.monotonic()
