@@ -79,7 +79,7 @@ async def _main(job: dict, result_path: str) -> None:
         model=job["model"], dtype=job["dtype"], enforce_eager=job["enforce_eager"], seed=job.get("seed", 0),
         max_num_seqs=job["max_num_seqs"], max_num_batched_tokens=job["max_num_batched_tokens"],
         max_model_len=job["max_model_len"], enable_prefix_caching=job.get("enable_prefix_caching", True),
-        disable_log_stats=True, **job.get("lora", {})))  # fmt: skip
+        disable_log_stats=True, **job.get("lora", {}), **job.get("engine_extra", {})))  # fmt: skip
     startup = time.perf_counter() - t0
     results = {"vllm_version": __import__("vllm").__version__, "startup_s": startup, "runs": []}
     try:

@@ -4,6 +4,7 @@ engine without it), drafts are really accepted, and no KV block or cache hash ou
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -233,3 +234,30 @@ def test_async_engine_streams_several_tokens_a_step(default_model_dir):
     assert "".join(d.text for d in deltas) == whole.text
     assert max(len(d.token_ids) for d in deltas) > 1, "no step delivered accepted drafts"
     assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+async def test_server_answers_as_plain_decoding_and_reports_acceptance(default_model_dir, engines):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from vllmini.entrypoints.openai.api_server import build_app
+
+    base, _ = engines
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "m")), base_url="http://t") as http:
+            body = {"model": "m", "messages": [{"role": "user", "content": REPEAT[1]}], "max_tokens": 60, "temperature": 0}
+            whole = (await http.post("/v1/chat/completions", json=body)).json()
+            streamed = (await http.post("/v1/chat/completions", json={**body, "stream": True})).text
+            metrics = (await http.get("/metrics")).text
+    finally:
+        engine.shutdown()
+    want = chats(base, SamplingParams(max_tokens=60, temperature=0), REPEAT[1:2])[0].outputs[0].text
+    assert whole["choices"][0]["message"]["content"] == want
+    chunks = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == want
+    samples = {(s.name, s.labels.get("position")): s.value for f in text_string_to_metric_families(metrics) for s in f.samples}
+    stats = engine.engine.spec_stats
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == stats.num_draft_tokens > 0
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == stats.num_accepted_tokens > 0
+    assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0")] == stats.num_accepted_tokens_per_pos[0]

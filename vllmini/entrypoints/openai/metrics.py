@@ -3,7 +3,7 @@ so that a dashboard made for vLLM's server reads this one.
 
 The engine's state and counters (requests running and waiting, KV-cache usage, tokens,
 preemptions, prefix-cache queries and hits; with LoRA, the adapters of the running and waiting
-requests) are read when the metrics are scraped; per-request
+requests; with speculative decoding, its draft and acceptance counts) are read when the metrics are scraped; per-request
 latencies and lengths are observed as each request finishes. The registry belongs to the app
 (no process-wide state), so several servers or test apps do not share counts.
 """
@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.outputs import RequestOutput
+from vllmini.spec_decode.stats import SpecDecodingStats
 
 # vLLM's buckets for the request latencies and lengths
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -53,6 +54,24 @@ class _EngineCollector:
                   bm.prefix_cache_hits)  # fmt: skip
         if core.lora_manager is not None:
             yield self._lora_info(core.args.max_loras, list(sched.running), list(sched.waiting))
+        if core.proposer is not None:
+            yield from self._spec_decode(core.spec_stats)
+
+    def _spec_decode(self, stats: SpecDecodingStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (acceptance rate = accepted / draft tokens)."""
+        def one(name: str, doc: str, value: float) -> Metric:
+            metric = CounterMetricFamily(name, doc, labels=["model_name"])
+            metric.add_metric([self.model_name], value)
+            return metric
+
+        yield one("vllm:spec_decode_num_drafts", "Drafts verified (one per sequence per step).", stats.num_drafts)
+        yield one("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens)
+        yield one("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens)
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position.",
+                                      labels=["model_name", "position"])  # fmt: skip
+        for pos, count in enumerate(list(stats.num_accepted_tokens_per_pos)):
+            per_pos.add_metric([self.model_name, str(pos)], count)
+        yield per_pos
 
     @staticmethod
     def _lora_info(max_loras: int, running: list, waiting: list) -> Metric:
