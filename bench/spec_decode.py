@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                     acceptance[(wl.name, mode)] = round((st.num_accepted_tokens - before[1]) / (st.num_draft_tokens - before[0]), 3)
         del llm
     if not args.skip_hf:
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         for wl in wls:
             seconds[(wl.name, "one at a time", "transformers")] = run_hf(hf, wl, None)
             seconds[(wl.name, "one at a time", "transformers prompt lookup")] = run_hf(hf, wl, args.num_speculative_tokens)
