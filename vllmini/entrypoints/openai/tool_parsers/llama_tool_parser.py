@@ -1,0 +1,66 @@
+"""``--tool-call-parser llama3_json`` (also ``llama4_json``): Llama 3.x's JSON tool calls, as in
+vLLM's tool_chat_template_llama3.1_json.jinja:
+
+    <|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": ...}
+
+An optional ``<|python_tag|>``, then one or more objects with a ``name`` and ``parameters`` (or
+``arguments``), separated by ``;``. An output that does not begin so (after whitespace) is
+plain content, as vLLM's streaming parser decides; text after the calls is content.
+"""
+from __future__ import annotations
+
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+
+
+class Llama3JsonToolParser(ToolParser):
+    BOT = "<|python_tag|>"
+
+    def __init__(self, tokenizer: object = None) -> None:
+        super().__init__(tokenizer)
+        self._buf = ""
+        # start (deciding: calls or plain text), call (a call's JSON), after (a call ended),
+        # separator (after a ";"), text (content, to the end)
+        self._state = "start"
+
+    def _read(self, text: str) -> None:
+        self._buf += text
+        while self._buf and not self._fallen_back:
+            head = self._buf.lstrip()
+            if self._state == "call":
+                self._buf = self._buf[self._read_call(self._buf) :]
+                if self._in_call:
+                    return
+                self._state = "after"
+            elif self._state == "text":
+                self._content(self._buf)
+                self._buf = ""
+            elif self._state == "start":
+                if head.startswith(self.BOT):
+                    head = head[len(self.BOT) :].lstrip()
+                elif self.BOT.startswith(head):  # whitespace or part of the tag so far
+                    return
+                if not head:
+                    return
+                if head[0] == "{":
+                    self._begin_call(self._buf[: len(self._buf) - len(head)])
+                    self._buf, self._state = head, "call"
+                else:  # not a call: the whole output is content
+                    self._state = "text"
+            elif not head:  # (after, separator): whitespace so far
+                return
+            elif head[0] == ";" and self._state == "after":
+                self._buf, self._state = head[1:], "separator"
+            elif head[0] == "{":
+                self._begin_call("")
+                self._buf, self._state = head, "call"
+            else:
+                self._buf, self._state = head, "text"
+        if self._fallen_back:
+            self._buf = ""
+
+    def _finish(self) -> None:
+        if self._state == "call":
+            self._end_incomplete_call()
+        elif self._state == "start":
+            self._content(self._buf)
+        self._buf = ""
