@@ -6,6 +6,7 @@ tool_choice "auto" as in vLLM), and a named or "required" tool choice is made wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_openai_server import events, wait_idle
+from test_openai_server import KV, events, wait_idle
 from vllmini import AsyncLLMEngine, EngineArgs
 from vllmini.entrypoints.openai.api_server import build_app
 from vllmini.entrypoints.openai.output_parser import ChatOutputParser
@@ -221,7 +222,6 @@ def test_unknown_parser_names_are_refused_naming_the_choices():
 
 # -- the server
 
-KV = 64 << 20
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -234,21 +234,28 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "uni
 PARIS = {"city": "Paris", "unit": "celsius"}
 
 
+@contextlib.contextmanager
+def serving(model_dir):
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory=KV))
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     """The tiny random model: quick, for the texts that structured outputs force."""
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
-    yield eng
-    eng.shutdown()
+    with serving(tiny_dir) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def real(default_model_dir):
     """The default model, whose JSON a tool's schema shapes (the random one writes whitespace
     the schema allows until max_tokens)."""
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), kv_cache_memory=KV))
-    yield eng
-    eng.shutdown()
+    with serving(default_model_dir) as eng:
+        yield eng
 
 
 def http(engine, **parsers) -> httpx.AsyncClient:

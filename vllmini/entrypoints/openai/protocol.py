@@ -237,9 +237,9 @@ class FunctionCall(msgspec.Struct, kw_only=True):
 class ToolCall(msgspec.Struct, kw_only=True):
     """A tool call of a whole response's message."""
 
-    function: FunctionCall
     id: str = msgspec.field(default_factory=make_tool_call_id)
     type: str = "function"
+    function: FunctionCall
 
 
 class ExtractedToolCallInformation(msgspec.Struct, kw_only=True):

@@ -49,13 +49,15 @@ class _Call:
 
 
 class ToolParser:
-    """The base of the tool parsers: subclasses implement ``_read(text)`` and ``_finish()``,
-    calling ``_content``, ``_begin_call`` and ``_read_call``."""
+    """The base of the tool parsers: the text waits in ``_buf``; a call's JSON (after
+    ``_begin_call``) is read here, the rest by the subclass's ``_step`` (which writes content,
+    begins calls, and returns False to wait for more text), ``_call_ended`` and ``_finish_text``."""
 
     def __init__(self, tokenizer: Any = None) -> None:
         self.tokenizer = tokenizer
         self.error: str | None = None  # why a call could not be read (the whole output is then content)
         self._out: list[Piece] = []
+        self._buf = ""  # text not read yet (e.g. what may be the start of a tag)
         self._started = 0  # calls whose name was written
         self._json: JsonStream | None = None
         self._call: _Call | None = None
@@ -95,12 +97,36 @@ class ToolParser:
             self._finish()
         return self._take()
 
-    # -- for the subclasses
     def _read(self, text: str) -> None:
-        raise NotImplementedError
+        self._buf += text
+        while self._buf and not self._fallen_back:
+            if self._in_call:
+                self._buf = self._buf[self._read_call(self._buf) :]
+                if self._in_call:
+                    break
+                self._call_ended()
+            elif not self._step():
+                break
+        if self._fallen_back:
+            self._buf = ""
 
     def _finish(self) -> None:
+        if self._in_call:
+            self._end_incomplete_call()
+        else:
+            self._finish_text()
+        self._buf = ""
+
+    # -- for the subclasses
+    def _step(self) -> bool:
+        """Read some of ``_buf`` outside a call's JSON; False: wait for more text."""
         raise NotImplementedError
+
+    def _call_ended(self) -> None:
+        """A call's JSON was read."""
+
+    def _finish_text(self) -> None:
+        """The output ended outside a call's JSON: what ``_buf`` still holds."""
 
     def _take(self) -> list[Piece]:
         out, self._out = self._out, []

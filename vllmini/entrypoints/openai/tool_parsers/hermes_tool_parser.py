@@ -21,8 +21,7 @@ class Hermes2ProToolParser(ToolParser):
 
     def __init__(self, tokenizer: object = None) -> None:
         super().__init__(tokenizer)
-        self._buf = ""  # text not read yet (a tag's possible start...)
-        self._state = "text"  # text (outside the blocks), call (a block's JSON), close (after it)
+        self._closing = False  # after a block's JSON: its closing tag may come
         self._ws = ""  # whitespace after the content written: held, as it is dropped before a block
         self._lead = False  # text right after a block: its leading whitespace is dropped
 
@@ -30,32 +29,27 @@ class Hermes2ProToolParser(ToolParser):
         # in Hermes 2 Pro the tags are special tokens: left out of the text, no call could be read (as vLLM)
         return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
 
-    def _read(self, text: str) -> None:
-        self._buf += text
-        while self._buf and not self._fallen_back:
-            if self._state == "call":
-                self._buf = self._buf[self._read_call(self._buf) :]
-                if self._in_call:
-                    return
-                self._state = "close"
-            elif self._state == "close":
-                rest = self._buf.lstrip()
-                if self.END.startswith(rest):  # whitespace or part of the closing tag so far
-                    return
-                self._buf = rest.removeprefix(self.END)  # (a block without its closing tag ends at its JSON)
-                self._state, self._lead = "text", True
-            else:
-                i = self._buf.find(self.START)
-                if i < 0:
-                    keep = len(self._buf) - partial_tag(self._buf, self.START)
-                    self._text(self._buf[:keep])
-                    self._buf = self._buf[keep:]
-                    return
-                self._text(self._buf[:i])
-                self._begin_call(self._ws + self.START)
-                self._buf, self._ws, self._state = self._buf[i + len(self.START) :], "", "call"
-        if self._fallen_back:
-            self._buf = ""
+    def _step(self) -> bool:
+        if self._closing:
+            rest = self._buf.lstrip()
+            if self.END.startswith(rest):  # whitespace or part of the closing tag so far
+                return False
+            self._buf = rest.removeprefix(self.END)  # (a block without its closing tag ends at its JSON)
+            self._closing, self._lead = False, True
+            return True
+        i = self._buf.find(self.START)
+        if i < 0:
+            keep = len(self._buf) - partial_tag(self._buf, self.START)
+            self._text(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        self._text(self._buf[:i])
+        self._begin_call(self._ws + self.START)
+        self._buf, self._ws = self._buf[i + len(self.START) :], ""
+        return True
+
+    def _call_ended(self) -> None:
+        self._closing = True
 
     def _text(self, text: str) -> None:
         if self._lead:
@@ -70,10 +64,8 @@ class Hermes2ProToolParser(ToolParser):
         else:
             self._ws += text
 
-    def _finish(self) -> None:
-        if self._state == "call":
-            self._end_incomplete_call()
-        elif self._state == "text":
+    def _finish_text(self) -> None:
+        if not self._closing:
             self._text(self._buf)
             self._content(self._ws)
-        self._buf = self._ws = ""
+        self._ws = ""

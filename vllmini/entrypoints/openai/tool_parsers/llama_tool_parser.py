@@ -17,50 +17,41 @@ class Llama3JsonToolParser(ToolParser):
 
     def __init__(self, tokenizer: object = None) -> None:
         super().__init__(tokenizer)
-        self._buf = ""
-        # start (deciding: calls or plain text), call (a call's JSON), after (a call ended),
-        # separator (after a ";"), text (content, to the end)
+        # start (deciding: calls or plain text), after (a call ended), separator (after a ";"),
+        # text (content, to the end)
         self._state = "start"
 
-    def _read(self, text: str) -> None:
-        self._buf += text
-        while self._buf and not self._fallen_back:
-            head = self._buf.lstrip()
-            if self._state == "call":
-                self._buf = self._buf[self._read_call(self._buf) :]
-                if self._in_call:
-                    return
-                self._state = "after"
-            elif self._state == "text":
-                self._content(self._buf)
-                self._buf = ""
-            elif self._state == "start":
-                if head.startswith(self.BOT):
-                    head = head[len(self.BOT) :].lstrip()
-                elif self.BOT.startswith(head):  # whitespace or part of the tag so far
-                    return
-                if not head:
-                    return
-                if head[0] == "{":
-                    self._begin_call(self._buf[: len(self._buf) - len(head)])
-                    self._buf, self._state = head, "call"
-                else:  # not a call: the whole output is content
-                    self._state = "text"
-            elif not head:  # (after, separator): whitespace so far
-                return
-            elif head[0] == ";" and self._state == "after":
-                self._buf, self._state = head[1:], "separator"
-            elif head[0] == "{":
-                self._begin_call("")
-                self._buf, self._state = head, "call"
-            else:
-                self._buf, self._state = head, "text"
-        if self._fallen_back:
-            self._buf = ""
-
-    def _finish(self) -> None:
-        if self._state == "call":
-            self._end_incomplete_call()
-        elif self._state == "start":
+    def _step(self) -> bool:
+        head = self._buf.lstrip()
+        if self._state == "text":
             self._content(self._buf)
-        self._buf = ""
+            self._buf = ""
+        elif self._state == "start":
+            if head.startswith(self.BOT):
+                head = head[len(self.BOT) :].lstrip()
+            elif self.BOT.startswith(head):  # whitespace or part of the tag so far
+                return False
+            if not head:
+                return False
+            if head[0] != "{":  # not a call: the whole output is content
+                self._state = "text"
+                return True
+            self._begin_call(self._buf[: len(self._buf) - len(head)])
+            self._buf = head
+        elif not head:  # (after, separator): whitespace so far
+            return False
+        elif head[0] == ";" and self._state == "after":
+            self._buf, self._state = head[1:], "separator"
+        elif head[0] == "{":
+            self._begin_call("")
+            self._buf = head
+        else:
+            self._buf, self._state = head, "text"
+        return True
+
+    def _call_ended(self) -> None:
+        self._state = "after"
+
+    def _finish_text(self) -> None:
+        if self._state == "start":
+            self._content(self._buf)
