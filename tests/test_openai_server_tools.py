@@ -71,7 +71,8 @@ def streamed(parser: ChatOutputParser, deltas: list[str]) -> dict:
 
 def whole(parser: ChatOutputParser, text: str) -> dict:
     reasoning, content, calls = parser.parse(text)
-    return {"content": content or None, "reasoning": reasoning, "calls": [(c.function.name, c.function.arguments) for c in calls]}
+    calls = [(c.function.name, c.function.arguments) for c in calls]
+    return {"content": content or None, "reasoning": reasoning, "calls": calls}
 
 
 def both(make, text: str, data: st.DataObject) -> dict:
@@ -109,8 +110,8 @@ def hermes(auto_reasoning: str | None = None):
 
 
 @SETTINGS
-@given(before=st.text(max_size=12).filter(lambda t: "<tool_call>" not in t), calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3),
-       layout=layouts, gaps=st.sampled_from(["", "\n", " \n "]), close=st.booleans(), data=st.data())  # fmt: skip
+@given(before=st.text(max_size=12).filter(lambda t: "<tool_call>" not in t),
+       calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=3), layout=layouts, gaps=st.sampled_from(["", "\n", " \n "]), close=st.booleans(), data=st.data())  # fmt: skip
 def test_hermes_reads_tool_call_blocks_whole_and_streamed(before, calls, layout, gaps, close, data):
     text = before + "".join(f"<tool_call>{gaps}{dumps({'name': n, 'arguments': a}, layout)}{gaps}"
                             + ("</tool_call>" if close else "") + gaps for n, a in calls)  # fmt: skip
@@ -181,11 +182,11 @@ def test_qwen3_starts_in_reasoning_only_when_the_prompt_leaves_think_open():
 
 
 @SETTINGS
-@given(reasoning=st.text(max_size=10).filter(lambda t: "<" not in t), calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=2),
-       data=st.data())  # fmt: skip
+@given(reasoning=st.text(max_size=10).filter(lambda t: "<" not in t),
+       calls=st.lists(st.tuples(names, arguments), min_size=1, max_size=2), data=st.data())  # fmt: skip
 def test_tool_calls_are_read_in_the_content_after_the_reasoning(reasoning, calls, data):
-    text = f"<think>{reasoning}</think>\n\n" + "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>"
-                                                        for n, a in calls)  # fmt: skip
+    blocks = [f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls]
+    text = f"<think>{reasoning}</think>\n\n" + "\n".join(blocks)
     got = both(hermes("deepseek_r1"), text, data)
     assert got == {"reasoning": reasoning or None, "content": None, "calls": [(n, canonical(a)) for n, a in calls]}
 
@@ -225,8 +226,8 @@ def test_unknown_parser_names_are_refused_naming_the_choices():
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-        "required": ["city", "unit"]}}},
+        "type": "object", "required": ["city", "unit"],
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}},
     {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone", "parameters": {
         "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}},
 ]  # fmt: skip
@@ -295,7 +296,8 @@ def streamed_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
 
 async def test_auto_tool_calls_whole_and_streamed_through_the_openai_client(engine):
     text = "Let me check.\n" + CALL
-    raw = await client(engine).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=200, extra_body=forced(text))
+    raw = await client(engine).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=200,
+                                                       extra_body=forced(text))  # fmt: skip
     assert raw.choices[0].message.content == text  # what the model writes: the server without a parser says so
     c = client(engine, **HERMES)
     out = await c.chat.completions.create(model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=200,
@@ -324,7 +326,8 @@ async def test_llama3_json_calls_and_parallel_tool_calls_false(engine):
     assert both_calls["message"]["content"] is None and both_calls["finish_reason"] == "tool_calls"
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in both_calls["message"]["tool_calls"]]
     assert calls == [("get_weather", PARIS), ("get_time", {"tz": "CET"})]
-    assert first["message"]["tool_calls"] == [dict(both_calls["message"]["tool_calls"][0], id=first["message"]["tool_calls"][0]["id"])]
+    (kept,) = first["message"]["tool_calls"]
+    assert kept == {**both_calls["message"]["tool_calls"][0], "id": kept["id"]}
     indices = {c["index"] for chunk in streamed_first for ch in chunk["choices"] for c in ch["delta"].get("tool_calls", [])}
     assert indices == {0}
     await wait_idle(engine)
@@ -370,13 +373,15 @@ async def test_reasoning_then_tool_calls(engine):
         choice = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]
         chunks = events((await h.post("/v1/chat/completions", json={**body, "stream": True})).text)
     message = choice["message"]
-    assert (message["reasoning"], message["content"], choice["finish_reason"]) == ("I need the weather tool.", None, "tool_calls")
+    assert (message["reasoning"], message["content"]) == ("I need the weather tool.", None)
+    assert choice["finish_reason"] == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == PARIS
     deltas = [ch["delta"] for chunk in chunks[1:] for ch in chunk["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
     assert not any(d.get("content") for d in deltas)
-    assert "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])) == call["function"]["arguments"]
+    pieces = [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])]
+    assert "".join(pieces) == call["function"]["arguments"]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     await wait_idle(engine)
 
@@ -414,7 +419,8 @@ async def test_named_and_required_tool_choices_are_made_with_structured_outputs(
 
 async def test_tool_choice_none_parses_nothing_and_still_hands_the_tools_to_the_template(engine):
     text = "Let me check.\n" + CALL
-    template = "{% for t in tools %}{{ t['function']['name'] }};{% endfor %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    template = ("{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")  # fmt: skip
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200, "chat_template": template,
             **forced(text)}  # fmt: skip
     async with http(engine, **HERMES) as h:
@@ -480,7 +486,8 @@ BAD = [
 async def test_bad_tool_requests_are_a_400_naming_the_field_and_others_go_on(engine):
     async with http(engine, **HERMES) as h:
         good = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 200, **forced("Let me check.\n" + CALL)}
-        goods = [asyncio.ensure_future(h.post("/v1/chat/completions", json={**good, "stream": i % 2 == 1})) for i in range(4)]
+        goods = [asyncio.ensure_future(h.post("/v1/chat/completions", json={**good, "stream": i % 2 == 1}))
+                 for i in range(4)]  # fmt: skip
         for parsers, body, named in BAD:
             async with http(engine, **parsers) as bad:
                 r = await bad.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body})

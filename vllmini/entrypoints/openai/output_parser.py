@@ -5,7 +5,8 @@ up to it.
 """
 from __future__ import annotations
 
-from vllmini.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, ToolCall, make_tool_call_id
+from vllmini.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, ToolCall,
+                                                 make_tool_call_id)  # fmt: skip
 from vllmini.entrypoints.openai.reasoning_parsers import ReasoningParser
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser
 

@@ -76,7 +76,8 @@ class OpenAIServingChat(OpenAIServing):
         tools: ToolParser | None = None
         if choice.mode in ("named", "required"):
             params = params.clone(structured_outputs=StructuredOutputsParams(json=tool_schema(request.tools, choice)))
-            tools = NamedToolParser(self.tokenizer, choice.name) if choice.name else RequiredToolParser(self.tokenizer)
+            named = choice.mode == "named"
+            tools = NamedToolParser(self.tokenizer, choice.name) if named else RequiredToolParser(self.tokenizer)
         elif choice.mode == "auto" and self.tool_parser is not None:
             tools = self.tool_parser(self.tokenizer)
             params = tools.adjust_request(params)
@@ -84,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
         if tools is None and reasoning is None:
             return params, None
         # a grammar binds from the first token: such an output is not in reasoning unless it opens <think>
-        thinking = reasoning is not None and params.structured_outputs is None and reasoning.starts_in_reasoning(prompt)
+        constrained = params.structured_outputs is not None
+        thinking = reasoning is not None and not constrained and reasoning.starts_in_reasoning(prompt)
         parallel = request.parallel_tool_calls is not False
 
         def make() -> ChatOutputParser:
