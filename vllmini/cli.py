@@ -297,10 +297,27 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     served_name = ns.served_model_name or ns.model
     lora_modules = [parse_lora_module(item) for item in ns.lora_modules or []]
     check_lora_modules(lora_modules, ns.enable_lora, served_name)  # (before the model loads)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     engine = AsyncLLMEngine.from_engine_args(_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
-    run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules)
+    run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules,
+               enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
+               reasoning_parser=ns.reasoning_parser)  # fmt: skip
     return 0
+
+
+def _add_parser_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for tool calls and reasoning in chat responses."""
+    from vllmini.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from vllmini.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
+    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x)")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -327,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help='LoRA adapters served under their own names (needs --enable-lora): NAME=PATH or '
                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
+    _add_parser_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")

@@ -5,11 +5,13 @@ Messages may carry OpenAI-style content parts (``[{"type": "text", "text": ...}]
 templates (SmolLM2's, Qwen's) expect a string, so the text parts are joined with newlines
 first, as vLLM does for such templates (``content_format="openai"`` keeps them as a list of
 ``{"type": "text", "text": ...}`` for templates that loop over the parts). A message without
-content (an assistant turn that only calls tools) gets "", as in vLLM. The prompt keeps the
-templated text, which ``RequestOutput.prompt`` reports.
+content (an assistant turn that only calls tools) gets "", as in vLLM, and its tool calls'
+``arguments`` (JSON text in OpenAI's messages) are parsed into dicts for the template, as vLLM
+does. The prompt keeps the templated text, which ``RequestOutput.prompt`` reports.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,6 +94,38 @@ def _flatten(i: int, msg: Any, as_parts: bool = False) -> Message:
         if not isinstance(part.get(key), str):
             raise ValueError(f"messages[{i}].content[{j}].{key} must be a string, got {part.get(key)!r}")
         texts.append(part[key])
-    if as_parts:
-        return {**msg, "content": [{"type": "text", "text": t} for t in texts]}
-    return {**msg, "content": "\n".join(texts)}
+    flat = {**msg, "content": [{"type": "text", "text": t} for t in texts] if as_parts else "\n".join(texts)}
+    if msg["role"] == "assistant":
+        _assistant_fields(i, flat)
+    return flat
+
+
+def _assistant_fields(i: int, msg: Message) -> None:
+    """As vLLM hands them to templates: each tool call's ``arguments`` (OpenAI's JSON text) as a
+    dict, which templates iterate or write with ``tojson``; an empty ``tool_calls`` left out;
+    the reasoning under both of vLLM's names (Qwen3's template reads ``reasoning_content``)."""
+    calls = msg.get("tool_calls")
+    if isinstance(calls, list) and not calls:
+        del msg["tool_calls"]
+    elif isinstance(calls, list):
+        msg["tool_calls"] = [_tool_call(i, j, call) for j, call in enumerate(calls)]
+    reasoning = msg.get("reasoning", msg.get("reasoning_content"))
+    if isinstance(reasoning, str):
+        msg["reasoning"] = msg["reasoning_content"] = reasoning
+
+
+def _tool_call(i: int, j: int, call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function must be an object with a name and arguments")
+    arguments = function.get("arguments")
+    if arguments is None or arguments == "":
+        arguments = {}  # (as vLLM)
+    elif isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {exc}") from None
+    elif not isinstance(arguments, (dict, list)):
+        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments must be JSON text, got {arguments!r}")
+    return {**call, "function": {**function, "arguments": arguments}}

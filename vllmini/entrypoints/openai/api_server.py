@@ -90,14 +90,19 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
-              api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None) -> Starlette:  # fmt: skip
+              api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None, *,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
-    loaded now: a bad one raises ValueError (naming it) before the server listens."""
+    loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
+    parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags)."""
     models = OpenAIServingModels(engine, served_model_name)
     models.load_static(lora_modules or [])
     metrics = ServerMetrics(engine, served_model_name)
     completion = OpenAIServingCompletion(engine, served_model_name, metrics, models)
-    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics, models)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics, models,
+                             enable_auto_tools=enable_auto_tool_choice, tool_parser=tool_call_parser,
+                             reasoning_parser=reasoning_parser)  # fmt: skip
 
     tokenization = OpenAIServingTokenization(chat)
 
@@ -163,12 +168,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str, host: str, port: int,
                chat_template: str | None = None, api_key: str | None = None,
-               lora_modules: list[LoRAModulePath] | None = None) -> None:  # fmt: skip
-    """Serve until interrupted (Ctrl-C), then shut the engine down."""
+               lora_modules: list[LoRAModulePath] | None = None, **parsers: Any) -> None:  # fmt: skip
+    """Serve until interrupted (Ctrl-C), then shut the engine down. ``parsers``: build_app's
+    enable_auto_tool_choice, tool_call_parser and reasoning_parser."""
     import uvicorn
 
     try:
-        app = build_app(engine, served_model_name, chat_template, api_key, lora_modules)
+        app = build_app(engine, served_model_name, chat_template, api_key, lora_modules, **parsers)
     except BaseException:  # (a bad --chat-template or adapter): stop the engine's thread before exiting
         engine.shutdown()
         raise

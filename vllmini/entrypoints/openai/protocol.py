@@ -8,11 +8,13 @@ vLLM's server does), then ``SamplingParams``' own.
 """
 from __future__ import annotations
 
+import uuid
 from typing import Any, Literal
 
 import msgspec
 
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
+from vllmini.entrypoints.openai.tool_choice import ToolChoice, resolve_tool_choice
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -146,9 +148,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None  # handed to the chat template
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None  # handed to the chat template (tool_choice.py checks them)
+    tool_choice: str | dict | None = None  # left out: "auto" with tools, else "none" (as vLLM)
+    parallel_tool_calls: bool | None = None  # false: only the first call is kept (as vLLM)
     echo: bool = False  # the last message's content comes first, when it is the assistant's
     # vLLM's chat extras
     add_generation_prompt: bool = True
@@ -157,9 +159,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: only 'none' is supported (the server parses no tool calls; "
-                             "tools are handed to the chat template)")  # fmt: skip
+        self.resolved_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         check_chat_options(self)
@@ -167,6 +167,12 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def resolved_tool_choice(self) -> ToolChoice:
+        """The tool choice (tool_choice.py), checked with the tools; ValueError names the field."""
+        fmt = self.response_format
+        structured = self.structured_outputs is not None or (fmt is not None and fmt.type != "text")
+        return resolve_tool_choice(self.tools, self.tool_choice, structured)
 
 
 def check_chat_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
@@ -216,6 +222,57 @@ class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
     """vLLM's ``POST /v1/unload_lora_adapter``."""
 
     lora_name: str
+
+
+def make_tool_call_id() -> str:
+    """vLLM's tool call ids."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI's
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A tool call of a whole response's message."""
+
+    id: str = msgspec.field(default_factory=make_tool_call_id)
+    type: str = "function"
+    function: FunctionCall
+
+
+class ExtractedToolCallInformation(msgspec.Struct, kw_only=True):
+    """What a tool parser read in a whole output: the calls and the text outside them."""
+
+    tools_called: bool
+    tool_calls: list[ToolCall]
+    content: str | None = None
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A piece of a streamed tool call: the first has its id, type and name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed chunk's ``delta`` (fields left unset are left out, as in vLLM's). ``reasoning``
+    is current vLLM's name for the reasoning text, ``reasoning_content`` its older one: both
+    are sent, for clients of either."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = []
 
 
 def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:

@@ -1,48 +1,122 @@
 """``POST /v1/chat/completions``: the messages go through the chat template (the server's
 ``--chat-template``, else the tokenizer's; a request may name its own), n completions answered
-whole or streamed as ``chat.completion.chunk`` events."""
+whole or streamed as ``chat.completion.chunk`` events.
+
+With ``--reasoning-parser`` the reasoning comes apart from the content; with
+``--enable-auto-tool-choice --tool-call-parser NAME``, ``tool_choice="auto"`` reads tool calls out
+of the content; a named or "required" tool choice is made with structured outputs (as vLLM:
+tool_choice.py, output_parser.py and the parsers)."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.chat import render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
+from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmini.entrypoints.openai.metrics import ServerMetrics
+from vllmini.entrypoints.openai.output_parser import ChatOutputParser
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
+from vllmini.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from vllmini.entrypoints.openai.serving_engine import (
     EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
 )  # fmt: skip
 from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
+from vllmini.entrypoints.openai.tool_choice import ToolChoice, tool_schema
+from vllmini.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from vllmini.entrypoints.openai.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
+
+MakeParser = Callable[[], ChatOutputParser]
 
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-        metrics: ServerMetrics | None = None, models: OpenAIServingModels | None = None,
+        metrics: ServerMetrics | None = None, models: OpenAIServingModels | None = None, *,
+        enable_auto_tools: bool = False, tool_parser: str | None = None, reasoning_parser: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__(engine, model_name, metrics, models)
         # checked at start-up: a bad --chat-template stops the server before it listens (without
         # one, a tokenizer with no template of its own fails each chat request, naming it)
         self.chat_template = None if chat_template is None else resolve_chat_template(self.tokenizer, chat_template)
+        if enable_auto_tools and tool_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        self.enable_auto_tools = enable_auto_tools
+        self.tool_parser = None if tool_parser is None else get_tool_parser(tool_parser)
+        self.reasoning_parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
         before anything is generated."""
         lora_request = self.check_model(request.model)
         request.check()
+        choice = request.resolved_tool_choice()
+        if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
+            raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
         prompt = self.render(request)
         # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
+        params, make = self._parsing(request, choice, prompt["prompt"], params)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics,
                                          lora_request)  # fmt: skip
         if request.stream:
-            return EventStream(self._stream(request, request_id, group, len(prompt["prompt_token_ids"])), group)
-        return await self._whole(request, request_id, group)
+            num_prompt_tokens = len(prompt["prompt_token_ids"])
+            return EventStream(self._stream(request, request_id, group, num_prompt_tokens, choice, make), group)
+        return await self._whole(request, request_id, group, choice, make)
+
+    def _parsing(
+        self, request: ChatCompletionRequest, choice: ToolChoice, prompt: str, params: SamplingParams
+    ) -> tuple[SamplingParams, MakeParser | None]:
+        """The sampling parameters the tool choice needs (a forced call's JSON schema, the tool
+        parser's adjustments), and what makes each choice's output parser (None: the text is content)."""
+        tools: ToolParser | None = None
+        if choice.mode in ("named", "required"):
+            params = params.clone(structured_outputs=StructuredOutputsParams(json=tool_schema(request.tools, choice)))
+            named = choice.mode == "named"
+            tools = NamedToolParser(self.tokenizer, choice.name) if named else RequiredToolParser(self.tokenizer)
+        elif choice.mode == "auto" and self.tool_parser is not None:
+            tools = self.tool_parser(self.tokenizer)
+            params = tools.adjust_request(params)
+        reasoning = self.reasoning_parser if choice.mode in ("none", "auto") else None  # (a forced output is the call)
+        if tools is None and reasoning is None:
+            return params, None
+        # a grammar binds from the first token: such an output is not in reasoning unless it opens <think>
+        constrained = params.structured_outputs is not None
+        thinking = reasoning is not None and not constrained and reasoning.starts_in_reasoning(prompt)
+        parallel = request.parallel_tool_calls is not False
+
+        def make() -> ChatOutputParser:
+            return ChatOutputParser(reasoning and reasoning(self.tokenizer, thinking), tools and tools.fresh(), parallel)
+
+        return params, make
+
+    def _message(
+        self, request: ChatCompletionRequest, choice: ToolChoice, make: MakeParser | None, c: CompletionOutput
+    ) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message and finish reason."""
+        echo = self._echo(request)
+        if make is None:
+            return {"role": "assistant", "content": echo + c.text}, c.finish_reason
+        parser = make()
+        reasoning, content, calls = parser.parse(c.text)
+        if choice.mode in ("named", "required"):
+            content = content or ""  # (as vLLM)
+        message: dict[str, Any] = {"role": "assistant", "content": echo + (content or "") if echo else content}
+        if self.reasoning_parser is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+        return message, self._finish_reason(choice, parser, c.finish_reason)
+
+    @staticmethod
+    def _finish_reason(choice: ToolChoice, parser: ChatOutputParser, reason: str | None) -> str | None:
+        """As OpenAI and vLLM: "tool_calls" for the calls of an "auto" or "required" choice that
+        stopped (a named one stays "stop")."""
+        return "tool_calls" if reason == "stop" and parser.tools_called and choice.mode != "named" else reason
 
     def render(self, request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         """``{"prompt", "prompt_token_ids"}`` of the request's messages through the chat template."""
@@ -64,32 +138,39 @@ class OpenAIServingChat(OpenAIServing):
             return ""
         return last["content"]
 
-    async def _whole(self, request: ChatCompletionRequest, request_id: str, group: RequestGroup) -> dict[str, Any]:
+    async def _whole(
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, choice: ToolChoice,
+        make: MakeParser | None,
+    ) -> dict[str, Any]:  # fmt: skip
         usage, choices, prompt_logprobs = Usage(), [], None
         async for i, out in group:
             usage.add(i, out)
             prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
             for c in sorted(out.outputs, key=lambda c: c.index):
-                message = {"role": "assistant", "content": self._echo(request) + c.text, "tool_calls": []}
+                message, finish_reason = self._message(request, choice, make, c)
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
         body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
                 "usage": usage.body()}  # fmt: skip
         return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
 
     def _stream(
-        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int
-    ) -> AsyncIterator[str]:
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int,
+        choice: ToolChoice, make: MakeParser | None,
+    ) -> AsyncIterator[str]:  # fmt: skip
         usage = Usage()
         usage.prompt_tokens[0] = num_prompt_tokens  # (known before the first output: the role chunk's usage has it)
-        return self.events(self._chunks(request, request_id, group, usage), request_id, "chat.completion.chunk",
-                           usage, request.stream_options, request.model)  # fmt: skip
+        return self.events(self._chunks(request, request_id, group, usage, choice, make), request_id,
+                           "chat.completion.chunk", usage, request.stream_options, request.model)  # fmt: skip
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage
-    ) -> AsyncIterator[str]:
-        """First a chunk per choice with the role (and any echo), then the text as it comes."""
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage, choice: ToolChoice,
+        make: MakeParser | None,
+    ) -> AsyncIterator[str]:  # fmt: skip
+        """First a chunk per choice with the role (and any echo), then the text as it comes
+        (with parsers: its reasoning, content and tool-call deltas; a chunk with none is not sent)."""
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        parsers: dict[int, ChatOutputParser] = {}
 
         def chunk(choices: list[dict[str, Any]]) -> str:
             body = {**self.header(request_id, "chat.completion.chunk", request.model), "choices": choices}
@@ -101,13 +182,21 @@ class OpenAIServingChat(OpenAIServing):
         yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)])
         async for i, out in group:
             usage.add(i, out)
-            choices = [
-                {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                 "logprobs": self._logprobs(request, c), "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason}  # fmt: skip
-                for c in out.outputs
-            ]
-            yield chunk(choices)
+            choices = []
+            for c in out.outputs:
+                logprobs, finish_reason = self._logprobs(request, c), c.finish_reason
+                delta: Any = {"content": c.text} if c.text else {}
+                if make is not None:
+                    parser = parsers[c.index] = parsers.get(c.index) or make()
+                    message = parser.delta(c.text, final=finish_reason is not None)
+                    finish_reason = self._finish_reason(choice, parser, finish_reason)
+                    if message is None and finish_reason is None and logprobs is None:
+                        continue
+                    delta = {} if message is None else message
+                choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                                "stop_reason": c.stop_reason})  # fmt: skip
+            if choices:
+                yield chunk(choices)
 
     def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the

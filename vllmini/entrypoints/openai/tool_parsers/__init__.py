@@ -1,0 +1,22 @@
+"""Tool-call parsers by name (vLLM's ``--tool-call-parser``), one module each."""
+from __future__ import annotations
+
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
+from vllmini.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": Hermes2ProToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "llama4_json": Llama3JsonToolParser,  # (vLLM's name for the same format on Llama 4)
+}
+
+
+def get_tool_parser(name: str) -> type[ToolParser]:
+    """The parser class of ``--tool-call-parser NAME``; ValueError naming the choices."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser: unknown parser {name!r} (choose from {', '.join(TOOL_PARSERS)})")
+    return TOOL_PARSERS[name]
+
+
+__all__ = ["TOOL_PARSERS", "ToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "get_tool_parser"]

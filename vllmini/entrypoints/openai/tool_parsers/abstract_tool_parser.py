@@ -1,0 +1,219 @@
+"""What every tool-call parser shares: reading tool calls out of a model's output, streamed (a
+delta at a time) or whole.
+
+A parser is a state machine fed the output's text; it writes *pieces*: ``("content", text)``
+for text outside the calls, ``("call", index, name)`` when a call's name is known and
+``("args", index, text)`` for its arguments (the JSON text of ``json.dumps(arguments,
+ensure_ascii=False)``, as vLLM's parsers return them, written as it is read: json_stream.py).
+The whole output is read by the same machine in one delta, so the streamed and the whole
+answers agree however the text was split; where vLLM's ``extract_tool_calls`` returns the whole
+output as content (a call it cannot read), so does this (``error`` is set), and a stream whose
+broken call had written nothing yet falls back to content from that call's start.
+
+The method names are vLLM's; the streaming one takes only the new text (the parser keeps the rest).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+from vllmini.engine.sampling_params import SamplingParams
+from vllmini.entrypoints.openai.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
+from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonError, JsonStream, Path
+
+ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3.x writes "parameters"; the first one given is used
+
+Piece = Union[tuple[str, str], tuple[str, int, str]]
+
+
+class _Call:
+    """One call being read: its name's JSON text and its arguments' so far."""
+
+    def __init__(self) -> None:
+        self.name_json = ""
+        self.name: str | None = None
+        self.args_key: str | None = None
+        self.args = ""
+        self.sent = 0  # characters of args written as pieces
+        self.index: int | None = None  # its place in tool_calls, once its name is known
+
+    def take(self, path: Path, piece: str) -> None:
+        """A piece of the call object's canonical text (its own braces and keys are left out)."""
+        if not path:
+            return
+        if path[0] == "name":
+            self.name_json += piece
+        elif path[0] in ARGUMENT_KEYS and self.args_key in (None, path[0]):
+            self.args_key = path[0]
+            self.args += piece
+
+
+class ToolParser:
+    """The base of the tool parsers: the text waits in ``_buf``; a call's JSON (after
+    ``_begin_call``) is read here, the rest by the subclass's ``_step`` (which writes content,
+    begins calls, and returns False to wait for more text), ``_call_ended`` and ``_finish_text``."""
+
+    def __init__(self, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
+        self.error: str | None = None  # why a call could not be read (the whole output is then content)
+        self._out: list[Piece] = []
+        self._buf = ""  # text not read yet (e.g. what may be the start of a tag)
+        self._started = 0  # calls whose name was written
+        self._json: JsonStream | None = None
+        self._call: _Call | None = None
+        self._raw = ""  # the text of the call being read (and of the whitespace before it), for a fallback
+        self._fallen_back = False
+
+    def adjust_request(self, params: SamplingParams) -> SamplingParams:
+        """The sampling parameters this parser needs (e.g. special tokens left in the text)."""
+        return params
+
+    # -- the API
+    def extract_tool_calls(self, model_output: str) -> ExtractedToolCallInformation:
+        """The calls in a whole output (read by a fresh parser of this kind) and the text outside them."""
+        parser = self.fresh()
+        pieces = parser.extract_tool_calls_streaming(model_output) + parser.finish_streaming()
+        calls = collect_tool_calls(pieces)
+        if parser.error is not None or not calls:
+            return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
+        content = "".join(p[1] for p in pieces if p[0] == "content")
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=calls, content=content or None)
+
+    def fresh(self) -> ToolParser:
+        """A parser of this kind with nothing read yet."""
+        return type(self)(self.tokenizer)
+
+    def extract_tool_calls_streaming(self, delta_text: str) -> list[Piece]:
+        """The pieces of the output's next text."""
+        if self._fallen_back:
+            self._content(delta_text)
+        else:
+            self._read(delta_text)
+        return self._take()
+
+    def finish_streaming(self) -> list[Piece]:
+        """The pieces held back for more text (a possible tag...), once the output is complete."""
+        if not self._fallen_back:
+            self._finish()
+        return self._take()
+
+    def _read(self, text: str) -> None:
+        self._buf += text
+        while self._buf and not self._fallen_back:
+            if self._in_call:
+                self._buf = self._buf[self._read_call(self._buf) :]
+                if self._in_call:
+                    break
+                self._call_ended()
+            elif not self._step():
+                break
+        if self._fallen_back:
+            self._buf = ""
+
+    def _finish(self) -> None:
+        if self._in_call:
+            self._end_incomplete_call()
+        else:
+            self._finish_text()
+        self._buf = ""
+
+    # -- for the subclasses
+    def _step(self) -> bool:
+        """Read some of ``_buf`` outside a call's JSON; False: wait for more text."""
+        raise NotImplementedError
+
+    def _call_ended(self) -> None:
+        """A call's JSON was read."""
+
+    def _finish_text(self) -> None:
+        """The output ended outside a call's JSON: what ``_buf`` still holds."""
+
+    def _take(self) -> list[Piece]:
+        out, self._out = self._out, []
+        return out
+
+    def _content(self, text: str) -> None:
+        if text:
+            self._out.append(("content", text))
+
+    def _begin_call(self, raw: str) -> None:
+        """A call starts; ``raw``: its text so far (a tag, the whitespace before it), which
+        becomes content again if the call cannot be read."""
+        self._json, self._call, self._raw = JsonStream(), _Call(), raw
+
+    @property
+    def _in_call(self) -> bool:
+        return self._json is not None and not self._json.done
+
+    def _read_call(self, text: str) -> int:
+        """Read the call's JSON in ``text``: the characters read (all of them after a fallback)."""
+        assert self._json is not None and self._call is not None
+        try:
+            n, pieces = self._json.feed(text)
+            for path, piece in pieces:
+                self._call.take(path, piece)
+            self._advance(self._call)
+            if self._json.done:
+                self._end_call(self._call)
+        except JsonError as exc:
+            self._fall_back(str(exc), text)
+            return len(text)
+        self._raw += text[:n]
+        return n
+
+    def _end_incomplete_call(self) -> None:
+        """The output ended inside a call's JSON."""
+        self._fall_back("the output ends inside a tool call", "")
+
+    def _advance(self, call: _Call) -> None:
+        """Write the call's name once it is known, then its arguments as they come."""
+        if call.index is None and call.name_json:
+            try:
+                name = json.loads(call.name_json)
+            except ValueError:
+                return  # not complete yet
+            if not isinstance(name, str):
+                raise JsonError(f"a tool call's name must be a string, got {call.name_json}")
+            call.name, call.index = name, self._started
+            self._started += 1
+            self._out.append(("call", call.index, name))
+        if call.index is not None and len(call.args) > call.sent:
+            self._out.append(("args", call.index, call.args[call.sent :]))
+            call.sent = len(call.args)
+
+    def _end_call(self, call: _Call) -> None:
+        if call.name_json == "":
+            raise JsonError("a tool call without a name")
+        if call.args_key is None:  # (a function without parameters; vLLM would give up on the call)
+            call.args = "{}"
+        self._advance(call)
+
+    def _fall_back(self, error: str, rest: str, started: bool | None = None) -> None:
+        """A call that cannot be read: the rest of the output is content; when nothing of the
+        call was written yet (``started``), from its start."""
+        self.error = error
+        self._fallen_back = True
+        self._json = None
+        if started is None:
+            started = self._call is not None and self._call.index is not None
+        self._content(rest if started else self._raw + rest)
+
+
+def collect_tool_calls(pieces: list[Piece]) -> list[ToolCall]:
+    """The whole calls that pieces describe."""
+    calls: dict[int, ToolCall] = {}
+    for piece in pieces:
+        if piece[0] == "call":
+            calls[piece[1]] = ToolCall(function=FunctionCall(name=piece[2], arguments=""))
+        elif piece[0] == "args":
+            calls[piece[1]].function.arguments += piece[2]
+    return [calls[i] for i in sorted(calls)]
+
+
+def partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may be
+    completed by the next delta)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
