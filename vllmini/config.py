@@ -171,12 +171,7 @@ def resolve_runner(args: EngineArgs, architectures: list[str] | None) -> str:
     Qwen3Model, ...), else "generate"."""
     from vllmini.models.registry import is_pooling_architecture
 
-    runner = args.runner
-    if args.task is not None:
-        implied = _TASK_RUNNERS[args.task]
-        if runner not in ("auto", implied):
-            raise ValueError(f"task={args.task!r} means runner={implied!r}, but runner={runner!r} was given")
-        runner = implied
+    runner = args.runner if args.task is None else _TASK_RUNNERS[args.task]  # (validate() checked they agree)
     headless = is_pooling_architecture(architectures)
     if runner == "auto":
         return "pooling" if headless else "generate"
@@ -288,6 +283,9 @@ class EngineArgs:
         if self.task is not None and self.task not in _TASK_RUNNERS:
             raise ValueError(f"task={self.task!r} is not supported; accepted: {sorted(_TASK_RUNNERS)} (or None), "
                              "or runner='generate' / 'pooling'")  # fmt: skip
+        if self.task is not None and self.runner not in ("auto", _TASK_RUNNERS[self.task]):
+            raise ValueError(f"task={self.task!r} means runner={_TASK_RUNNERS[self.task]!r}, but runner={self.runner!r} "
+                             "was given")  # fmt: skip
         PoolerConfig.coerce(self.pooler_config)
         device = resolve_device(self.device)
         resolve_dtype(self.dtype, device)

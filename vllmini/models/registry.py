@@ -22,7 +22,8 @@ _HEADLESS: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "
 
 
 def supported_architectures() -> list[str]:
-    return sorted([*_MODELS, *_HEADLESS])
+    """The generating architectures, then those that only pool."""
+    return sorted(_MODELS) + sorted(_HEADLESS)
 
 
 def is_pooling_architecture(architectures: list[str] | None) -> bool:
