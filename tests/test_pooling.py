@@ -278,6 +278,28 @@ def test_a_headless_checkpoint_loads_and_only_pools(tiny_dir, tmp_path):
         LLM(model=str(headless), runner="generate", kv_cache_memory=KV)
 
 
+def test_lora_adapters_embed_beside_the_base_model(tiny_dir, tmp_path):
+    """One batch, one prompt under a LoRA adapter and one on the base model: each equals
+    transformers + PEFT (the adapted LlamaModel's last_hidden_state) or the plain model."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from helpers import save_tiny_lora
+    from vllmini import LoRARequest
+
+    adapter = save_tiny_lora(tiny_dir, tmp_path / "a1", seed=1, r=8)
+    llm = LLM(model=str(tiny_dir), runner="pooling", enable_lora=True, max_loras=2, kv_cache_memory=KV,
+              max_num_batched_tokens=16)  # fmt: skip
+    outs = llm.embed([PROMPTS[0], PROMPTS[0]], lora_request=[LoRARequest("a1", 1, adapter), None], use_tqdm=False)
+    oracle = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), adapter).eval()
+    with torch.no_grad():
+        h = oracle.base_model.model.model(torch.tensor([outs[0].prompt_token_ids])).last_hidden_state[0, -1]
+    assert_close(outs[0].outputs.embedding, F.normalize(h, dim=-1), "under the adapter")
+    assert_close(outs[1].outputs.embedding, hf_embedding(tiny_dir, outs[1].prompt_token_ids, "LAST"), "base model")
+    assert (torch.tensor(outs[0].outputs.embedding) - torch.tensor(outs[1].outputs.embedding)).abs().max() > 1e-2
+    assert_no_leaks(llm)
+
+
 async def test_the_async_engine_encodes_as_the_offline_one(tiny_dir, llm):
     expected = llm.embed(PROMPTS, use_tqdm=False)
     args = EngineArgs(model=str(tiny_dir), runner="pooling", kv_cache_memory=KV, max_model_len=64, max_num_batched_tokens=16)
