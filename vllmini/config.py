@@ -225,6 +225,9 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 5, "prompt_lookup_min": 5} (spec_decode/)
+    speculative_config: dict[str, Any] | str | None = None
     # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
     # "auto" (vLLM's default: pooling for a *Model architecture, else generate); ``task`` is vLLM's
     # older spelling ("embed" = runner "pooling"); ``pooler_config``: PoolerConfig, a dict or JSON
@@ -274,6 +277,13 @@ class EngineArgs:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if self.speculative_config is not None:
+            from vllmini.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.parse(self.speculative_config)
+            if self.async_scheduling:
+                raise ValueError("async_scheduling cannot be combined with speculative_config (a step's drafts "
+                                 "come from the tokens the previous step sampled)")  # fmt: skip
         from vllmini.models.backend_select import BACKEND_NAMES
 
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:

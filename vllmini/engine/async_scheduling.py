@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -78,6 +78,9 @@ class LaunchedStep:
     seqs: list[Sequence]
     sampled: SampledTokens
     forked: bool = False  # n > 1 siblings were forked in this step
+    # speculative decoding: first row of a sequence verifying drafts -> its drafts (its rows are
+    # that one and the next len(drafts), all holding the same sequence)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
 from vllmini.engine.pooling_params import PoolingParams
-from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from vllmini.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
@@ -44,6 +44,7 @@ from vllmini.lora.request import LoRARequest
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
+from vllmini.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 
 logger = logging.getLogger("vllmini")
 
@@ -132,6 +133,14 @@ class LLMEngine:
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
+        self.proposer: NgramProposer | None = None  # speculative decoding (spec_decode/)
+        self.spec_stats = SpecDecodingStats()
+        if args.speculative_config is not None:
+            spec_config = SpeculativeConfig.parse(args.speculative_config)
+            self.proposer = NgramProposer(
+                spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
+            )
+            logger.info("speculative decoding: %s", spec_config)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
@@ -414,12 +423,10 @@ class LLMEngine:
         """The step's forward and sampler, launched; None when no sequence samples a token."""
         try:
             logits, flat = self.runner.execute(sched, self.block_manager)
-            sample_idx = flat.sample_indices
+            sample_idx, num_rows = flat.sample_indices, flat.num_sample_rows
             if flat.prompt_rows:
-                prompt_logprobs.record(
-                    sched, flat.prompt_rows, logits[len(sample_idx) :], self.requests, self.output_processor
-                )
-                logits = logits[: len(sample_idx)]
+                prompt_logprobs.record(sched, flat.prompt_rows, logits[num_rows:], self.requests, self.output_processor)
+                logits = logits[:num_rows]
         except Exception as exc:  # the step's requests fail; the engine stays up for the others
             failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
             self.abort_request(failed)
@@ -431,7 +438,12 @@ class LLMEngine:
         self.scheduler.update_computed(sched)
         if not sample_idx:
             return None
-        seqs = [sched.scheduled[i].seq for i in sample_idx]
+        seqs: list[Sequence] = []
+        drafts: dict[int, list[int]] = {}  # speculative decoding: a sequence's rows, then its drafts'
+        for i in sample_idx:
+            if spec := sched.scheduled[i].spec_token_ids:
+                drafts[len(seqs)] = spec
+            seqs.extend([sched.scheduled[i].seq] * (1 + len(spec)))
         logit_rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
             state = self.requests[seq.request_id]
@@ -441,13 +453,25 @@ class LLMEngine:
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
             logits = logits[to_device(torch.tensor(logit_rows), logits.device)]
-        return LaunchedStep(seqs, self._sample(logits, seqs), forked=len(seqs) > len(sample_idx))
+        return LaunchedStep(seqs, self._sample(logits, seqs, drafts=drafts), forked=len(seqs) > num_rows, drafts=drafts)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None) -> SampledTokens:
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
+        drafts: dict[int, list[int]] | None = None,
+    ) -> SampledTokens:  # fmt: skip
         """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight`` (async
         scheduling): each sequence's token still on the device, one more than it holds; it counts
-        for min_tokens and seeds, and penalties read it on the device (the host never does)."""
-        outputs = (s.output_token_ids if in_flight is None else [*s.output_token_ids, -1] for s in seqs)
+        for min_tokens and seeds, and penalties read it on the device (the host never does).
+        ``drafts`` (speculative decoding): a draft's row samples as if the drafts before it had
+        been sampled (penalties, min_tokens and seeds read them), which is what makes the
+        verified tokens those plain decoding would give."""
+        if in_flight is not None:
+            outputs = [[*s.output_token_ids, -1] for s in seqs]
+        else:
+            outputs = [s.output_token_ids for s in seqs]
+            for first, spec in (drafts or {}).items():
+                for j in range(1, len(spec) + 1):
+                    outputs[first + j] = [*outputs[first], *spec[:j]]
         states = [self.requests[s.request_id] for s in seqs]
         rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index, state.bad_words_token_ids)
                 for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
@@ -496,22 +520,46 @@ class LLMEngine:
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's tokens, append them, check stops and report the requests."""
         touched: dict[str, RequestState] = {}
-        seqs, out = launched.seqs, launched.sampled.host
+        seqs = launched.seqs
         tokens, invalid = launched.sampled.wait()
-        for row, (seq, token) in enumerate(zip(seqs, tokens)):
+        row = 0
+        while row < len(seqs):
+            seq, drafts = seqs[row], launched.drafts.get(row, [])
+            first, row = row, row + 1 + len(drafts)
             state = self.requests.get(seq.request_id)
             if state is None or seq.status.finished:  # failed earlier in this loop, or (async) stopped already
                 continue
             touched[seq.request_id] = state
+            accepted = self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
+            if seq.status.finished:
+                if seq.request_id not in self.requests:  # aborted (e.g. a detokenizer failure): not reported
+                    touched.pop(seq.request_id, None)
+                continue
+            if drafts:  # the rejected drafts' K/V is dropped: the next step computes over it
+                self.spec_stats.observe(len(drafts), accepted)
+                seq.num_computed_tokens -= len(drafts) - accepted
+                self.block_manager.rollback(seq.seq_id, seq.num_computed_tokens)
+            if self.proposer is not None:
+                seq.spec_token_ids = self._propose(state, seq)
+        return [out for state in touched.values() if (out := self._report(state)) is not None]
+
+    def _append_tokens(
+        self, state: RequestState, seq: Sequence, first: int, tokens: list[int], invalid: list[bool],
+        out: SamplerOutput, drafts: list[int],
+    ) -> int:  # fmt: skip
+        """Append the sequence's token of row ``first`` and, while each agrees with the draft it
+        was sampled after, the next rows' (speculative decoding). Returns the drafts accepted."""
+        for j in range(len(drafts) + 1):
+            row, token = first + j, tokens[first + j]
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
-                continue
+                return j
             grammar_ended = False
             if state.matchers is not None:  # structured outputs: the grammar takes the token
                 matcher = state.matchers[seq.index]
                 if not self.structured.accept(matcher, token):
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "token refused by the structured output grammar")
-                    continue
+                    return j
                 grammar_ended = matcher.is_terminated()
             self.num_generated_tokens += 1
             try:
@@ -519,8 +567,19 @@ class LLMEngine:
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails
                 self.abort_request(seq.request_id)
                 self.failed[seq.request_id] = exc
-                touched.pop(seq.request_id, None)
-        return [out for state in touched.values() if (out := self._report(state)) is not None]
+                return j
+            if seq.status.finished or j == len(drafts) or token != drafts[j]:
+                return j
+        return len(drafts)
+
+    def _propose(self, state: RequestState, seq: Sequence) -> list[int]:
+        """Speculative decoding: the drafts for the sequence's next step, as many as its
+        max_tokens and max_model_len leave room to accept. A grammar's matcher cannot take
+        tokens back, so constrained requests decode one token a step."""
+        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        if room <= 0 or state.matchers is not None or self.proposer is None:
+            return []
+        return self.proposer.propose(seq.token_ids, room)
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);

@@ -37,7 +37,7 @@ class FlatBatch:
     seq_lens: list[int]
     block_tables: list[list[int]]
     logits_rows: list[int]  # the sampled rows first, then the prompt-logprob rows
-    sample_indices: list[int]
+    sample_indices: list[int]  # scheduled sequences that sample, in logits-row order
     # prompt_logprobs: (index into scheduled, first position, count); their logits rows follow
     # the sampled ones, in this order
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
@@ -47,6 +47,12 @@ class FlatBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """The logits rows sampled: one per sampling sequence, but k + 1 for a decode verifying k
+        speculative drafts (its last token's row, then each draft's, one after another)."""
+        return len(self.logits_rows) - sum(count for _, _, count in self.prompt_rows)
 
     @property
     def is_decode_only(self) -> bool:
@@ -93,7 +99,12 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
                 flat.prompt_rows.append((i, first, last - first))
                 row0 = len(flat.ids) - start
                 prompt_logits_rows.extend(range(row0 + first, row0 + last))
-        flat.ids.extend(seq.token_ids[start:end])
+        if s.spec_token_ids:  # a decode and its drafts: every position is sampled
+            flat.logits_rows.extend(range(len(flat.ids), len(flat.ids) + s.num_new_tokens))
+            flat.sample_indices.append(i)
+            flat.ids.extend([seq.token_ids[start], *s.spec_token_ids])
+        else:
+            flat.ids.extend(seq.token_ids[start:end])
         flat.positions.extend(range(start, end))
         flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
         flat.query_lens.append(s.num_new_tokens)
@@ -101,7 +112,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         flat.block_tables.append(table)
         flat.loras.append(seq.lora)
         flat.seq_indices.append(i)
-        if s.completes:
+        if s.completes and not s.spec_token_ids:
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
     flat.logits_rows.extend(prompt_logits_rows)

@@ -252,6 +252,20 @@ class BlockManager:
                 blk.block_hash = None
         del seq.block_hashes[first:]
 
+    def rollback(self, seq_id: SeqId, num_tokens: int) -> None:
+        """Shrink the sequence's slots to its first ``num_tokens`` (speculative decoding: the
+        rejected drafts' slots), releasing the blocks no longer needed. Those slots held no
+        known token when allocated, so no hash covers them (``allocate`` hashes known tokens only)."""
+        seq = self._seqs[seq_id]
+        if not len(seq.block_hashes) * self.block_size <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"cannot roll sequence {seq_id!r} back to {num_tokens} tokens "
+                             f"(holds {seq.num_tokens}, {len(seq.block_hashes)} hashed blocks)")  # fmt: skip
+        seq.num_tokens = num_tokens
+        keep = max(-(-num_tokens // self.block_size), seq.num_released)
+        for bid in reversed(seq.block_table[keep:]):
+            self._release(bid)
+        del seq.block_table[keep:]
+
     def can_fork(self, parent_id: SeqId, num_tokens: int) -> bool:
         """Whether :meth:`fork` would find a block for the copy of the partial block."""
         return parent_id in self._seqs and (num_tokens % self.block_size == 0 or self.num_free_blocks > 0)

@@ -1,8 +1,9 @@
 """Iteration-level continuous batching with chunked prefill and preemption.
 
 Each step (vLLM v1 style, one token budget for everything):
-1. running sequences first, oldest first: a decode takes 1 token of the budget, a
-   sequence still prefilling (a chunked or recomputed prompt) takes what is left of it;
+1. running sequences first, oldest first: a decode takes 1 token of the budget (plus its
+   speculative drafts, when there are some and room for them), a sequence still prefilling
+   (a chunked or recomputed prompt) takes what is left of it;
 2. then waiting sequences are admitted in queue order while the budget and ``max_num_seqs``
    allow, a long prompt getting only a chunk of the budget (its rest comes next steps).
 Prefill chunks and decodes go into the same forward. When the block pool cannot give
@@ -42,12 +43,15 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafts included)
+    # speculative decoding: a decode's drafted tokens, computed after its last token (their
+    # slots are allocated; only the accepted ones stay, engine/spec_decode)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """True when this chunk reaches the end of the sequence, so a token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == self.seq.num_tokens
 
 
 @dataclass
@@ -124,6 +128,17 @@ class Scheduler:
                 if num_new == 0:  # this step's logits rows are spent: its next chunk waits a step
                     i += 1
                     continue
+            drafts: list[int] = []
+            if seq.spec_token_ids and num_new == 1 == seq.num_tokens - seq.num_computed_tokens:
+                drafts = seq.spec_token_ids[: budget - 1]  # a decode verifies its drafts in the same row
+                num_new += len(drafts)
+                if not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
+                    num_new, drafts = 1, []  # drafts never preempt anyone: verify none this step
+                else:
+                    out.scheduled.append(ScheduledSeq(seq, num_new, drafts))
+                    budget -= num_new
+                    i += 1
+                    continue
             while not self.block_manager.allocate(seq.seq_id, seq.token_ids, num_new):
                 victim = self._pick_victim()
                 j = self.running.index(victim)
@@ -135,7 +150,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new, drafts))
                 budget -= num_new
                 if rows_left is not None:  # (charged once in the step: a sequence preempted instead holds none)
                     rows_left -= seq.prompt_logits_rows(seq.num_computed_tokens, num_new)

@@ -44,6 +44,8 @@ class Sequence:
     # prompt_logprobs: the first prompt position whose logits are still wanted (None: none are).
     # Positions before it are recorded; the scheduler takes no prefix-cache hit past it.
     prompt_logits_from: int | None = None
+    # speculative decoding: the tokens guessed to follow (spec_decode/), verified at its next decode
+    spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,0 +1,52 @@
+"""``EngineArgs.speculative_config``: vLLM's dict (or its JSON text, as the CLI passes it)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method`` "ngram" (prompt lookup): the last ``prompt_lookup_min``..``prompt_lookup_max``
+    tokens are looked up earlier in the sequence (prompt and output), and the
+    ``num_speculative_tokens`` tokens that followed there are proposed. Unset lookup bounds
+    follow vLLM: both 5, or the one given for both."""
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    @classmethod
+    def parse(cls, value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
+        """Checked, with the defaults filled in; a ValueError names the bad field."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; accepted: {sorted(known)}")
+        if value.get("method", "ngram") not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {list(METHODS)} (no draft models here), "
+                             f"got {value.get('method')!r}")  # fmt: skip
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
+        config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(config, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
+        return config
