@@ -4,17 +4,14 @@ naming the field with nothing leaked, and each runner's server refusing the othe
 from __future__ import annotations
 
 import base64
-import os
 import re
-import signal
-import subprocess
-import sys
 
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from helpers import vllmini_serve
 from test_openai_server import wait_idle
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, PoolingParams
 from vllmini.cli import _engine_args, build_parser
@@ -165,23 +162,10 @@ def test_vllmini_serve_takes_the_runner_and_pooler_flags():
 
 def test_vllmini_serve_runner_pooling_answers_openais_client(tiny_dir, offline):
     """As a user runs it: ``vllmini serve MODEL --runner pooling``, OpenAI's client, then Ctrl-C."""
-    cmd = [sys.executable, "-m", "vllmini", "serve", str(tiny_dir), "--port", "0", "--served-model-name", "e",
-           "--runner", "pooling", "--kv-cache-memory", str(KV), "--max-model-len", "64"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    try:
-        log = ""
-        while (m := re.search(r"Uvicorn running on (http://\S+)", log)) is None:
-            line = proc.stdout.readline()
-            assert line, f"the server did not start:\n{log}"
-            log += line
-        with openai.OpenAI(api_key="none", base_url=m.group(1) + "/v1", max_retries=0) as c:
+    with vllmini_serve(str(tiny_dir), "--served-model-name", "e", "--runner", "pooling", "--kv-cache-memory", str(KV),
+                       "--max-model-len", "64") as url:  # fmt: skip
+        with openai.OpenAI(api_key="none", base_url=url + "/v1", max_retries=0) as c:
             out = c.embeddings.create(model="e", input=TEXTS)
             assert_embeddings([d.embedding for d in out.data], expected(offline, TEXTS))
             with pytest.raises(openai.NotFoundError, match="does not support the Completions API"):
                 c.completions.create(model="e", prompt="hi", max_tokens=4)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
