@@ -40,13 +40,13 @@ class SpeculativeConfig:
                              f"got {value.get('method')!r}")  # fmt: skip
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = value.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
         config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            v = getattr(config, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         return config
