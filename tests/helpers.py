@@ -1,10 +1,15 @@
 """Test utilities: tiny random HF models and an HF greedy oracle with near-tie checks."""
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
@@ -189,3 +194,24 @@ def save_tiny_lora(model_dir: Path, out_dir: Path, seed: int, r: int = 8, **lora
     config = LoraConfig(r=r, init_lora_weights=False, **options)
     get_peft_model(hf, config).save_pretrained(out_dir)
     return str(out_dir)
+
+
+@contextlib.contextmanager
+def vllmini_serve(*args: str) -> Iterator[str]:
+    """``vllmini serve *args --port 0`` as a user runs it: yields its base URL once uvicorn listens,
+    then stops it with Ctrl-C (SIGINT) and checks that it exited cleanly."""
+    cmd = [sys.executable, "-m", "vllmini", "serve", *args, "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    try:
+        log = ""
+        while (m := re.search(r"Uvicorn running on (http://\S+)", log)) is None:
+            line = proc.stdout.readline()
+            assert line, f"the server did not start:\n{log}"
+            log += line
+        yield m.group(1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -373,30 +368,17 @@ async def test_clients_that_hang_up_are_aborted_and_others_finish(served, engine
 
 def test_vllmini_serve_starts_answers_and_stops_on_ctrl_c(tiny_dir, tmp_path):
     """As a user runs it: ``vllmini serve MODEL --port 0`` (with a LoRA adapter), an OpenAI client, then Ctrl-C."""
-    from helpers import save_tiny_lora
+    from helpers import save_tiny_lora, vllmini_serve
 
     adapter = save_tiny_lora(tiny_dir, tmp_path / "adapter", seed=1)
-    cmd = [sys.executable, "-m", "vllmini", "serve", str(tiny_dir), "--port", "0", "--served-model-name", "m",
-           "--kv-cache-memory", str(KV), "--enable-lora", "--lora-modules", f"lora={adapter}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
-    try:
-        log = ""
-        while (m := re.search(r"Uvicorn running on (http://\S+)", log)) is None:
-            line = proc.stdout.readline()
-            assert line, f"the server did not start:\n{log}"
-            log += line
-        with openai.OpenAI(api_key="none", base_url=m.group(1) + "/v1", max_retries=0) as c:
+    with vllmini_serve(str(tiny_dir), "--served-model-name", "m", "--kv-cache-memory", str(KV), "--enable-lora",
+                       "--lora-modules", f"lora={adapter}") as url:  # fmt: skip
+        with openai.OpenAI(api_key="none", base_url=url + "/v1", max_retries=0) as c:
             assert [model.id for model in c.models.list()] == ["m", "lora"]
             out = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
             assert out.usage.completion_tokens <= 4 and out.choices[0].message.role == "assistant"
             tuned = c.completions.create(model="lora", prompt="hi", max_tokens=4)
             assert tuned.model == "lora" and tuned.usage.completion_tokens <= 4
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 async def test_continuous_usage_in_a_chat_stream_counts_the_prompt_from_the_first_chunk(http, engine):

@@ -21,12 +21,14 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-from vllmini.config import EngineArgs
+from vllmini.config import EngineArgs, PoolerConfig
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
-from vllmini.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllmini.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
+                                    PoolingRequestOutput, RequestMetrics, RequestOutput)  # fmt: skip
+from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllmini.lora.request import LoRARequest
 
@@ -47,5 +49,11 @@ __all__ = [
     "RequestMetrics",
     "RequestOutputKind",
     "EngineDeadError",
+    "PoolingParams",
+    "PoolerConfig",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
 ]
 __version__ = "0.1.0"

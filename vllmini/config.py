@@ -5,6 +5,7 @@ naming the field and what is accepted, instead of deep inside a forward.
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, fields
 from typing import Any
@@ -106,6 +107,80 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     return requested
 
 
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
+
+
+@dataclass
+class PoolerConfig:
+    """How the pooling runner turns a prompt's hidden states into one vector (vLLM's
+    ``PoolerConfig``): ``pooling_type`` LAST | MEAN | CLS, ``normalize`` (L2; ``use_activation`` is
+    vLLM's newer name for it, either may be given) and ``dimensions`` (the default matryoshka size
+    of every request). A field left None takes what the model's sentence-transformers files say,
+    else vLLM's default for decoder models: LAST, normalized, full size (engine/pooler.py)."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+    use_activation: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            kind = self.pooling_type.upper() if isinstance(self.pooling_type, str) else None
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooler_config.pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
+            self.pooling_type = kind
+        for name in ("normalize", "use_activation"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"pooler_config.{name} must be True, False or None, got {getattr(self, name)!r}")
+        if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
+            raise ValueError("pooler_config: normalize and use_activation (its newer name) disagree")
+        if self.normalize is None:
+            self.normalize = self.use_activation
+        self.use_activation = self.normalize
+        dims = self.dimensions
+        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
+            raise ValueError(f"pooler_config.dimensions must be a positive integer or None, got {dims!r}")
+
+    @classmethod
+    def coerce(cls, value: PoolerConfig | dict | str | None) -> PoolerConfig | None:
+        """``EngineArgs.pooler_config`` as given: a PoolerConfig, a dict of its fields, or their JSON
+        text (the command line's ``--pooler-config '{"pooling_type": "MEAN"}'``, as vLLM's)."""
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a PoolerConfig, a dict or its JSON text, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(value) - known, key=str):
+            raise ValueError(f"pooler_config has unsupported field(s) {unknown}; accepted: {sorted(known)}")
+        return cls(**value)
+
+
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older ``task`` -> the runner it picks (its other tasks, classify/score/reward, are not built here)
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+
+def resolve_runner(args: EngineArgs, architectures: list[str] | None) -> str:
+    """"generate" or "pooling", as vLLM resolves ``runner`` (and the older ``task``): "auto" is
+    "pooling" for an architecture without a language-model head (``*Model``: MistralModel,
+    Qwen3Model, ...), else "generate"."""
+    from vllmini.models.registry import is_pooling_architecture
+
+    runner = args.runner if args.task is None else _TASK_RUNNERS[args.task]  # (validate() checked they agree)
+    headless = is_pooling_architecture(architectures)
+    if runner == "auto":
+        return "pooling" if headless else "generate"
+    if runner == "generate" and headless:
+        raise ValueError(f"architecture {architectures} has no language-model head, so it cannot generate; "
+                         "use runner='pooling' (embeddings)")  # fmt: skip
+    return runner
+
+
 # a block is the unit of KV allocation and of the attention kernels' tiles: CPU uses 16, CUDA 256
 # (flash-attn's paged kernels need a multiple of 256); far larger blocks only waste memory
 MAX_BLOCK_SIZE = 1024
@@ -153,6 +228,12 @@ class EngineArgs:
     # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 5, "prompt_lookup_min": 5} (spec_decode/)
     speculative_config: dict[str, Any] | str | None = None
+    # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
+    # "auto" (vLLM's default: pooling for a *Model architecture, else generate); ``task`` is vLLM's
+    # older spelling ("embed" = runner "pooling"); ``pooler_config``: PoolerConfig, a dict or JSON
+    runner: str = "auto"
+    task: str | None = None
+    pooler_config: PoolerConfig | dict | str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -207,5 +288,14 @@ class EngineArgs:
 
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {list(BACKEND_NAMES)} (or None: auto)")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {list(RUNNERS)}, got {self.runner!r}")
+        if self.task is not None and self.task not in _TASK_RUNNERS:
+            raise ValueError(f"task={self.task!r} is not supported; accepted: {sorted(_TASK_RUNNERS)} (or None), "
+                             "or runner='generate' / 'pooling'")  # fmt: skip
+        if self.task is not None and self.runner not in ("auto", _TASK_RUNNERS[self.task]):
+            raise ValueError(f"task={self.task!r} means runner={_TASK_RUNNERS[self.task]!r}, but runner={self.runner!r} "
+                             "was given")  # fmt: skip
+        PoolerConfig.coerce(self.pooler_config)
         device = resolve_device(self.device)
         resolve_dtype(self.dtype, device)

@@ -24,7 +24,8 @@ from vllmini.config import EngineArgs
 from vllmini.engine.chat import render_chat
 from vllmini.engine.engine_stats import EngineStats, GenerationRate
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
-from vllmini.engine.outputs import RequestOutput
+from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
+from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.structured_outputs import load_xgrammar
 from vllmini.lora.request import LoRARequest
@@ -239,11 +240,31 @@ class AsyncLLMEngine:
         finally:  # closing this generator leaves the loop without closing ``stream``: close it here,
             await stream.aclose()  # so that the abort is done (the id free) when aclose() returns
 
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's ``encode`` on an engine with ``runner="pooling"``: one ``PoolingRequestOutput``
+        (finished, ``.outputs.data`` the pooled vector) once the prompt is computed. ``pooling_params``
+        None: the engine's PoolerConfig. Leaving early aborts the request, as ``generate``."""
+        stream = await self.add_request(request_id, prompt, pooling_params or PoolingParams(), priority=priority,
+                                        lora_request=lora_request)  # fmt: skip
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
     async def add_request(
         self,
         request_id: str | None,
         prompt: PromptType | list[dict[str, str]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         *,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
@@ -251,7 +272,8 @@ class AsyncLLMEngine:
         """vLLM's name: validate and queue a request now (a bad one raises ValueError here and
         nothing is queued) and return its output stream, for callers that must know a request
         is accepted before its first output (a server answering 400 or 200). Read the stream to
-        its end, close it, or ``abort()`` the request: until then it holds its id."""
+        its end, close it, or ``abort()`` the request: until then it holds its id. PoolingParams:
+        a pooling request (``encode``)."""
         await self.check_health()
         if request_id is not None and str(request_id) in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 
@@ -131,8 +132,7 @@ class InputProcessor:
         self._check_params(params)
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
-            ids = self._truncate(ids, text if from_text else None, params)
+            ids = self._truncate(prompt, text, ids, self._keep(params))
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
@@ -215,23 +215,43 @@ class InputProcessor:
             f"min_tokens={params.min_tokens} bans for the first tokens"
         )
 
-    def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> list[int]:
-        """vLLM's left truncation to the last ``truncate_prompt_tokens`` tokens (-1: as many as
-        max_model_len leaves beside max_tokens). A prompt tokenized here from ``text`` keeps the
-        special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own left
-        truncation does; token ids given by the caller are cut as they are."""
+    def process_pooling(self, prompt: PromptType, params: PoolingParams) -> tuple[str | None, list[int]]:
+        """A pooling request's prompt (text, token ids): tokenized, truncated, and checked to fit
+        max_model_len (all of it: nothing is generated) and the whole KV cache."""
+        text, ids = self.tokenize(prompt)
+        if (keep := params.truncate_prompt_tokens) is not None:
+            ids = self._truncate(prompt, text, ids, self.max_model_len if keep == -1 else keep)
+        if len(ids) > self.max_model_len:  # (vLLM's words)
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                             f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the "
+                             "length of the input (or set truncate_prompt_tokens).")  # fmt: skip
+        if len(ids) > self.capacity_tokens:
+            raise ValueError(f"prompt ({len(ids)} tokens) needs more KV slots than the whole KV cache holds "
+                             f"({self.capacity_tokens} tokens); raise kv_cache_memory")  # fmt: skip
+        return text, ids
+
+    def _keep(self, params: SamplingParams) -> int:
+        """How many prompt tokens ``truncate_prompt_tokens`` keeps (-1: as many as max_model_len
+        leaves beside max_tokens)."""
         keep = params.truncate_prompt_tokens
         assert keep is not None
-        if keep > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
         if keep == -1:
             keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
             if keep < 1:
                 raise ValueError(f"truncate_prompt_tokens=-1 leaves no prompt: max_tokens={params.max_tokens} "
                                  f"fills max_model_len={self.max_model_len}")  # fmt: skip
+        return keep
+
+    def _truncate(self, prompt: PromptType, text: str | None, ids: list[int], keep: int) -> list[int]:
+        """vLLM's left truncation to the last ``keep`` tokens. A prompt tokenized here from text
+        keeps the special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own
+        left truncation does; token ids given by the caller are cut as they are."""
+        if keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
         if len(ids) <= keep:
             return ids
-        if text is not None:
+        from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)
+        if from_text and text is not None:
             body = self.tokenizer(text, add_special_tokens=False).input_ids
             added = len(ids) - len(body)  # special tokens around the text
             start = next((i for i in range(added + 1) if ids[i : i + len(body)] == body), None)

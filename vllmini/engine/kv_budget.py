@@ -29,9 +29,10 @@ logger = logging.getLogger("vllmini")
 
 def kv_cache_budget(
     model: torch.nn.Module, spec: KVCacheSpec, args: EngineArgs, max_model_len: int, device: torch.device,
-    use_graphs: bool, max_prompt_logits_rows: int,
+    use_graphs: bool, max_prompt_logits_rows: int, pooling: bool = False,
 ) -> int:  # fmt: skip
-    """Bytes for the KV cache (``kv_cache_memory`` wins wherever it is set)."""
+    """Bytes for the KV cache (``kv_cache_memory`` wins wherever it is set). ``pooling``: the
+    pooling runner's step (hidden states of every scheduled row at most, no logits) is measured."""
     if device.type != "cuda" or args.kv_cache_memory is not None:
         return args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
     graph_reserve = 0
@@ -41,7 +42,11 @@ def kv_cache_budget(
             model, shape, spec.dtype, spec.num_layers, args.max_num_seqs, max_model_len, device
         ) + PAD_BLOCKS * spec.bytes_per_block
     torch.cuda.reset_peak_memory_stats(device)
-    warm_up_step(model, args, max_model_len, max_prompt_logits_rows, device)
+    if pooling:
+        tokens = args.max_num_batched_tokens
+        ModelRunner.warmup(model, tokens, max_model_len, device, tokens, hidden=True)
+    else:
+        warm_up_step(model, args, max_model_len, max_prompt_logits_rows, device)
     logger.info("CUDA graph memory reserve: %.1f MiB", graph_reserve / 2**20)
     return cuda_kv_budget(device, args.gpu_memory_utilization) - graph_reserve
 

@@ -12,7 +12,8 @@ from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from vllmini.engine.chat import render_chat
 from vllmini.engine.input_processor import as_prompt_list, per_prompt_loras
 from vllmini.engine.llm_engine import LLMEngine, PromptType
-from vllmini.engine.outputs import RequestOutput
+from vllmini.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.lora.request import LoRARequest
 
@@ -52,22 +53,69 @@ class LLM:
         progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one per
         prompt (lower first), with ``scheduling_policy="priority"``. ``lora_request``: one
         adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
+        if self.llm_engine.runner_type != "generate":
+            raise ValueError("LLM.generate() is only supported for generative models: this LLM runs the pooling "
+                             "runner (use embed / encode, or runner='generate' to generate)")  # fmt: skip
         prompts = as_prompt_list(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
-        loras = per_prompt_loras(lora_request, len(prompts))
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)  # None: the engine's defaults
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries but there are {len(prompts)} prompts"
-                )
+        params_list = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
         # generate() returns whole completions, whatever output_kind asks for streaming
         params_list = [msgspec.structs.replace(p, output_kind="final") if isinstance(p, SamplingParams) else p
                        for p in params_list]  # fmt: skip
+        return self._run(prompts, params_list, priorities, lora_request, use_tqdm)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.encode``: each prompt's pooled hidden state (``.outputs.data``, a float32
+        tensor), in input order, on an LLM with ``runner="pooling"``. ``pooling_task`` must be given,
+        as in vLLM: "embed" (the one built here). ``pooling_params``: one for every prompt or one
+        per prompt (None: the engine's PoolerConfig); ``truncate_prompt_tokens`` sets theirs."""
+        if self.llm_engine.runner_type != "pooling":
+            raise ValueError("LLM.encode() is only supported for pooling models; start the LLM with "
+                             "runner='pooling' (vLLM: --runner pooling)")  # fmt: skip
+        if pooling_task is None:
+            raise ValueError('pooling_task is required for LLM.encode: use LLM.embed(...) or pooling_task="embed"')
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported; supported: ['embed']")
+        prompts = as_prompt_list(prompts)
+        params_list = _per_prompt(pooling_params, PoolingParams, "pooling_params", len(prompts))
+        params_list = [PoolingParams() if p is None else p for p in params_list]
+        if truncate_prompt_tokens is not None:
+            params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
+        return self._run(prompts, params_list, [0] * len(prompts), lora_request, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: one ``EmbeddingRequestOutput`` per prompt (``.outputs.embedding``,
+        a list of floats), in input order."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
+                           truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+        return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
+    def _run(
+        self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool | Callable[..., tqdm],
+    ) -> list[Any]:  # fmt: skip
+        """Add every request (none stays queued if one is refused), then step the engine until all
+        are finished; their final outputs in input order."""
+        loras = per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -77,7 +125,7 @@ class LLM:
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise
-        finals: dict[str, RequestOutput] = {}
+        finals: dict[str, Any] = {}
         bar_args: dict[str, Any] = {"total": len(ids), "desc": "Processed prompts"}
         with use_tqdm(**bar_args) if callable(use_tqdm) else tqdm(**bar_args, disable=not use_tqdm) as bar:
             try:
@@ -144,3 +192,13 @@ class LLM:
             except ValueError as exc:  # which conversation of a batch is at fault
                 raise ValueError(f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)) from exc
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+
+def _per_prompt(params: Any, kind: type, name: str, num_prompts: int) -> list[Any]:
+    """``params`` as generate / encode take it (one, or None, for every prompt; or one per prompt)."""
+    if params is None or isinstance(params, kind):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"{name} has {len(params)} entries but there are {num_prompts} prompts")
+    return params

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, resolve_device, resolve_max_model_len
+from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
 from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
 from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
@@ -29,7 +29,9 @@ from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_loading import load_for_engine
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
-from vllmini.engine.outputs import RequestOutput
+from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
+from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
+from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
@@ -40,7 +42,7 @@ from vllmini.lora.adapter import LoRAAdapter
 from vllmini.lora.manager import LoRAManager
 from vllmini.lora.request import LoRARequest
 from vllmini.models.backend_check import start_backend
-from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from vllmini.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 from vllmini.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 
@@ -65,6 +67,12 @@ class LLMEngine:
         loaded = load_for_engine(args, self.device)
         self.model_dir, self.model, self.hf_config = loaded.model_dir, loaded.model, loaded.hf_config
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
+        self.runner_type = loaded.runner  # "generate" or "pooling" (embeddings: engine/pooler.py), as vLLM's
+        self.pooler: Pooler | None = None
+        if self.runner_type == "pooling":
+            config = resolve_pooler_config(PoolerConfig.coerce(args.pooler_config), self.model_dir, self.hf_config)
+            self.pooler = Pooler(config)
+            logger.info("pooling runner: %s pooling, normalize=%s", config.pooling_type, config.normalize)
 
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
         kv_window = self.model.kv_window  # every layer's window, if they share one: blocks behind it are released
@@ -87,7 +95,8 @@ class LLMEngine:
                                             args.max_cpu_loras or args.max_loras, self.dtype, self.device)  # fmt: skip
             logger.info("LoRA: %d adapter slots of rank <= %d", args.max_loras, args.max_lora_rank)
         # the decode graphs capture no LoRA mapping: an engine with enable_lora runs every step eagerly
-        use_graphs = self.device.type == "cuda" and not args.enforce_eager and not args.enable_lora
+        # (a pooling engine runs no decode step)
+        use_graphs = self.device.type == "cuda" and not args.enforce_eager and not args.enable_lora and self.pooler is None
         logger.info(
             "attention backend: %s (block size %d, %s, CUDA graphs %s)",
             self.attention_backend, block_size, self.dtype, "on" if use_graphs else "off",
@@ -96,16 +105,17 @@ class LLMEngine:
             self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
         )
         max_prompt_rows = prompt_logprobs.max_rows_per_step(self.vocab_size, args.max_num_batched_tokens)
-        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows)
+        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows,
+                                 pooling=self.pooler is not None)  # fmt: skip
         num_blocks = num_blocks_for_budget(spec, budget)
         self.num_blocks = num_blocks
         # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
         # then, with a window to release blocks behind, a zeroed null block for released entries
         pad = PAD_BLOCKS if use_graphs else 0
         null = 1 if kv_window else 0
-        self.block_manager = BlockManager(
-            num_blocks, block_size, args.enable_prefix_caching, kv_window, null_block=num_blocks + pad
-        )
+        # MEAN and CLS pooling read positions that a prefix-cache hit skips (as vLLM, no prefix caching then)
+        prefix_caching = args.enable_prefix_caching and (self.pooler is None or self.pooler.pooling_type == "LAST")
+        self.block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
         self.scheduler = Scheduler(
             SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows,
                             args.scheduling_policy, args.max_loras if args.enable_lora else None),  # fmt: skip
@@ -182,7 +192,7 @@ class LLMEngine:
         return self.input_processor.tokenize(prompt)
 
     def add_request(
-        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> str:  # fmt: skip
@@ -197,27 +207,27 @@ class LLMEngine:
         return state.request_id
 
     def prepare_request(
-        self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+        self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
         lora_request: LoRARequest | None = None,
-    ) -> RequestState:  # fmt: skip
+    ) -> RequestState | PoolingRequestState:  # fmt: skip
         """Validate and tokenize without touching the scheduler, so that the async engine can
         do it on the caller's thread and raise right at the call. ``params`` None: the model's
         default sampling parameters (``get_default_sampling_params``), with
-        ``default_output_kind`` when given."""
+        ``default_output_kind`` when given. PoolingParams: a pooling request (a pooling engine
+        takes nothing else)."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an int, got {priority!r}")
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs EngineArgs.scheduling_policy='priority' (it is "
                              f"{self.args.scheduling_policy!r})")  # fmt: skip
+        if isinstance(params, PoolingParams) or self.pooler is not None:
+            return self._prepare_pooling(request_id, prompt, params, arrival_time, priority, lora_request)
         inp = self.input_processor.process(prompt, params, default_output_kind)
         # (after the cheap checks: loading an adapter may read its files)
         adapter = None if lora_request is None else self._lora_adapter(lora_request)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
-        request_id = self.new_request_id() if request_id is None else str(request_id)
-        now = time.monotonic()
-        if arrival_time is not None:  # vLLM's clock (time.time()), moved onto RequestMetrics' monotonic one
-            now -= min(max(0.0, time.time() - arrival_time), now)
+        request_id, now = self._id_and_arrival(request_id, arrival_time)
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now,
                      priority=priority, lora=adapter)  # fmt: skip
@@ -236,6 +246,34 @@ class LLMEngine:
             state.grammar = self.structured.submit(params.structured_outputs)
         prompt_logprobs.start(state)
         return state
+
+    def _id_and_arrival(self, request_id: str | None, arrival_time: float | None) -> tuple[str, float]:
+        """The request's id (a new one for None) and its arrival on ``time.monotonic()``'s clock."""
+        request_id = self.new_request_id() if request_id is None else str(request_id)
+        now = time.monotonic()
+        if arrival_time is not None:  # vLLM's clock (time.time()), moved onto RequestMetrics' monotonic one
+            now -= min(max(0.0, time.time() - arrival_time), now)
+        return request_id, now
+
+    def _prepare_pooling(
+        self, request_id: str | None, prompt: PromptType, params: PoolingParams | None, arrival_time: float | None,
+        priority: int, lora_request: LoRARequest | None,
+    ) -> PoolingRequestState:  # fmt: skip
+        """A pooling request (PoolingParams, on a pooling engine; either alone is refused, as vLLM's
+        LLM refuses generate on a pooling model and encode on a generating one)."""
+        if self.pooler is None:
+            raise ValueError("PoolingParams (encode / embed) need an engine started with runner='pooling'; this one "
+                             "generates (vLLM: --runner pooling)")  # fmt: skip
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this engine runs the pooling runner (embeddings): requests take PoolingParams (encode / "
+                             f"embed), got {type(params).__name__}; generation needs runner='generate'")  # fmt: skip
+        params = self.pooler.resolve(params, self.hf_config)
+        _, ids = self.input_processor.process_pooling(prompt, params)
+        adapter = None if lora_request is None else self._lora_adapter(lora_request)
+        request_id, now = self._id_and_arrival(request_id, arrival_time)
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, 0, arrival_time=now, priority=priority,
+                       lora=adapter)  # fmt: skip
+        return PoolingRequestState(request_id, list(ids), params, [seq])
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
     def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
@@ -317,9 +355,11 @@ class LLMEngine:
         return len(self.requests)
 
     # ---- one step ---------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         if self.structured.waiting:
             self._admit_compiled()
+        if self.pooler is not None:
+            return self._pool_step()
         if self.args.async_scheduling:
             return self._step_async()
         sched = self.scheduler.schedule()
@@ -327,6 +367,40 @@ class LLMEngine:
             return []
         launched = self._launch(sched)
         return [] if launched is None else self._complete(launched)
+
+    def _pool_step(self) -> list[PoolingRequestOutput]:
+        """A pooling engine's step: the scheduled chunks' wanted hidden states are pooled, and each
+        request whose prompt is now computed finishes with its embedding (engine/pooler.py)."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        pooler = self.pooler
+        assert pooler is not None
+
+        def wanted(s: ScheduledSeq) -> tuple[int, int]:
+            return pooler.wanted_rows(s.seq.num_computed_tokens, s.num_new_tokens, s.seq.num_prompt_tokens)
+
+        try:
+            hidden, spans = self.runner.execute_pooling(sched, self.block_manager, wanted)
+        except Exception as exc:  # (as in _launch: the step's requests fail, the engine stays up)
+            failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
+            self.abort_request(failed)
+            self.block_manager.reset_prefix_cache()
+            raise StepError(failed, exc) from exc
+        outputs = []
+        for i, first, count in spans:
+            s = sched.scheduled[i]
+            state = self.requests[s.seq.request_id]
+            pooler.accumulate(state, s.seq.num_computed_tokens, hidden[first : first + count])
+            if s.completes:
+                state.result = pooler.finish(state)
+        self.scheduler.update_computed(sched)
+        for s in sched.scheduled:
+            state = self.requests[s.seq.request_id]
+            if state.result is not None:
+                self.scheduler.finish(s.seq, SequenceStatus.FINISHED_STOPPED)
+                outputs.append(self._report(state))
+        return outputs
 
     def _step_async(self) -> list[RequestOutput]:
         """Launch the continuation of the step in flight (if it has one) before processing that
@@ -510,7 +584,7 @@ class LLMEngine:
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);
         a finished request leaves the engine here."""
-        out = self.output_processor.make_output(state)
+        out = state.output() if isinstance(state, PoolingRequestState) else self.output_processor.make_output(state)
         if state.finished:
             self.requests.pop(state.request_id, None)
         return out

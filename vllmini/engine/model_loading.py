@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, resolve_dtype
+from vllmini.config import EngineArgs, resolve_dtype, resolve_runner
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
 
@@ -27,6 +27,7 @@ class LoadedModel:
     hf_config: Any  # transformers' PretrainedConfig
     dtype: torch.dtype
     tokenizer: Any
+    runner: str = "generate"  # or "pooling": the model has no lm_head then
 
 
 def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
@@ -37,15 +38,16 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
                        "never code shipped with a model")  # fmt: skip
     model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
     config = load_config(model_dir)
+    runner = resolve_runner(args, config.architectures)
     checkpoint_dtype = getattr(config, "dtype", None)
     dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
     if args.dtype == "auto" and checkpoint_dtype not in (None, dtype):
         name = str(checkpoint_dtype).removeprefix("torch.")
         logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
                     str(dtype).removeprefix("torch."), device.type, name)  # fmt: skip
-    model, hf_config = load_model(model_dir, dtype, device, config)
+    model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling")
     if packing_available(device, dtype):
         logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
-    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer)
+    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner)

@@ -6,7 +6,7 @@ the scheduler's output (token ids, computed counts, block tables).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -14,7 +14,7 @@ from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.kv.block_manager import BlockManager
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.base import AttentionMetadata
-from vllmini.scheduler.scheduler import SchedulerOutput
+from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass
@@ -42,6 +42,7 @@ class FlatBatch:
     # the sampled ones, in this order
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     loras: list[Any] = field(default_factory=list)  # each sequence's LoRA adapter (None: the base model)
+    seq_indices: list[int] = field(default_factory=list)  # each sequence's index into scheduled, in row order
 
     @property
     def num_seqs(self) -> int:
@@ -90,6 +91,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
             flat.seq_lens.append(end)
             flat.block_tables.append(table)
             flat.loras.append(seq.lora)
+            flat.seq_indices.append(i)
             continue
         if seq.prompt_logits_from is not None:  # position p's logits give prompt token p + 1's logprob
             first, last = max(start, seq.prompt_logits_from), min(end, seq.num_prompt_tokens - 1)
@@ -109,6 +111,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         flat.seq_lens.append(end)
         flat.block_tables.append(table)
         flat.loras.append(seq.lora)
+        flat.seq_indices.append(i)
         if s.completes and not s.spec_token_ids:
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
@@ -136,17 +139,19 @@ class ModelRunner:
     @staticmethod
     @torch.inference_mode()
     def warmup(
-        model: torch.nn.Module, num_tokens: int, max_model_len: int, device: torch.device, num_logits_rows: int = 1
-    ) -> torch.Tensor:
+        model: torch.nn.Module, num_tokens: int, max_model_len: int, device: torch.device, num_logits_rows: int = 1,
+        hidden: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """One forward at the largest step size (no cache), projecting ``num_logits_rows`` rows
         to logits (the most a step projects), so that the activation peak is known before the KV
-        cache takes what memory is left. Returns the logits, for a warm-up of what reads them."""
+        cache takes what memory is left. Returns the logits, for a warm-up of what reads them.
+        ``hidden``: the pooling runner's forward instead, those rows' hidden states."""
         lengths = [max_model_len] * (num_tokens // max_model_len) + ([num_tokens % max_model_len] if num_tokens % max_model_len else [])
         meta = AttentionMetadata.for_prompts(lengths, device)
         meta.logits_indices = torch.arange(min(num_logits_rows, num_tokens), device=device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        return model(ids, positions, meta)
+        return (model.hidden_states if hidden else model)(ids, positions, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences."""
@@ -165,6 +170,28 @@ class ModelRunner:
         ``sched.scheduled``), then the prompt-logprob rows (``flat.prompt_rows``)."""
         flat = flatten_step(sched, block_manager, self.block_size)
         return self.run_flat(flat), flat
+
+    @torch.inference_mode()
+    def execute_pooling(
+        self, sched: SchedulerOutput, block_manager: BlockManager, wanted: Callable[[ScheduledSeq], tuple[int, int]]
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The pooling runner's forward: the final-normed hidden states of the rows ``wanted``
+        asks of each scheduled chunk ((first row in the chunk, count), engine/pooler.py), and per
+        chunk (index into ``sched.scheduled``, its first row in the result, count)."""
+        flat = flatten_step(sched, block_manager, self.block_size)
+        rows: list[int] = []
+        spans = []
+        chunk_start = 0
+        for i, num_new in zip(flat.seq_indices, flat.query_lens):
+            first, count = wanted(sched.scheduled[i])
+            spans.append((i, len(rows), count))
+            rows.extend(range(chunk_start + first, chunk_start + first + count))
+            chunk_start += num_new
+        flat.logits_rows = rows
+        if self.lora is not None:
+            self.lora.prepare(flat.loras, flat.query_lens)
+        inp = flat.to_model_input(self.device)
+        return self.model.hidden_states(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches), spans
 
     @torch.inference_mode()
     def run_flat(self, flat: FlatBatch, token_ids: torch.Tensor | None = None) -> torch.Tensor:

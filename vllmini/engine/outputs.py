@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from vllmini.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    import torch
+
+_O = TypeVar("_O")
 
 
 class Logprob(float):
@@ -78,3 +84,52 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     lora_request: LoRARequest | None = None  # the adapter it ran with (None: the base model)
     num_cached_tokens: int | None = field(default=None, kw_only=True)  # prompt tokens from the prefix cache
+
+
+@dataclass
+class PoolingOutput:
+    """A prompt's pooled vector (vLLM's name): ``data``, a float32 CPU tensor ``[hidden]``
+    (``[dimensions]`` for a matryoshka cut)."""
+
+    data: torch.Tensor
+
+
+@dataclass
+class PoolingRequestOutput(Generic[_O]):
+    """What ``LLM.encode`` and ``AsyncLLMEngine.encode`` return, in vLLM's positional order. A
+    pooling request reports once, when its prompt is computed; one aborted before that reports
+    ``outputs=None``. (No finish_reason, as in vLLM.)"""
+
+    request_id: str
+    outputs: _O
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0  # prompt tokens from the prefix cache (LAST pooling only)
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingOutput:
+    """An embedding as a list of floats (``LLM.embed``'s ``.outputs``)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
+        if pooling_output.data.ndim != 1:
+            raise ValueError("pooled data should be a 1-D embedding vector")
+        return EmbeddingOutput(pooling_output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """``LLM.embed``'s output per prompt: ``.outputs.embedding``."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return EmbeddingRequestOutput(
+            request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
+            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
+        )  # fmt: skip

@@ -66,6 +66,13 @@ def bad_value(field: str, accepted: str, value: object) -> ValueError:
     return ValueError(f"{field} must be {accepted}, got {value!r}")
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    """vLLM's ``truncate_prompt_tokens`` (of SamplingParams and PoolingParams): keep the prompt's
+    last k tokens, -1 for as many as max_model_len allows, None for all."""
+    if value is not None and (not is_int(value) or not (value >= 1 or value == -1)):
+        raise bad_value("truncate_prompt_tokens", "an int >= 1, -1 (max_model_len) or None", value)
+
+
 def real_value(field: str, value: object, accepted: str, ok) -> float:
     """``value`` as a float: a real number, finite in float32 (the sampler's precision), for which
     ``ok`` holds; else the error naming ``field``."""
@@ -259,11 +266,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value < -1):
                 raise bad_value(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
-        if self.truncate_prompt_tokens is not None and (
-            not is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1)
-        ):
-            accepted = "an int >= 1, -1 (max_model_len) or None"
-            raise bad_value("truncate_prompt_tokens", accepted, self.truncate_prompt_tokens)
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v >= _FLOAT32_TINY)
         for name in ("presence_penalty", "frequency_penalty"):

@@ -154,6 +154,16 @@ class CausalLM(Protocol):
         """Logits ``[B, vocab]`` for the rows in ``attn_metadata.logits_indices``."""
         ...
 
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """The final-normed hidden states ``[B, hidden]`` of those rows (before the lm_head)."""
+        ...
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; return the names loaded."""
         ...

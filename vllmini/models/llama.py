@@ -201,13 +201,24 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache] | None = None,
     ) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(input_ids, positions, attn_metadata, kv_caches))
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[KVCache] | None = None,
+    ) -> torch.Tensor:
+        """The final-normed hidden states of the rows in ``logits_indices`` (every row when None):
+        what ``forward`` projects to logits, and what the pooling runner pools (engine/pooler.py)."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary_emb.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, attn_metadata, kv_caches[i] if kv_caches is not None else None)
         if attn_metadata.logits_indices is not None:
             x = x.index_select(0, attn_metadata.logits_indices)
-        return self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled.

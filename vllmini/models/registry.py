@@ -14,15 +14,27 @@ _MODELS: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("vllmini.models.llama", "SmolLM3ForCausalLM"),
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
 }
+# decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
+# pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
+# load them, their lm_head dropped (weight_loader.load_model)
+_HEADLESS: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    """The generating architectures, then those that only pool."""
+    return sorted(_MODELS) + sorted(_HEADLESS)
+
+
+def is_pooling_architecture(architectures: list[str] | None) -> bool:
+    """Whether the first supported entry of ``architectures`` has no language-model head."""
+    return next((arch in _HEADLESS for arch in architectures or [] if arch in _MODELS or arch in _HEADLESS), False)
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """The first supported entry of ``architectures``; a clear error when none is."""
     for arch in architectures or []:
+        arch = _HEADLESS.get(arch, arch)
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)

@@ -57,6 +57,8 @@ _HUB_PATTERNS = [
     "merges.txt",
     "chat_template.json",
     "chat_template.jinja",
+    "modules.json",  # sentence-transformers: the pooling runner's defaults (engine/pooler.py)
+    "*Pooling/config.json",
 ]
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _INDEX_FILE = "model.safetensors.index.json"
@@ -271,13 +273,15 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: Path, dtype: torch.dtype, device: torch.device, config: PretrainedConfig | None = None
-) -> tuple[nn.Module, PretrainedConfig]:
+    model_dir: Path, dtype: torch.dtype, device: torch.device, config: PretrainedConfig | None = None,
+    pooling: bool = False,
+) -> tuple[nn.Module, PretrainedConfig]:  # fmt: skip
     """Build the model with no memory (meta), allocate it once on ``device``, stream the weights in.
 
     Peak memory stays ~1x the weights: no state_dict is built, each tensor is read
     (mmap) and copied straight into its parameter. ``config``: ``load_config(model_dir)``, when
-    the caller read it already.
+    the caller read it already. ``pooling``: for the pooling runner, which never projects to
+    logits: the model gets no lm_head (as vLLM's embedding models), see ``_body_weights``.
     """
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
@@ -287,11 +291,14 @@ def load_model(
             model = cls(config)
     except ValueError as exc:  # a setting the model class refuses (rope type, activation): say which file holds it
         raise ValueError(f"{model_dir / 'config.json'}: {exc}") from None
+    if pooling:
+        model.lm_head = None
     model.to(dtype)
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
-    loaded = model.load_weights(iter_weights(model_dir)) or set()
+    weights = iter_weights(model_dir)
+    loaded = model.load_weights(_body_weights(weights) if pooling else weights) or set()
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
@@ -304,6 +311,15 @@ def load_model(
         raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}")
     model.eval()
     return model, config
+
+
+def _body_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pooling model's tensors: lm_head's are skipped, and a headless checkpoint's names
+    (``layers.0...``, saved from ``*Model`` as sentence-transformers and e5 models are) move under
+    ``model.``, so that either kind of checkpoint loads, as in vLLM."""
+    for name, tensor in weights:
+        if not name.startswith("lm_head."):
+            yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 def _shared_parameter_names(model: nn.Module) -> list[list[str]]:

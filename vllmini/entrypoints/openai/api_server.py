@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (``vllmini serve``): a Starlette app over one
 ``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
 
-Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
+(with ``--runner pooling``, which answers the completion routes 404), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
 ``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
 and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
@@ -35,6 +36,8 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
+                                                          refuse_generation_routes)  # fmt: skip
 from vllmini.entrypoints.openai.serving_engine import error_body
 from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                        runtime_lora_updating)  # fmt: skip
@@ -105,6 +108,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
                              reasoning_parser=reasoning_parser)  # fmt: skip
 
     tokenization = OpenAIServingTokenization(chat)
+    embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
 
     def handler(kind: type[msgspec.Struct], create: Callable[[Any], Awaitable[Any]]) -> Callable:
         async def endpoint(request: Request) -> Response:
@@ -157,6 +161,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         Route("/version", version, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
+    routes.append(Route("/v1/embeddings", handler(EmbeddingRequest, embedding.create_embedding), methods=["POST"]))
+    if engine.engine.runner_type == "pooling":
+        routes = refuse_generation_routes(routes)
     if runtime_lora_updating():
         logger.warning("LoRA adapters may be loaded and unloaded at run time (/v1/load_lora_adapter): any "
                        "client can make the server read a folder; for local development only")  # fmt: skip

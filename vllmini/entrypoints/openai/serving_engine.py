@@ -81,6 +81,8 @@ class RequestGroup:
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
+                    if not isinstance(out, RequestOutput):  # (a pooling request's: no completions)
+                        continue
                     for c in out.outputs:
                         generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
                     reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), reason)

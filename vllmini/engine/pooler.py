@@ -1,0 +1,177 @@
+"""The pooling runner (vLLM's ``runner="pooling"``): from a prompt's hidden states to one embedding.
+
+A pooling request is prefill-only. The scheduler runs its prompt like any other (chunked prefill,
+batching, paged KV, preemption); for each scheduled chunk the model runner asks the model for the
+final-normed hidden states of only the rows the pooling type needs (``Pooler.wanted_rows``): LAST
+the prompt's last position (in the chunk that completes it), CLS its first, MEAN every position
+(summed chunk by chunk in float32; a recompute after a preemption starts the sum again). Once the
+last chunk is computed, the vector is cut to ``dimensions`` (matryoshka), L2-normalized when asked,
+and the request finishes (its blocks freed). The model knows nothing of requests: it returns the
+hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
+so the engine runs them without prefix caching, as vLLM does.
+
+The defaults, as vLLM reads them: ``PoolerConfig`` fields the user leaves None come from the
+model's sentence-transformers files (``modules.json`` and its Pooling module's ``config.json``),
+else LAST and normalized.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllmini.config import PoolerConfig
+from vllmini.engine.outputs import PoolingOutput, PoolingRequestOutput
+from vllmini.engine.pooling_params import PoolingParams
+from vllmini.scheduler.sequence import Sequence
+
+# sentence-transformers' pooling modes -> vLLM's pooling types (the others have no equivalent here)
+_ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
+_ST = "sentence_transformers.models."
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read as JSON: {exc}") from exc
+
+
+def sentence_transformers_pooling(model_dir: Path) -> dict[str, Any]:
+    """``{"pooling_type", "normalize"}`` as a sentence-transformers model folder states them (empty
+    without ``modules.json``): the Pooling module's mode, and whether a Normalize module follows.
+    What the engine would compute differently is refused, naming the file: another pooling mode
+    (max, weighted mean, several at once), a Pooling module that leaves the prompt out, a Dense
+    projection (vLLM applies it; it is not built here)."""
+    modules_path = Path(model_dir) / "modules.json"
+    if not modules_path.is_file():
+        return {}
+    modules = _read_json(modules_path)
+    modules = modules.get("modules", []) if isinstance(modules, dict) else modules
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ValueError(f"{modules_path} must list the model's modules")
+    types = [str(m.get("type", "")) for m in modules]
+    if others := [t for t in types if t.startswith(_ST) and t.removeprefix(_ST) not in ("Transformer", "Pooling", "Normalize")]:
+        raise ValueError(f"{modules_path}: module(s) {others} are not supported (only Transformer, Pooling, Normalize)")
+    found: dict[str, Any] = {"normalize": f"{_ST}Normalize" in types}
+    pooling = next((m for m in modules if m.get("type") == f"{_ST}Pooling"), None)
+    if pooling is None:
+        return found
+    config_path = Path(model_dir) / str(pooling.get("path", "")) / "config.json"
+    if not config_path.is_file():
+        return found
+    config = _read_json(config_path)
+    modes = sorted(key for key, on in config.items() if key.startswith("pooling_mode_") and on is True)
+    if len(modes) != 1 or modes[0] not in _ST_MODES:
+        raise ValueError(f"{config_path}: pooling mode {modes} is not supported (one of {sorted(_ST_MODES)})")
+    if config.get("include_prompt", True) is not True:
+        raise ValueError(f"{config_path}: include_prompt=false (pooling without the instruction) is not supported")
+    found["pooling_type"] = _ST_MODES[modes[0]]
+    return found
+
+
+def resolve_pooler_config(given: PoolerConfig | None, model_dir: Path, hf_config: Any) -> PoolerConfig:
+    """Every field filled: the user's, else the sentence-transformers files', else vLLM's defaults
+    for a decoder (LAST, normalized). A default ``dimensions`` is checked as a request's would be."""
+    given = given or PoolerConfig()
+    st = sentence_transformers_pooling(model_dir)
+    normalize = given.normalize if given.normalize is not None else st.get("normalize", True)
+    config = PoolerConfig(given.pooling_type or st.get("pooling_type", "LAST"), normalize, normalize, given.dimensions)
+    if config.dimensions is not None:
+        check_dimensions(config.dimensions, hf_config, "pooler_config.dimensions")
+    return config
+
+
+def check_dimensions(dimensions: int, hf_config: Any, field: str = "dimensions") -> None:
+    """vLLM's rule: an embedding may be cut only for a matryoshka model (config.json's
+    ``is_matryoshka`` or ``matryoshka_dimensions``), to one of its ``matryoshka_dimensions`` when it
+    lists them; and never past the hidden size."""
+    listed = getattr(hf_config, "matryoshka_dimensions", None)
+    if not listed and not getattr(hf_config, "is_matryoshka", False):
+        raise ValueError(f"{field}={dimensions}: this model does not support matryoshka representation (its "
+                         "config.json sets neither is_matryoshka nor matryoshka_dimensions); changing the output "
+                         "dimensions would give poor embeddings")  # fmt: skip
+    if listed and dimensions not in listed:
+        raise ValueError(f"{field}={dimensions}: this model supports only the matryoshka dimensions {list(listed)}")
+    if dimensions > hf_config.hidden_size:
+        raise ValueError(f"{field}={dimensions} exceeds the model's hidden size {hf_config.hidden_size}")
+
+
+@dataclass
+class PoolingRequestState:
+    """A pooling request in the engine: its one sequence and what is pooled so far. (``grammar``:
+    the engine core's paths shared with generation read it of every request.)"""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: PoolingParams  # resolved: normalize set, dimensions checked
+    seqs: list[Sequence]
+    total: torch.Tensor | None = None  # float32: the pooled row, or (MEAN) the sum of the rows so far
+    count: int = 0  # positions summed (MEAN)
+    result: torch.Tensor | None = None
+    grammar: None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.seqs[0].status.finished
+
+    def output(self) -> PoolingRequestOutput:
+        data = None if self.result is None else PoolingOutput(self.result)
+        return PoolingRequestOutput(self.request_id, data, self.prompt_token_ids, self.seqs[0].num_cached_tokens,
+                                    self.finished)  # fmt: skip
+
+
+class Pooler:
+    """One engine's pooling type, and how each chunk's hidden states feed it."""
+
+    def __init__(self, config: PoolerConfig) -> None:
+        self.config = config
+        self.pooling_type = config.pooling_type
+
+    def resolve(self, params: PoolingParams, hf_config: Any) -> PoolingParams:
+        """The request's own params with the engine's defaults filled in (``normalize``,
+        ``dimensions``), checked against the model."""
+        normalize = params.wants_normalize
+        normalize = self.config.normalize if normalize is None else normalize
+        dimensions = params.dimensions if params.dimensions is not None else self.config.dimensions
+        if params.dimensions is not None:
+            check_dimensions(params.dimensions, hf_config)
+        return params.clone(normalize=normalize, use_activation=normalize, dimensions=dimensions)
+
+    def wanted_rows(self, start: int, num_new: int, num_prompt: int) -> tuple[int, int]:
+        """(first row in the chunk, count): the rows of a chunk of ``num_new`` prompt positions from
+        ``start`` whose hidden states are pooled."""
+        if self.pooling_type == "MEAN":
+            return 0, num_new
+        if self.pooling_type == "CLS":
+            return 0, int(start == 0)
+        return num_new - 1, int(start + num_new == num_prompt)
+
+    def accumulate(self, state: PoolingRequestState, start: int, hidden: torch.Tensor) -> None:
+        """Take a chunk's wanted rows (``hidden``, from ``wanted_rows``)."""
+        if hidden.shape[0] == 0:
+            return
+        if self.pooling_type != "MEAN":
+            state.total = hidden[0].float()
+            return
+        if start == 0:  # (again, after a preemption: the prompt is recomputed from its start)
+            state.total, state.count = None, 0
+        if start != state.count:
+            raise RuntimeError(f"MEAN pooling of request {state.request_id!r} skipped positions {state.count}..{start}")
+        rows = hidden.float().sum(0)
+        state.total = rows if state.total is None else state.total + rows
+        state.count += hidden.shape[0]
+
+    def finish(self, state: PoolingRequestState) -> torch.Tensor:
+        """The request's embedding (float32, on the CPU): pooled, cut to ``dimensions``, normalized."""
+        assert state.total is not None
+        vector = state.total / state.count if self.pooling_type == "MEAN" else state.total
+        if state.params.dimensions is not None:
+            vector = vector[: state.params.dimensions]
+        if state.params.normalize:
+            vector = F.normalize(vector, p=2, dim=-1)
+        return vector.cpu()
