@@ -77,7 +77,9 @@ def test_beam_width_1_is_greedy(llm):
     for prompt, out, g in zip(prompts, outs, greedy):
         (seq,) = out.sequences
         assert seq.tokens == prompt + g.outputs[0].token_ids
-        assert seq.cum_logprob == pytest.approx(g.outputs[0].cumulative_logprob, abs=1e-5)
+        # (the beams score each token in a one-token prefill after a prefix-cache hit, generate in the
+        # decode kernel: the two round apart by ~1e-6 a token, which depends on the CPU's kernels)
+        assert seq.cum_logprob == pytest.approx(g.outputs[0].cumulative_logprob, abs=5e-5)
 
 
 def reference_beam_search(hf, prompt, k, max_new, eos, length_penalty):
