@@ -27,13 +27,20 @@ from __future__ import annotations
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from vllmini.engine.errors import StepError
 from vllmini.engine.model_runner import FlatBatch
+from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sampler import SamplerOutput
+from vllmini.engine.sampling_tensors import to_device
 from vllmini.kv.block_manager import BlockManager
 from vllmini.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:
+    from vllmini.engine.llm_engine import LLMEngine
 
 
 class SampledTokens:
@@ -134,3 +141,55 @@ def plan_continuation(
         logits_rows=list(range(n)), sample_indices=list(range(n)), loras=[s.lora for s in seqs],
     )  # fmt: skip
     return Continuation(flat, seqs, keep)
+
+
+def step_async(engine: LLMEngine) -> list[RequestOutput]:
+    """``LLMEngine.step`` with async scheduling: launch the continuation of the step in flight
+    (if it has one) before processing that step's tokens, so the host works while the device
+    computes. The scheduler only runs when no step is in flight."""
+    prev, engine._in_flight = engine._in_flight, None
+    if prev is None:
+        sched = engine.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        prev = engine._launch(sched)
+        if prev is None:
+            return []
+    nxt = _launch_continuation(engine, prev)
+    outputs = engine._complete(prev)
+    engine._in_flight = nxt
+    return outputs
+
+
+def _launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
+    def matches_output(seq: Sequence) -> bool:
+        """Whether sampling this sequence reads its last tokens' values (a bad word of several
+        tokens, a grammar); a one-token bad word is banned whatever came before."""
+        state = engine.requests.get(seq.request_id)
+        if state is None:
+            return False
+        return state.matchers is not None or any(len(word) > 1 for word in state.bad_words_token_ids)
+
+    args, scheduler = engine.args, engine.scheduler
+    plan = plan_continuation(
+        prev, scheduler.running, len(scheduler.waiting), engine.block_manager,
+        engine.max_model_len, args.max_num_batched_tokens, args.max_num_seqs, matches_output,
+    )  # fmt: skip
+    if plan is None:
+        return None
+    for seq in plan.seqs:  # their input (the token in flight) is computed by this launch
+        seq.num_computed_tokens += 1
+    tokens = prev.sampled.out.token_ids
+    if plan.source_rows == list(range(len(plan.source_rows))):
+        token_ids = tokens[: len(plan.source_rows)]
+    else:
+        token_ids = tokens[to_device(torch.tensor(plan.source_rows), tokens.device)]
+    try:
+        logits = engine.runner.run_flat(plan.flat, token_ids)
+        return LaunchedStep(plan.seqs, engine._sample(logits, plan.seqs, in_flight=token_ids))
+    except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
+        for rid in dict.fromkeys(s.request_id for s in plan.seqs):
+            engine.abort_request(rid)
+            engine.failed[rid] = StepError([rid], exc)
+        engine.block_manager.reset_prefix_cache()  # (as in LLMEngine._launch)
+        return None

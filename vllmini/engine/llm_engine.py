@@ -5,7 +5,10 @@ conditions, free finished sequences, and report a ``RequestOutput`` for every
 request that changed. The async engine drives this same loop from a worker thread.
 With ``EngineArgs.async_scheduling``, a step first launches the next decode step (when it
 does not depend on the tokens just sampled) and then processes those tokens, so that host
-and device work overlap (engine/async_scheduling.py); the outputs are the same.
+and device work overlap (engine/async_scheduling.py); the outputs are the same. With
+``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/). A
+pooling engine's step pools hidden states instead of sampling (engine/pooling_step.py);
+engine/engine_setup.py builds the KV cache, scheduler and runner around the model.
 """
 from __future__ import annotations
 
@@ -20,42 +23,29 @@ import torch
 
 from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
-from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, plan_continuation
-from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
+from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
+from vllmini.engine.engine_setup import build_runtime
+from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
-from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_loading import load_for_engine
-from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.engine.pooling_step import pool_step, prepare_pooling
 from vllmini.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
-from vllmini.kv.block_manager import BlockManager
-from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
 from vllmini.lora.adapter import LoRAAdapter
-from vllmini.lora.manager import LoRAManager
 from vllmini.lora.request import LoRARequest
-from vllmini.models.backend_check import start_backend
-from vllmini.scheduler.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 from vllmini.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
 
 logger = logging.getLogger("vllmini")
-
-
-class StepError(RuntimeError):
-    """The forward of one step failed; its requests were aborted (the engine is still usable)."""
-
-    def __init__(self, request_ids: list[str], cause: Exception) -> None:
-        super().__init__(f"forward failed for requests {request_ids}: {cause!r}")
-        self.request_ids = request_ids
-        self.cause = cause
 
 
 class LLMEngine:
@@ -75,59 +65,16 @@ class LLMEngine:
             logger.info("pooling runner: %s pooling, normalize=%s", config.pooling_type, config.normalize)
 
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
-        kv_window = self.model.kv_window  # every layer's window, if they share one: blocks behind it are released
         if (window := getattr(self.model, "sliding_window", None)) is not None:
-            released = "released behind it" if kv_window else "kept: some layers attend to all tokens"
+            released = "released behind it" if self.model.kv_window else "kept: some layers attend to all tokens"
             logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
         self.vocab_size = self.hf_config.vocab_size
         self.generation_config = load_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
 
-        block_size = args.block_size or (256 if self.device.type == "cuda" else 16)
-        self.attention_backend, backend = start_backend(
-            args.attention_backend, self.device, self.dtype, block_size,
-            self.hf_config.num_attention_heads, self.model.num_kv_heads, self.model.head_dim, self.model.sliding_window,
-        )  # fmt: skip
-        self.model.set_attention_backend(backend)
-        self.lora_manager: LoRAManager | None = None
-        if args.enable_lora:  # (before the KV budget: the adapter slots take memory too)
-            self.lora_manager = LoRAManager(self.model, args.max_loras, args.max_lora_rank,
-                                            args.max_cpu_loras or args.max_loras, self.dtype, self.device)  # fmt: skip
-            logger.info("LoRA: %d adapter slots of rank <= %d", args.max_loras, args.max_lora_rank)
-        # the decode graphs capture no LoRA mapping: an engine with enable_lora runs every step eagerly
-        # (a pooling engine runs no decode step)
-        use_graphs = self.device.type == "cuda" and not args.enforce_eager and not args.enable_lora and self.pooler is None
-        logger.info(
-            "attention backend: %s (block size %d, %s, CUDA graphs %s)",
-            self.attention_backend, block_size, self.dtype, "on" if use_graphs else "off",
-        )  # fmt: skip
-        spec = KVCacheSpec(
-            self.hf_config.num_hidden_layers, self.model.num_kv_heads, self.model.head_dim, block_size, self.dtype
-        )
-        max_prompt_rows = prompt_logprobs.max_rows_per_step(self.vocab_size, args.max_num_batched_tokens)
-        budget = kv_cache_budget(self.model, spec, args, self.max_model_len, self.device, use_graphs, max_prompt_rows,
-                                 pooling=self.pooler is not None)  # fmt: skip
-        num_blocks = num_blocks_for_budget(spec, budget)
-        self.num_blocks = num_blocks
-        # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
-        # then, with a window to release blocks behind, a zeroed null block for released entries
-        pad = PAD_BLOCKS if use_graphs else 0
-        null = 1 if kv_window else 0
-        # MEAN and CLS pooling read positions that a prefix-cache hit skips (as vLLM, no prefix caching then)
-        prefix_caching = args.enable_prefix_caching and (self.pooler is None or self.pooler.pooling_type == "LAST")
-        self.block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
-        self.scheduler = Scheduler(
-            SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len, max_prompt_rows,
-                            args.scheduling_policy, args.max_loras if args.enable_lora else None),  # fmt: skip
-            self.block_manager,
-        )
-        kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, self.device)
-        graphs = None
-        if use_graphs:
-            graphs = capture_decode_graphs(
-                self.model, kv_caches, block_size, args.max_num_seqs, self.max_model_len, num_blocks, self.device
-            )
-        self.runner = ModelRunner(self.model, kv_caches, block_size, self.device, graphs, self.lora_manager)
+        rt = build_runtime(args, self.model, self.hf_config, self.device, self.dtype, self.max_model_len, self.pooler)
+        self.attention_backend, self.lora_manager, self.num_blocks = rt.attention_backend, rt.lora_manager, rt.num_blocks
+        self.block_manager, self.scheduler, self.runner = rt.block_manager, rt.scheduler, rt.runner
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
@@ -136,6 +83,8 @@ class LLMEngine:
         self.proposer: NgramProposer | None = None  # speculative decoding (spec_decode/)
         self.spec_stats = SpecDecodingStats()
         if args.speculative_config is not None:
+            if self.pooler is not None:
+                raise ValueError("speculative_config: a pooling engine (embeddings) generates no tokens to draft")
             spec_config = SpeculativeConfig.parse(args.speculative_config)
             self.proposer = NgramProposer(
                 spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
@@ -222,7 +171,7 @@ class LLMEngine:
             raise ValueError(f"priority={priority} needs EngineArgs.scheduling_policy='priority' (it is "
                              f"{self.args.scheduling_policy!r})")  # fmt: skip
         if isinstance(params, PoolingParams) or self.pooler is not None:
-            return self._prepare_pooling(request_id, prompt, params, arrival_time, priority, lora_request)
+            return prepare_pooling(self, request_id, prompt, params, arrival_time, priority, lora_request)
         inp = self.input_processor.process(prompt, params, default_output_kind)
         # (after the cheap checks: loading an adapter may read its files)
         adapter = None if lora_request is None else self._lora_adapter(lora_request)
@@ -254,26 +203,6 @@ class LLMEngine:
         if arrival_time is not None:  # vLLM's clock (time.time()), moved onto RequestMetrics' monotonic one
             now -= min(max(0.0, time.time() - arrival_time), now)
         return request_id, now
-
-    def _prepare_pooling(
-        self, request_id: str | None, prompt: PromptType, params: PoolingParams | None, arrival_time: float | None,
-        priority: int, lora_request: LoRARequest | None,
-    ) -> PoolingRequestState:  # fmt: skip
-        """A pooling request (PoolingParams, on a pooling engine; either alone is refused, as vLLM's
-        LLM refuses generate on a pooling model and encode on a generating one)."""
-        if self.pooler is None:
-            raise ValueError("PoolingParams (encode / embed) need an engine started with runner='pooling'; this one "
-                             "generates (vLLM: --runner pooling)")  # fmt: skip
-        if not isinstance(params, PoolingParams):
-            raise ValueError(f"this engine runs the pooling runner (embeddings): requests take PoolingParams (encode / "
-                             f"embed), got {type(params).__name__}; generation needs runner='generate'")  # fmt: skip
-        params = self.pooler.resolve(params, self.hf_config)
-        _, ids = self.input_processor.process_pooling(prompt, params)
-        adapter = None if lora_request is None else self._lora_adapter(lora_request)
-        request_id, now = self._id_and_arrival(request_id, arrival_time)
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, 0, arrival_time=now, priority=priority,
-                       lora=adapter)  # fmt: skip
-        return PoolingRequestState(request_id, list(ids), params, [seq])
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
     def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
@@ -359,65 +288,14 @@ class LLMEngine:
         if self.structured.waiting:
             self._admit_compiled()
         if self.pooler is not None:
-            return self._pool_step()
+            return pool_step(self)
         if self.args.async_scheduling:
-            return self._step_async()
+            return step_async(self)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         launched = self._launch(sched)
         return [] if launched is None else self._complete(launched)
-
-    def _pool_step(self) -> list[PoolingRequestOutput]:
-        """A pooling engine's step: the scheduled chunks' wanted hidden states are pooled, and each
-        request whose prompt is now computed finishes with its embedding (engine/pooler.py)."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
-        pooler = self.pooler
-        assert pooler is not None
-
-        def wanted(s: ScheduledSeq) -> tuple[int, int]:
-            return pooler.wanted_rows(s.seq.num_computed_tokens, s.num_new_tokens, s.seq.num_prompt_tokens)
-
-        try:
-            hidden, spans = self.runner.execute_pooling(sched, self.block_manager, wanted)
-        except Exception as exc:  # (as in _launch: the step's requests fail, the engine stays up)
-            failed = list(dict.fromkeys(s.seq.request_id for s in sched.scheduled))
-            self.abort_request(failed)
-            self.block_manager.reset_prefix_cache()
-            raise StepError(failed, exc) from exc
-        outputs = []
-        for i, first, count in spans:
-            s = sched.scheduled[i]
-            state = self.requests[s.seq.request_id]
-            pooler.accumulate(state, s.seq.num_computed_tokens, hidden[first : first + count])
-            if s.completes:
-                state.result = pooler.finish(state)
-        self.scheduler.update_computed(sched)
-        for s in sched.scheduled:
-            state = self.requests[s.seq.request_id]
-            if state.result is not None:
-                self.scheduler.finish(s.seq, SequenceStatus.FINISHED_STOPPED)
-                outputs.append(self._report(state))
-        return outputs
-
-    def _step_async(self) -> list[RequestOutput]:
-        """Launch the continuation of the step in flight (if it has one) before processing that
-        step's tokens, so the host works while the device computes (engine/async_scheduling.py).
-        The scheduler only runs when no step is in flight."""
-        prev, self._in_flight = self._in_flight, None
-        if prev is None:
-            sched = self.scheduler.schedule()
-            if sched.is_empty:
-                return []
-            prev = self._launch(sched)
-            if prev is None:
-                return []
-        nxt = self._launch_continuation(prev)
-        outputs = self._complete(prev)
-        self._in_flight = nxt
-        return outputs
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         """The step's forward and sampler, launched; None when no sequence samples a token."""
@@ -484,38 +362,6 @@ class LLMEngine:
         # async on a GPU: no host sync inside the sampler, so the next step can be launched first
         sync_free = self.args.async_scheduling and logits.is_cuda
         return SampledTokens(self.sampler(logits, tensors, sync_free=sync_free))
-
-    def _matches_output(self, seq: Sequence) -> bool:
-        """Whether sampling this sequence reads its last tokens' values (a bad word of several
-        tokens, a grammar); a one-token bad word is banned whatever came before."""
-        state = self.requests.get(seq.request_id)
-        if state is None:
-            return False
-        return state.matchers is not None or any(len(word) > 1 for word in state.bad_words_token_ids)
-
-    def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
-        plan = plan_continuation(
-            prev, self.scheduler.running, len(self.scheduler.waiting), self.block_manager,
-            self.max_model_len, self.args.max_num_batched_tokens, self.args.max_num_seqs, self._matches_output,
-        )  # fmt: skip
-        if plan is None:
-            return None
-        for seq in plan.seqs:  # their input (the token in flight) is computed by this launch
-            seq.num_computed_tokens += 1
-        tokens = prev.sampled.out.token_ids
-        if plan.source_rows == list(range(len(plan.source_rows))):
-            token_ids = tokens[: len(plan.source_rows)]
-        else:
-            token_ids = tokens[to_device(torch.tensor(plan.source_rows), tokens.device)]
-        try:
-            logits = self.runner.run_flat(plan.flat, token_ids)
-            return LaunchedStep(plan.seqs, self._sample(logits, plan.seqs, in_flight=token_ids))
-        except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
-            for rid in dict.fromkeys(s.request_id for s in plan.seqs):
-                self.abort_request(rid)
-                self.failed[rid] = StepError([rid], exc)
-            self.block_manager.reset_prefix_cache()  # (as in _launch)
-            return None
 
     def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Wait for the step's tokens, append them, check stops and report the requests."""

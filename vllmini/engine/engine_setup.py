@@ -1,0 +1,84 @@
+"""What an engine builds around its loaded model: the attention backend, LoRA slots, the KV
+cache sized from what memory is left, the block manager, the scheduler, CUDA graphs and the
+model runner. Kept apart from ``LLMEngine`` so that the engine reads as the request lifecycle."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllmini.config import EngineArgs
+from vllmini.engine import prompt_logprobs
+from vllmini.engine.cuda_graph import PAD_BLOCKS, capture_decode_graphs
+from vllmini.engine.kv_budget import kv_cache_budget
+from vllmini.engine.model_runner import ModelRunner
+from vllmini.engine.pooler import Pooler
+from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from vllmini.lora.manager import LoRAManager
+from vllmini.models.backend_check import start_backend
+from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger("vllmini")
+
+
+@dataclass
+class EngineRuntime:
+    attention_backend: str
+    lora_manager: LoRAManager | None
+    num_blocks: int
+    block_manager: BlockManager
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def build_runtime(
+    args: EngineArgs, model: Any, hf_config: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
+    pooler: Pooler | None,
+) -> EngineRuntime:  # fmt: skip
+    """Everything between the loaded model and the first step, in the order memory needs:
+    adapter slots and the warm-up peak first, then the KV cache takes what is left."""
+    kv_window = model.kv_window  # every layer's window, if they share one: blocks behind it are released
+    block_size = args.block_size or (256 if device.type == "cuda" else 16)
+    attention_backend, backend = start_backend(
+        args.attention_backend, device, dtype, block_size,
+        hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, model.sliding_window,
+    )  # fmt: skip
+    model.set_attention_backend(backend)
+    lora_manager: LoRAManager | None = None
+    if args.enable_lora:  # (before the KV budget: the adapter slots take memory too)
+        lora_manager = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
+                                   dtype, device)  # fmt: skip
+        logger.info("LoRA: %d adapter slots of rank <= %d", args.max_loras, args.max_lora_rank)
+    # the decode graphs capture no LoRA mapping: an engine with enable_lora runs every step eagerly
+    # (a pooling engine runs no decode step)
+    use_graphs = device.type == "cuda" and not args.enforce_eager and not args.enable_lora and pooler is None
+    logger.info(
+        "attention backend: %s (block size %d, %s, CUDA graphs %s)",
+        attention_backend, block_size, dtype, "on" if use_graphs else "off",
+    )  # fmt: skip
+    spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
+    budget = kv_cache_budget(model, spec, args, max_model_len, device, use_graphs, max_prompt_rows,
+                             pooling=pooler is not None)  # fmt: skip
+    num_blocks = num_blocks_for_budget(spec, budget)
+    # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
+    # then, with a window to release blocks behind, a zeroed null block for released entries
+    pad = PAD_BLOCKS if use_graphs else 0
+    null = 1 if kv_window else 0
+    # MEAN and CLS pooling read positions that a prefix-cache hit skips (as vLLM, no prefix caching then)
+    prefix_caching = args.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
+    block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
+    scheduler = Scheduler(
+        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
+                        args.scheduling_policy, args.max_loras if args.enable_lora else None),  # fmt: skip
+        block_manager,
+    )
+    kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, device)
+    graphs = None
+    if use_graphs:
+        graphs = capture_decode_graphs(model, kv_caches, block_size, args.max_num_seqs, max_model_len, num_blocks, device)
+    runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager)
+    return EngineRuntime(attention_backend, lora_manager, num_blocks, block_manager, scheduler, runner)
