@@ -155,13 +155,15 @@ def step_async(engine: LLMEngine) -> list[RequestOutput]:
         prev = engine._launch(sched)
         if prev is None:
             return []
-    nxt = _launch_continuation(engine, prev)
+    nxt = engine._launch_continuation(prev)  # (a method: tests spy on it)
     outputs = engine._complete(prev)
     engine._in_flight = nxt
     return outputs
 
 
-def _launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
+def launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
+    """The decode step after ``prev`` launched now (plan_continuation), or None."""
+
     def matches_output(seq: Sequence) -> bool:
         """Whether sampling this sequence reads its last tokens' values (a bad word of several
         tokens, a grammar); a one-token bad word is banned whatever came before."""

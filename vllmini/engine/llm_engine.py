@@ -23,7 +23,7 @@ import torch
 
 from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
-from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, step_async
+from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, launch_continuation, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.engine_setup import build_runtime
 from vllmini.engine.errors import StepError
@@ -296,6 +296,9 @@ class LLMEngine:
             return []
         launched = self._launch(sched)
         return [] if launched is None else self._complete(launched)
+
+    def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
+        return launch_continuation(self, prev)
 
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         """The step's forward and sampler, launched; None when no sequence samples a token."""
