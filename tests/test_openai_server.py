@@ -274,13 +274,39 @@ async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, ht
 
 
 async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
-    """The second prompt is refused after the first was queued: the first is aborted."""
-    body = {"prompt": [[1, 2, 3], [99999999]], "max_tokens": 200, "ignore_eos": True}
+    """The second prompt is refused after the first was queued: the first is aborted. (max_tokens
+    null: to the end of the context, so that the server checks no length before queuing.)"""
+    body = {"prompt": [[1, 2, 3], [99999999]], "max_tokens": None, "ignore_eos": True}
     r = await http.post("/v1/completions", json=body)
     assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
     await wait_idle(engine)
     r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "request_id": "mine"})
     assert r.json()["id"] == "mine"
+
+
+async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
+    """vLLM's server refuses what its offline engine (and ours) cut to the context's end; a
+    prompt truncated by truncate_prompt_tokens counts as truncated."""
+    max_len = engine.engine.max_model_len
+    ids = list(range(5, 105))
+    for body in ({"prompt": ids, "max_tokens": max_len - 99},
+                 {"prompt": [ids[:3], ids], "max_tokens": max_len - 99},  # the second prompt is too long for it
+                 {"prompt": "x" * 10, "max_tokens": max_len}):  # fmt: skip
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 400 and "max_tokens is too large" in r.json()["error"]["message"], r.text
+    messages = [{"role": "user", "content": "hi"}]
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = await http.post("/v1/chat/completions", json={"messages": messages, field: max_len})
+        assert r.status_code == 400 and f"context length is {max_len} tokens" in r.json()["error"]["message"]
+    await wait_idle(engine)
+    fits = [{"prompt": ids, "max_tokens": max_len - 100},
+            {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": 10}]
+    for body in fits:  # (exactly at the end of the context)
+        r = await http.post("/v1/completions", json={**body, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["total_tokens"] == max_len
+    r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # to the end of the context
 
 
 def test_a_bad_chat_template_stops_the_server_before_it_listens(engine, tmp_path):

@@ -76,7 +76,7 @@ def test_speculative_config_defaults_and_errors():
         ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
         ({"num_speculative_tokens": 2, "model": "x"}, "unknown"), ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),
-        ("{not json", "JSON"), ([1], "dict"),
+        ("{not json", "JSON"), ([1], "dict"), ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             parse(bad)
@@ -158,6 +158,22 @@ def test_seeded_sampling_penalties_and_stops_equal_plain_decoding(engines):
             assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
             assert [c.stop_reason for c in g.outputs] == [c.stop_reason for c in w.outputs]
     assert_no_leaks(spec)
+
+
+def test_disable_by_batch_size_drafts_only_for_a_small_batch(default_model_dir, engines):
+    base, _ = engines
+    llm = LLM(model=str(default_model_dir), speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    eng, prompts = llm.llm_engine, REPEAT[:3]
+    same = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    chats(llm, same, prompts)  # three requests to the end: never two or fewer left before the last step
+    assert eng.spec_stats.num_drafts == 0
+    staggered = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (8, 60, 60)]
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    got = llm.chat(msgs, staggered, use_tqdm=False)
+    assert eng.spec_stats.num_drafts > 0  # once the first request finished
+    want = base.chat(msgs, staggered, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert_no_leaks(llm)
 
 
 def test_prefix_cache_after_speculation_holds_the_right_kv(engines):

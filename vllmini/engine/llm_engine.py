@@ -81,6 +81,7 @@ class LLMEngine:
         )  # fmt: skip
         self.sampler = Sampler()
         self.proposer: NgramProposer | None = None  # speculative decoding (spec_decode/)
+        self.spec_max_requests: int | None = None  # no drafts while more requests than this are unfinished
         self.spec_stats = SpecDecodingStats()
         if args.speculative_config is not None:
             if self.pooler is not None:
@@ -89,6 +90,7 @@ class LLMEngine:
             self.proposer = NgramProposer(
                 spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
             )
+            self.spec_max_requests = spec_config.disable_by_batch_size
             logger.info("speculative decoding: %s", spec_config)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
@@ -427,6 +429,8 @@ class LLMEngine:
         tokens back, so constrained requests decode one token a step."""
         room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         if room <= 0 or state.matchers is not None or self.proposer is None:
+            return []
+        if self.spec_max_requests is not None and len(self.requests) > self.spec_max_requests:
             return []
         return self.proposer.propose(seq.token_ids, room)
 

@@ -13,12 +13,18 @@ class SpeculativeConfig:
     """``method`` "ngram" (prompt lookup): the last ``prompt_lookup_min``..``prompt_lookup_max``
     tokens are looked up earlier in the sequence (prompt and output), and the
     ``num_speculative_tokens`` tokens that followed there are proposed. Unset lookup bounds
-    follow vLLM: both 5, or the one given for both."""
+    follow vLLM: both 5, or the one given for both. ``disable_by_batch_size``: while more
+    requests than this are unfinished (running or waiting), no drafts are proposed (vLLM decides
+    per request as it arrives; here it is decided every step, so a batch that drains speculates
+    again)."""
 
     num_speculative_tokens: int
     method: str = "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # drafts cost a forward's compute: past this many unfinished requests none are proposed (a full
+    # batch gains little, since the batch lasts as long as its slowest sequence)
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value: dict[str, Any] | str | SpeculativeConfig) -> SpeculativeConfig:
@@ -46,7 +52,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-        config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo)
+        disable = value.get("disable_by_batch_size")
+        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 2):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2 (or None), got {disable!r}")
+        config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo, disable)
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         return config

@@ -59,6 +59,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
+        if max_tokens is not None and max_tokens is not self.model_max_tokens:
+            self.check_context(len(prompt["prompt_token_ids"]), params)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics,

@@ -20,6 +20,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request.check()
         prompts = request.prompts()
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
+        if request.max_tokens is not None:  # (the engine tokenizes them again: truncation reads the text)
+            for prompt in prompts:
+                self.check_context(len(self.engine.engine.tokenize(prompt)[1]), params)
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)

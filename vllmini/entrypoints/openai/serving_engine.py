@@ -170,6 +170,19 @@ class OpenAIServing:
         self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
         self.max_model_len = engine.engine.max_model_len
 
+    def check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A request's max_tokens must fit in the context after its prompt (as truncated): vLLM's
+        server refuses it (a 400), where the offline engines cut it to what is left."""
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            num_prompt_tokens = min(num_prompt_tokens, self.max_model_len if keep == -1 else keep)
+        if num_prompt_tokens < self.max_model_len < num_prompt_tokens + params.max_tokens:  # (a prompt past it: the engine says so)
+            raise ValueError(
+                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})"
+            )
+
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); ModelNotFoundError (404) for a name not served."""
         return self.models.resolve(model)
