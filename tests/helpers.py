@@ -215,3 +215,13 @@ def vllmini_serve(*args: str) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait()
+
+
+def fake_python(tmp_path: Path, driver_source: str, name: str = "fake_driver.py") -> str:
+    """An executable that stands in for vLLM's interpreter: it runs ``driver_source`` (a stand-in
+    for bench/vllm_driver.py) with this Python, whatever script it is handed."""
+    script, exe = tmp_path / name, tmp_path / "python"
+    script.write_text(driver_source)
+    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
+    exe.chmod(0o755)
+    return str(exe)

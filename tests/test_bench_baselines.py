@@ -18,7 +18,7 @@ from bench.offline import Workload
 from bench.serving import main
 from bench.serving_metrics import decode
 from bench.workloads import load_workload_file
-from helpers import save_tiny_model, tiny_llama_config
+from helpers import fake_python, save_tiny_model, tiny_llama_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,12 +133,7 @@ FAKE_DRIVER = textwrap.dedent(
 
 @pytest.fixture
 def fake_vllm_python(tmp_path):
-    script = tmp_path / "fake_driver.py"
-    script.write_text(FAKE_DRIVER)
-    exe = tmp_path / "python"
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    exe.chmod(0o755)
-    return str(exe)
+    return fake_python(tmp_path, FAKE_DRIVER)
 
 
 def test_vllm_baseline_plumbing_with_file_workload(tmp_path, tiny_model, fake_vllm_python):
@@ -299,11 +294,7 @@ def test_baseline_failures_are_reported_not_dropped(tmp_path, tiny_model, capsys
     """Failed baseline requests show in the comparison (not only a lower tok/s and survivors'
     latencies), and a baseline that cannot run becomes a row saying so: the rows measured
     before it (HF, the other vLLM mode) stay in the record and the table."""
-    script = tmp_path / "flaky.py"
-    script.write_text(FLAKY_DRIVER)
-    exe = tmp_path / "python"
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    exe.chmod(0o755)
+    exe = fake_python(tmp_path, FLAKY_DRIVER, "flaky.py")
     out = tmp_path / "res"
     (rec,) = main(["--model", str(tiny_model), "--workload", "offline", "--dataset", "random", "--input-len", "8:20",
                    "--output-len", "3", "--num-requests", "4", "--num-warmup", "0", "--hf-batch-size", "2",

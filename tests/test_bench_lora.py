@@ -3,12 +3,11 @@ hands each request's adapter and the LoRA engine settings to the driver (a stand
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import save_tiny_model, tiny_llama_config
+from helpers import fake_python, save_tiny_model, tiny_llama_config
 
 pytest.importorskip("peft")
 
@@ -37,10 +36,7 @@ def test_bench_lora_rows(tmp_path, monkeypatch, default_model_dir):
 
     torch.manual_seed(0)
     model = save_tiny_model(LlamaForCausalLM(tiny_llama_config(vocab_size=49152)).eval(), tmp_path / "m", default_model_dir)
-    script, exe = tmp_path / "fake_driver.py", tmp_path / "python"
-    script.write_text(FAKE_DRIVER)
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    exe.chmod(0o755)
+    exe = fake_python(tmp_path, FAKE_DRIVER)
     monkeypatch.setenv("VLLMINI_CACHE", str(tmp_path / "cache"))  # where the adapters are made
     record = main(["--model", str(model), "--num-adapters", "2", "--rank", "4", "--num-requests", "4", "--output-len", "3",
                    "--hf-batch-size", "2", "--vllm-python", str(exe), "--out", str(tmp_path / "res")])  # fmt: skip

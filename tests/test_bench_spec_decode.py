@@ -3,12 +3,11 @@ vLLM rows hand the ngram settings (or none) to the driver (a stand-in here)."""
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 
 import pytest
 import torch
-from helpers import save_tiny_model, tiny_llama_config
+from helpers import fake_python, save_tiny_model, tiny_llama_config
 
 FAKE_DRIVER = textwrap.dedent(
     """
@@ -36,10 +35,7 @@ def test_bench_spec_decode_rows(tmp_path, default_model_dir):
 
     torch.manual_seed(0)
     model = save_tiny_model(LlamaForCausalLM(tiny_llama_config(vocab_size=49152)).eval(), tmp_path / "m", default_model_dir)
-    script, exe = tmp_path / "fake_driver.py", tmp_path / "python"
-    script.write_text(FAKE_DRIVER)
-    exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
-    exe.chmod(0o755)
+    exe = fake_python(tmp_path, FAKE_DRIVER)
     record = main(["--model", str(model), "--num-requests", "2", "--output-len", "5", "--num-speculative-tokens", "3",
                    "--prompt-lookup-min", "1", "--prompt-lookup-max", "2", "--vllm-python", str(exe),
                    "--out", str(tmp_path / "res")])  # fmt: skip

@@ -122,11 +122,11 @@ def test_multi_token_bad_words_under_async_scheduling(default_model_dir, smol, a
 def test_one_token_bad_words_keep_async_continuations(default_model_dir, smol, monkeypatch):
     """A one-token bad word is banned whatever came before, so it does not stop async scheduling
     from launching the next step early; a bad word of several tokens does."""
-    import vllmini.engine.llm_engine as llm_engine
+    import vllmini.engine.async_scheduling as async_scheduling
 
     planned = []
-    real = llm_engine.plan_continuation
-    monkeypatch.setattr(llm_engine, "plan_continuation", lambda *a: planned.append(real(*a)) or planned[-1])
+    real = async_scheduling.plan_continuation
+    monkeypatch.setattr(async_scheduling, "plan_continuation", lambda *a: planned.append(real(*a)) or planned[-1])
     llm = LLM(model=str(default_model_dir), async_scheduling=True)
     for words, launches_early in ((["Paris"], True), (["capital of France"], False)):
         planned.clear()

@@ -147,17 +147,23 @@ class PoolerConfig:
         text (the command line's ``--pooler-config '{"pooling_type": "MEAN"}'``, as vLLM's)."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig, a dict or its JSON text, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known, key=str):
-            raise ValueError(f"pooler_config has unsupported field(s) {unknown}; accepted: {sorted(known)}")
-        return cls(**value)
+        return cls(**config_fields(value, "pooler_config", cls))
+
+
+def config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:
+    """A config given as a dict of the dataclass ``cls``'s fields or as its JSON text (vLLM's
+    command line passes JSON: ``--pooler-config '{...}'``), checked for unknown fields."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a {cls.__name__}, a dict of its fields or their JSON text, got {value!r}")
+    known = {f.name for f in fields(cls)}
+    if unknown := sorted(set(value) - known, key=str):
+        raise ValueError(f"{name} has unknown or unsupported field(s) {unknown}; accepted: {sorted(known)}")
+    return value
 
 
 RUNNERS = ("auto", "generate", "pooling")

@@ -1,9 +1,10 @@
 """``EngineArgs.speculative_config``: vLLM's dict (or its JSON text, as the CLI passes it)."""
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from vllmini.config import config_fields
 
 METHODS = ("ngram",)
 
@@ -31,16 +32,7 @@ class SpeculativeConfig:
         """Checked, with the defaults filled in; a ValueError names the bad field."""
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict (or its JSON text), got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"speculative_config: unknown or unsupported field(s) {unknown}; accepted: {sorted(known)}")
+        value = config_fields(value, "speculative_config", cls)
         if value.get("method", "ngram") not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(METHODS)} (no draft models here), "
                              f"got {value.get('method')!r}")  # fmt: skip
