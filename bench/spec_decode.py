@@ -42,8 +42,9 @@ def workloads(tokenizer, n: int, output_len: int) -> list[Workload]:
 
 
 def spec_dict(args: argparse.Namespace) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
+    return spec if args.disable_by_batch_size is None else {**spec, "disable_by_batch_size": args.disable_by_batch_size}
 
 
 def run_vllmini(llm, wl: Workload, one_at_a_time: bool) -> float:
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's (both engines)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="vLLM's interpreter (bench/setup_vllm_cpu.sh) for its rows")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON record")
