@@ -30,13 +30,17 @@ def track_owned_blocks(llm) -> dict[int, int]:
     return most
 
 
-@pytest.mark.parametrize(("backend", "async_scheduling"), [("cpu", False), ("cpu", True), ("torch", False)])
+@pytest.mark.parametrize(("backend", "async_scheduling", "speculative"),
+                         [("cpu", False, False), ("cpu", True, False), ("torch", False, False), ("cpu", False, True)])
 def test_sequences_longer_than_the_cache_run_within_their_window(tmp_path_factory, default_model_dir, backend,
-                                                                 async_scheduling):  # fmt: skip
+                                                                 async_scheduling, speculative):  # fmt: skip
+    """(speculative: drafts verified in the window, their rejected slots rolled back)"""
     model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, "mistral", num_hidden_layers=3,
                              sliding_window=WINDOW)  # fmt: skip
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2} if speculative else None
     llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, BLOCKS),
-              enable_prefix_caching=True, async_scheduling=async_scheduling, attention_backend=backend)  # fmt: skip
+              enable_prefix_caching=True, async_scheduling=async_scheduling, attention_backend=backend,
+              speculative_config=spec)  # fmt: skip
     eng = llm.llm_engine
     assert eng.block_manager.sliding_window == WINDOW and eng.num_blocks == BLOCKS
     assert eng.capacity_tokens == eng.max_model_len  # a window plus a step's chunk fits the pool
@@ -52,6 +56,7 @@ def test_sequences_longer_than_the_cache_run_within_their_window(tmp_path_factor
             assert_greedy_matches(completion.token_ids, want, gaps, f"prompt of {len(p)}")
     assert max(most.values()) <= eng.block_manager.max_blocks_per_step(16) == 3  # never the whole sequence
     assert eng.block_manager.prefix_cache_hits > 0
+    assert not speculative or eng.spec_stats.num_drafts > 0
     assert_no_leaks(llm)
 
 

@@ -232,6 +232,29 @@ def test_greedy_equals_transformers_under_chunking_and_preemption(tiny_qwen3):
     assert_no_leaks(llm)
 
 
+def test_lora_requests_speculate_as_base_ones(tiny_qwen3, tmp_path):
+    """Adapters' rows and the base model's, with drafts, in one step: each output equals the
+    same engine's without speculation (LoRA itself is checked against PEFT in test_lora.py)."""
+    pytest.importorskip("peft")
+    from helpers import save_tiny_lora
+    from vllmini import LoRARequest
+
+    model_dir, _ = tiny_qwen3
+    lora = LoRARequest("a", 1, save_tiny_lora(model_dir, tmp_path / "a", seed=3, r=4))
+    g = torch.Generator().manual_seed(5)
+    prompts = [{"prompt_token_ids": (p := torch.randint(0, 512, (12,), generator=g).tolist()) + p} for _ in range(4)]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    loras = [lora, None, lora, None]
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": spec})):
+        llm = LLM(model=str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, **extra)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras, use_tqdm=False)]
+        assert_no_leaks(llm)
+    assert outs["spec"] == outs["plain"]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+
+
 def test_async_engine_streams_several_tokens_a_step(default_model_dir):
     async def main():
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM))
