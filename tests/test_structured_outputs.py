@@ -315,8 +315,17 @@ def test_async_scheduling_preemption_and_streaming_give_the_same_outputs(default
 
 
 def test_async_engine_refuses_a_bad_constraint_at_the_call(default_model_dir):
+    """(and its shutdown stops the grammar compile thread it started)"""
+    import threading
+
+    def grammar_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("vllmini-grammar")}
+
+    before, kept = grammar_threads(), []
+
     async def main() -> None:
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), max_model_len=256))
+        kept.append(engine)  # (still referenced after shutdown, as a server's app holds it)
         try:
             bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
             with pytest.raises(ValueError, match=r"structured_outputs\.regex"):
@@ -325,10 +334,12 @@ def test_async_engine_refuses_a_bad_constraint_at_the_call(default_model_dir):
             good = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
             outs = [o async for o in engine.generate("Is water wet?", good, request_id="bad")]
             assert outs[-1].outputs[0].text in ("yes", "no") and outs[-1].finished
+            assert grammar_threads() - before  # the compile thread runs...
         finally:
             await engine.shutdown()
 
     asyncio.run(main())
+    assert not grammar_threads() - before  # ...until the engine shuts down
 
 
 def test_a_compile_ending_while_ready_sorts_the_queue_is_not_lost():

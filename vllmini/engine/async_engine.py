@@ -213,6 +213,7 @@ class AsyncLLMEngine:
             self._executor_closed = True
             self._executor.submit(self._abort_everything).result()
             self._executor.shutdown(wait=True)
+            self.engine.structured.close()  # (its compile thread, if a grammar ever started one)
 
     # ---- requests ------------------------------------------------------------------------
     def _prompt(self, prompt: PromptType | list[dict[str, str]]) -> PromptType:

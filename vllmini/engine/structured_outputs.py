@@ -109,6 +109,13 @@ class StructuredOutputManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllmini-grammar")
         return self._executor.submit(self._compile, grammar)
 
+    def close(self) -> None:
+        """Stop the compile thread (a grammar compiling now is waited for; a later ``submit``
+        starts a new thread)."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+
     def _compile(self, grammar: Any) -> Any:
         if self._compiler is None:
             xgr = load_xgrammar()
