@@ -276,3 +276,8 @@ def test_memory_warm_up_runs_the_costliest_step(tiny, monkeypatch, max_logprobs)
     assert seen["sampled"] == ((6, CONFIG.vocab_size), top, list(range(6)), True, True)
     assert seen["scored"] == ((9, CONFIG.vocab_size), top)
     assert (5, CONFIG.vocab_size) in nucleus_widths  # top-p sorted whole rows (all but the masked one)
+    # speculative decoding: each decode samples its drafts' rows too (6 sequences x (1 + 3))
+    args = EngineArgs(model=model_dir, max_num_seqs=6, max_num_batched_tokens=64, max_logprobs=max_logprobs,
+                      speculative_config={"num_speculative_tokens": 3})  # fmt: skip
+    kv_budget.warm_up_step(model, args, 256, 9, torch.device("cpu"))
+    assert seen["sampled"][0] == (24, CONFIG.vocab_size)

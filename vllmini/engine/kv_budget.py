@@ -58,8 +58,14 @@ def warm_up_step(
     """Run the most memory a step can take: the forward at the largest step size, the sampler
     over ``max_num_seqs`` rows with every costly option on (top-p on flat logits, which sorts
     whole rows; penalties; an allowed-tokens mask, on one row: its mask covers the batch; the
-    most logprobs), and prompt-logprob scoring on the capped rows."""
+    most logprobs), and prompt-logprob scoring on the capped rows. With speculative decoding a
+    decode samples a row per draft too: up to ``max_num_seqs * (1 + k)`` rows (within the budget)."""
     num_sampled = args.max_num_seqs
+    if args.speculative_config is not None:
+        from vllmini.spec_decode.config import SpeculativeConfig
+
+        k = SpeculativeConfig.parse(args.speculative_config).num_speculative_tokens
+        num_sampled = min(args.max_num_batched_tokens, args.max_num_seqs * (1 + k))
     logits = ModelRunner.warmup(
         model, args.max_num_batched_tokens, max_model_len, device, num_sampled + max_prompt_logits_rows
     )
