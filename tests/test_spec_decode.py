@@ -190,14 +190,26 @@ def test_prefix_cache_after_speculation_holds_the_right_kv(engines):
     assert_no_leaks(spec)
 
 
-def test_structured_outputs_run_without_drafts(engines):
+def test_structured_outputs_verify_drafts_the_grammar_takes(engines):
+    """Drafts under a grammar are cut to what it takes, and each draft's row is masked in the
+    grammar's state after the drafts before it: outputs equal plain decoding's, drafts accepted."""
     from vllmini import StructuredOutputsParams
 
     pytest.importorskip("xgrammar")
     base, spec = engines
-    params = SamplingParams(max_tokens=40, temperature=0, structured_outputs=StructuredOutputsParams(regex="(ab){1,15}"))
-    w, g = (llm.generate(["ab ab ab ab"], params, use_tqdm=False)[0].outputs[0] for llm in (base, spec))
-    assert g.token_ids == w.token_ids and g.text == w.text
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+              "required": ["items"]}  # fmt: skip
+    cases = [
+        ("ab ab ab ab ab ab", StructuredOutputsParams(regex="(ab ){1,20}")),
+        (REPEAT[0] + " Answer in JSON.", StructuredOutputsParams(json=schema)),
+        (REPEAT[1], StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+")),
+    ]
+    before = spec.llm_engine.spec_stats.num_accepted_tokens
+    for prompt, so in cases:
+        params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=so)
+        w, g = (chats(llm, params, [prompt])[0].outputs[0] for llm in (base, spec))
+        assert g.token_ids == w.token_ids and g.text == w.text and g.finish_reason == w.finish_reason, prompt
+    assert spec.llm_engine.spec_stats.num_accepted_tokens - before > 20
     assert_no_leaks(spec)
 
 

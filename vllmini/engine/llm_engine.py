@@ -360,7 +360,7 @@ class LLMEngine:
                 for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
         matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
         if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
-            logits = self.structured.mask(logits, matchers)
+            logits = self.structured.mask(logits, matchers, drafts)
         tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
         if in_flight is not None and tensors.output_token_ids is not None:  # only penalties read it
             tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])
@@ -425,14 +425,17 @@ class LLMEngine:
 
     def _propose(self, state: RequestState, seq: Sequence) -> list[int]:
         """Speculative decoding: the drafts for the sequence's next step, as many as its
-        max_tokens and max_model_len leave room to accept. A grammar's matcher cannot take
-        tokens back, so constrained requests decode one token a step."""
+        max_tokens and max_model_len leave room to accept; under a grammar (structured
+        outputs), only as many as it takes (a refused draft could never be accepted)."""
         room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        if room <= 0 or state.matchers is not None or self.proposer is None:
+        if room <= 0 or self.proposer is None:
             return []
         if self.spec_max_requests is not None and len(self.requests) > self.spec_max_requests:
             return []
-        return self.proposer.propose(seq.token_ids, room)
+        drafts = self.proposer.propose(seq.token_ids, room)
+        if drafts and state.matchers is not None:
+            drafts = self.structured.valid_prefix(state.matchers[seq.index], drafts)
+        return drafts
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);

@@ -167,12 +167,18 @@ class StructuredOutputManager:
             out.append((state, error))
         return out
 
-    def mask(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> torch.Tensor:
+    def mask(
+        self, logits: torch.Tensor, matchers: Sequence[Any | None], drafts: dict[int, list[int]] | None = None
+    ) -> torch.Tensor:
         """``logits`` with each row's tokens that its matcher (None: no grammar) does not allow
         masked, in place when the tensor is contiguous (xgrammar skips other layouts silently,
-        so those are copied first)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
-        if not rows:
+        so those are copied first). ``drafts`` (speculative decoding: first row -> drafts, the
+        next rows holding the same matcher): a draft's row is masked in the state after the
+        drafts before it, which the matcher takes and then gives back (``rollback``)."""
+        later = {first + j for first, d in (drafts or {}).items() if matchers[first] is not None
+                 for j in range(1, len(d) + 1)}  # fmt: skip
+        rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated() and i not in later]
+        if not rows and not later:
             return logits
         if not logits.is_contiguous():
             logits = logits.contiguous()
@@ -180,9 +186,36 @@ class StructuredOutputManager:
         if self._filler is None:
             self._filler = xgr.BatchGrammarMatcher()
         bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
-        self._filler.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        if rows:
+            self._filler.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        for first, d in (drafts or {}).items():
+            if (matcher := matchers[first]) is None:
+                continue
+            taken = 0
+            for j, token in enumerate(d, 1):  # (drafts are cut to what the grammar takes: see valid_prefix)
+                if matcher.is_terminated() or not matcher.accept_token(token):
+                    break
+                taken += 1
+                if not matcher.is_terminated():  # (after the grammar's end the row's token is never kept)
+                    matcher.fill_next_token_bitmask(bitmask, first + j)
+                    rows.append(first + j)
+            if taken:
+                matcher.rollback(taken)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
         return logits
+
+    @staticmethod
+    def valid_prefix(matcher: Any, tokens: list[int]) -> list[int]:
+        """The longest prefix of ``tokens`` the grammar takes from the matcher's state (up to its
+        end, the EOS it ends on included); the matcher is left as it was."""
+        taken = 0
+        for token in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        return tokens[:taken]
 
     @staticmethod
     def accept(matcher: Any, token: int) -> bool:
