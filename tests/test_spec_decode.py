@@ -136,6 +136,30 @@ def test_greedy_equals_plain_decoding_and_drafts_are_accepted(engines):
     spec.llm_engine.block_manager.check_invariants()
 
 
+def test_every_verification_is_counted_even_the_one_that_ends_a_request(engines):
+    """The counters see every scheduled draft, including those of the step whose tokens stop the
+    sequence (max_tokens or a stop string among the accepted drafts)."""
+    _, spec = engines
+    eng, scheduled = spec.llm_engine, []
+    real = eng.scheduler.schedule
+
+    def schedule():
+        out = real()
+        scheduled.extend(s.spec_token_ids for s in out.scheduled if s.spec_token_ids)
+        return out
+
+    eng.scheduler.schedule = schedule
+    before = (eng.spec_stats.num_drafts, eng.spec_stats.num_draft_tokens)
+    try:
+        for params in (SamplingParams(max_tokens=30, temperature=0), SamplingParams(max_tokens=80, temperature=0, stop=["15"])):
+            chats(spec, params, REPEAT[1:2])
+    finally:
+        del eng.scheduler.schedule
+    assert len(scheduled) > 2
+    assert eng.spec_stats.num_drafts - before[0] == len(scheduled)
+    assert eng.spec_stats.num_draft_tokens - before[1] == sum(map(len, scheduled))
+
+
 def test_seeded_sampling_penalties_and_stops_equal_plain_decoding(engines):
     """A draft's row samples as if the drafts before it had been sampled: its seed, penalties
     and min_tokens see them, so seeded tokens are those of plain decoding; stops inside a run

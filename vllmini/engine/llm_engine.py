@@ -80,17 +80,16 @@ class LLMEngine:
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
-        self.proposer: NgramProposer | None = None  # speculative decoding (spec_decode/)
-        self.spec_max_requests: int | None = None  # no drafts while more requests than this are unfinished
+        self.spec_config: SpeculativeConfig | None = None  # speculative decoding (spec_decode/)
+        self.proposer: NgramProposer | None = None
         self.spec_stats = SpecDecodingStats()
         if args.speculative_config is not None:
             if self.pooler is not None:
                 raise ValueError("speculative_config: a pooling engine (embeddings) generates no tokens to draft")
-            spec_config = SpeculativeConfig.parse(args.speculative_config)
+            spec_config = self.spec_config = SpeculativeConfig.parse(args.speculative_config)
             self.proposer = NgramProposer(
                 spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
             )
-            self.spec_max_requests = spec_config.disable_by_batch_size
             logger.info("speculative decoding: %s", spec_config)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
@@ -381,13 +380,17 @@ class LLMEngine:
             if state is None or seq.status.finished:  # failed earlier in this loop, or (async) stopped already
                 continue
             touched[seq.request_id] = state
-            accepted = self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
+            self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
+            # speculative decoding: the drafts the sampler agreed with (counted even when a stop
+            # among them ends the sequence, as vLLM's acceptance counts)
+            accepted = next((j for j, d in enumerate(drafts) if tokens[first + j] != d), len(drafts))
+            if drafts:
+                self.spec_stats.observe(len(drafts), accepted)
             if seq.status.finished:
                 if seq.request_id not in self.requests:  # aborted (e.g. a detokenizer failure): not reported
                     touched.pop(seq.request_id, None)
                 continue
-            if drafts:  # the rejected drafts' K/V is dropped: the next step computes over it
-                self.spec_stats.observe(len(drafts), accepted)
+            if drafts:  # the rejected drafts' K/V is dropped (unfinished: every accepted token was appended)
                 seq.num_computed_tokens -= len(drafts) - accepted
                 self.block_manager.rollback(seq.seq_id, seq.num_computed_tokens)
             if self.proposer is not None:
@@ -397,20 +400,20 @@ class LLMEngine:
     def _append_tokens(
         self, state: RequestState, seq: Sequence, first: int, tokens: list[int], invalid: list[bool],
         out: SamplerOutput, drafts: list[int],
-    ) -> int:  # fmt: skip
+    ) -> None:  # fmt: skip
         """Append the sequence's token of row ``first`` and, while each agrees with the draft it
-        was sampled after, the next rows' (speculative decoding). Returns the drafts accepted."""
+        was sampled after, the next rows' (speculative decoding), until one stops it."""
         for j in range(len(drafts) + 1):
             row, token = first + j, tokens[first + j]
             if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
-                return j
+                return
             grammar_ended = False
             if state.matchers is not None:  # structured outputs: the grammar takes the token
                 matcher = state.matchers[seq.index]
                 if not self.structured.accept(matcher, token):
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "token refused by the structured output grammar")
-                    return j
+                    return
                 grammar_ended = matcher.is_terminated()
             self.num_generated_tokens += 1
             try:
@@ -418,19 +421,19 @@ class LLMEngine:
             except Exception as exc:  # e.g. a detokenizer failure: only this request fails
                 self.abort_request(seq.request_id)
                 self.failed[seq.request_id] = exc
-                return j
+                return
             if seq.status.finished or j == len(drafts) or token != drafts[j]:
-                return j
-        return len(drafts)
+                return
 
     def _propose(self, state: RequestState, seq: Sequence) -> list[int]:
         """Speculative decoding: the drafts for the sequence's next step, as many as its
         max_tokens and max_model_len leave room to accept; under a grammar (structured
         outputs), only as many as it takes (a refused draft could never be accepted)."""
         room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        if room <= 0 or self.proposer is None:
+        if room <= 0 or self.proposer is None or self.spec_config is None:
             return []
-        if self.spec_max_requests is not None and len(self.requests) > self.spec_max_requests:
+        limit = self.spec_config.disable_by_batch_size  # no drafts while more requests are unfinished
+        if limit is not None and len(self.requests) > limit:
             return []
         drafts = self.proposer.propose(seq.token_ids, room)
         if drafts and state.matchers is not None:
