@@ -38,16 +38,15 @@ class SpeculativeConfig:
                              f"got {value.get('method')!r}")  # fmt: skip
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        least = {"num_speculative_tokens": 1, "prompt_lookup_max": 1, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
+        for name, lowest in least.items():
             v = value.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lowest):
+                raise ValueError(f"speculative_config.{name} must be an integer >= {lowest}, got {v!r}")
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         lo, hi = (5, 5) if lo is None and hi is None else (lo if lo is not None else hi, hi if hi is not None else lo)
-        disable = value.get("disable_by_batch_size")
-        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 2):
-            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 2 (or None), got {disable!r}")
-        config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo, disable)
+        config = cls(value["num_speculative_tokens"], value.get("method", "ngram"), hi, lo,
+                     value.get("disable_by_batch_size"))  # fmt: skip
         if lo > hi:
             raise ValueError(f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}")
         return config
