@@ -300,7 +300,8 @@ async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
         assert r.status_code == 400 and f"context length is {max_len} tokens" in r.json()["error"]["message"]
     await wait_idle(engine)
     fits = [{"prompt": ids, "max_tokens": max_len - 100},
-            {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": 10}]
+            {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": 10},
+            {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": -1}]  # (-1: what max_tokens leaves)
     for body in fits:  # (exactly at the end of the context)
         r = await http.post("/v1/completions", json={**body, "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200, r.text

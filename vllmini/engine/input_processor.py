@@ -132,7 +132,7 @@ class InputProcessor:
         self._check_params(params)
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            ids = self._truncate(prompt, text, ids, self._keep(params))
+            ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
@@ -230,7 +230,7 @@ class InputProcessor:
                              f"({self.capacity_tokens} tokens); raise kv_cache_memory")  # fmt: skip
         return text, ids
 
-    def _keep(self, params: SamplingParams) -> int:
+    def keep_tokens(self, params: SamplingParams) -> int:
         """How many prompt tokens ``truncate_prompt_tokens`` keeps (-1: as many as max_model_len
         leaves beside max_tokens)."""
         keep = params.truncate_prompt_tokens
