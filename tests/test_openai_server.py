@@ -21,7 +21,7 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, served_model_name=NAME))
     yield eng
     eng.shutdown()
 
@@ -457,42 +457,54 @@ async def test_tokenize_and_detokenize(http, engine):
         assert bad.status_code in (400, 404) and named in bad.json()["error"]["message"]
 
 
-async def test_metrics_in_prometheus_format_with_vllms_names(engine):
+async def _scrape(http: httpx.AsyncClient) -> dict[tuple[str, str | None], float]:
+    """/metrics as {(sample name, finished_reason label): value}, this model's samples only."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    app = build_app(engine, NAME)  # its own registry: counts start at 0
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-        body = {"model": NAME, "prompt": PROMPTS, "max_tokens": 4, "ignore_eos": True}
-        await http.post("/v1/completions", json=body)
-        await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                                                      "n": 2, "ignore_eos": True, "stream": True})  # fmt: skip
-        r = await http.get("/metrics")
+    r = await http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    samples = {(s.name, s.labels.get("finished_reason")): s.value
-               for family in text_string_to_metric_families(r.text) for s in family.samples
-               if s.labels.get("model_name") == NAME}  # fmt: skip
-    assert samples[("vllm:request_success_total", "length")] == 4  # one per request (the chat's n=2 included)
-    assert samples[("vllm:time_to_first_token_seconds_count", None)] == 4
-    assert samples[("vllm:request_generation_tokens_sum", None)] == 3 * 4 + 2 * 3
-    assert samples[("vllm:e2e_request_latency_seconds_sum", None)] > 0
-    assert samples[("vllm:num_requests_running", None)] == 0 and samples[("vllm:kv_cache_usage_perc", None)] == 0
-    assert samples[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
+    return {(s.name, s.labels.get("finished_reason")): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples
+            if s.labels.get("model_name") == NAME}  # fmt: skip
+
+
+def _delta(after: dict, before: dict, name: str, reason: str | None = None) -> float:
+    return after[(name, reason)] - before.get((name, reason), 0.0)
+
+
+async def test_metrics_in_prometheus_format_with_vllms_names(engine, http):
+    """The engine's registry (labelled with its served_model_name) counts as requests run: the
+    deltas over two API requests are theirs."""
+    await wait_idle(engine)
+    before = await _scrape(http)
+    body = {"model": NAME, "prompt": PROMPTS, "max_tokens": 4, "ignore_eos": True}
+    await http.post("/v1/completions", json=body)
+    await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                                                  "n": 2, "ignore_eos": True, "stream": True})  # fmt: skip
+    after = await _scrape(http)
+    assert _delta(after, before, "vllm:request_success_total", "length") == 4  # one per request (n=2 included)
+    assert _delta(after, before, "vllm:time_to_first_token_seconds_count") == 4
+    assert _delta(after, before, "vllm:request_generation_tokens_sum") == 3 * 4 + 2 * 3
+    # a gap per sequence and step after its first token: 3 x 3 for the completions, 2 x 2 for the chat
+    assert _delta(after, before, "vllm:inter_token_latency_seconds_count") == 3 * 3 + 2 * 2
+    assert _delta(after, before, "vllm:request_params_n_sum") == 3 + 2
+    assert _delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
+    assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
+    assert after[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine, stream):
+async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine, http, stream):
     """n sequences are decoded side by side: n x 5 tokens take 4 gaps, not 5n - 1."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    app = build_app(engine, NAME)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
-        body = {"model": NAME, "prompt": "Hi", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": stream}
-        assert (await http.post("/v1/completions", json=body)).status_code == 200
-        text = (await http.get("/metrics")).text
-    sums = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
-    assert sums["vllm:request_generation_tokens_sum"] == 15
-    between = sums["vllm:e2e_request_latency_seconds_sum"] - sums["vllm:time_to_first_token_seconds_sum"]
-    assert sums["vllm:request_time_per_output_token_seconds_sum"] == pytest.approx(between / 4)
+    await wait_idle(engine)
+    before = await _scrape(http)
+    body = {"model": NAME, "prompt": "Hi", "n": 3, "max_tokens": 5, "ignore_eos": True, "stream": stream}
+    assert (await http.post("/v1/completions", json=body)).status_code == 200
+    after = await _scrape(http)
+    assert _delta(after, before, "vllm:request_generation_tokens_sum") == 15
+    between = _delta(after, before, "vllm:e2e_request_latency_seconds_sum") - _delta(
+        after, before, "vllm:time_to_first_token_seconds_sum")
+    assert _delta(after, before, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(between / 4)
     await wait_idle(engine)
 
 

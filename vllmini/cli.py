@@ -338,7 +338,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (as --model; default: the bundled one)")
     serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
     serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $VLLMINI_API_KEY, else none)")
     serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",

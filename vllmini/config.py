@@ -240,6 +240,11 @@ class EngineArgs:
     runner: str = "auto"
     task: str | None = None
     pooler_config: PoolerConfig | dict | str | None = None
+    # the name clients send as ``model`` to the server and the metrics' model_name label (None: model)
+    served_model_name: str | None = None
+    # the engine keeps Prometheus metrics (metrics/stat_logger.py: the server's /metrics,
+    # LLM.get_metrics()) unless this is set; LLM sets it unless told otherwise, as vLLM's does
+    disable_log_stats: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:

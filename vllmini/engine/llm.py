@@ -16,6 +16,7 @@ from vllmini.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput,
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.lora.request import LoRARequest
+from vllmini.metrics.reader import Metric
 
 Messages = list[dict[str, Any]]
 
@@ -27,6 +28,7 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(EngineArgs.field_names())}")
+        kwargs.setdefault("disable_log_stats", True)  # (vLLM's default offline: get_metrics() needs False)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Any:
@@ -35,6 +37,11 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests are unfinished."""
         return self.llm_engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's Prometheus metrics as objects (vLLM's Counter, Gauge, Histogram, Vector
+        of ``vllmini.metrics.reader``); needs ``LLM(..., disable_log_stats=False)``."""
+        return self.llm_engine.get_metrics()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate/chat use when given no SamplingParams: the model's generation config

@@ -40,6 +40,8 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.lora.adapter import LoRAAdapter
+from vllmini.metrics.reader import Metric, get_metrics_snapshot
+from vllmini.metrics.stat_logger import StatLogger
 from vllmini.lora.request import LoRARequest
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -97,6 +99,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
         self.num_generated_tokens = 0  # every token sampled and kept since start (for throughput stats)
+        self.stat_logger = None if args.disable_log_stats else StatLogger(self, args.served_model_name or args.model)
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -284,6 +287,12 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now (metrics/reader.py), under the names /metrics serves."""
+        if self.stat_logger is None:
+            raise RuntimeError("metrics are off: build the engine with disable_log_stats=False")
+        return get_metrics_snapshot(self.stat_logger.registry)
+
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         if self.structured.waiting:
@@ -380,7 +389,10 @@ class LLMEngine:
             if state is None or seq.status.finished:  # failed earlier in this loop, or (async) stopped already
                 continue
             touched[seq.request_id] = state
+            before = seq.last_token_time
             self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
+            if self.stat_logger is not None:
+                self.stat_logger.record_tokens(seq, before)
             # speculative decoding: the drafts the sampler agreed with (counted even when a stop
             # among them ends the sequence, as vLLM's acceptance counts)
             accepted = next((j for j, d in enumerate(drafts) if tokens[first + j] != d), len(drafts))
@@ -444,6 +456,6 @@ class LLMEngine:
         """The request's output for this step (None: nothing to report per its output_kind);
         a finished request leaves the engine here."""
         out = state.output() if isinstance(state, PoolingRequestState) else self.output_processor.make_output(state)
-        if state.finished:
-            self.requests.pop(state.request_id, None)
+        if state.finished and self.requests.pop(state.request_id, None) is not None and self.stat_logger is not None:
+            self.stat_logger.record_finished(state.seqs, len(state.prompt_token_ids), state.params)
         return out

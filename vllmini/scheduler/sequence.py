@@ -49,6 +49,7 @@ class Sequence:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # the inter-token latency metric's clock
     finished_time: float | None = None
 
     def __post_init__(self) -> None:
@@ -90,8 +91,9 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self._output_ids.append(token_id)
+        self.last_token_time = time.monotonic()
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = self.last_token_time
 
     def finish(self, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         self.status = status

@@ -19,7 +19,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllmini
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
-from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                                  decode_request)  # fmt: skip
@@ -101,9 +100,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags)."""
     models = OpenAIServingModels(engine, served_model_name)
     models.load_static(lora_modules or [])
-    metrics = ServerMetrics(engine, served_model_name)
-    completion = OpenAIServingCompletion(engine, served_model_name, metrics, models)
-    chat = OpenAIServingChat(engine, served_model_name, chat_template, metrics, models,
+    completion = OpenAIServingCompletion(engine, served_model_name, models)
+    chat = OpenAIServingChat(engine, served_model_name, chat_template, models,
                              enable_auto_tools=enable_auto_tool_choice, tool_parser=tool_call_parser,
                              reasoning_parser=reasoning_parser)  # fmt: skip
 
@@ -141,7 +139,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         return Response(status_code=503 if engine.errored else 200)
 
     async def prometheus(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        stat_logger = engine.engine.stat_logger  # (None: the engine runs with disable_log_stats)
+        body = b"" if stat_logger is None else generate_latest(stat_logger.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def version(request: Request) -> Response:
         return json_response({"version": vllmini.__version__})

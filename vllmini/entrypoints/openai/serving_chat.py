@@ -14,7 +14,6 @@ from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.chat import render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.output_parser import ChatOutputParser
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.reasoning_parsers import get_reasoning_parser
@@ -32,10 +31,10 @@ MakeParser = Callable[[], ChatOutputParser]
 class OpenAIServingChat(OpenAIServing):
     def __init__(
         self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None = None,
-        metrics: ServerMetrics | None = None, models: OpenAIServingModels | None = None, *,
+        models: OpenAIServingModels | None = None, *,
         enable_auto_tools: bool = False, tool_parser: str | None = None, reasoning_parser: str | None = None,
     ) -> None:  # fmt: skip
-        super().__init__(engine, model_name, metrics, models)
+        super().__init__(engine, model_name, models)
         # checked at start-up: a bad --chat-template stops the server before it listens (without
         # one, a tokenizer with no template of its own fails each chat request, naming it)
         self.chat_template = None if chat_template is None else resolve_chat_template(self.tokenizer, chat_template)
@@ -63,8 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             self.check_context(len(prompt["prompt_token_ids"]), params)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
         request_id = self.new_id("chatcmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, self.metrics,
-                                         lora_request)  # fmt: skip
+        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, lora_request)
         if request.stream:
             num_prompt_tokens = len(prompt["prompt_token_ids"])
             return EventStream(self._stream(request, request_id, group, num_prompt_tokens, choice, make), group)

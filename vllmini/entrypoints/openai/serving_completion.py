@@ -26,8 +26,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, self.metrics,
-                                         lora_request)  # fmt: skip
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request)
         if request.stream:
             return EventStream(self._stream(request, request_id, group), group)
         return await self._whole(request, request_id, group)

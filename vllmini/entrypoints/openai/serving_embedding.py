@@ -98,7 +98,7 @@ class OpenAIServingEmbedding(OpenAIServing):
     def __init__(
         self, engine: AsyncLLMEngine, model_name: str, chat: OpenAIServingChat, models: OpenAIServingModels | None = None
     ) -> None:  # fmt: skip
-        super().__init__(engine, model_name, None, models)
+        super().__init__(engine, model_name, models)
         self.chat = chat  # (its chat template and rendering, for the messages form)
         self.runner_type = engine.engine.runner_type
         self.vocab_size = engine.engine.vocab_size

@@ -14,7 +14,6 @@ import msgspec
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.entrypoints.openai.metrics import ServerMetrics
 from vllmini.entrypoints.openai.protocol import StreamOptions
 from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 from vllmini.lora.request import LoRARequest
@@ -44,20 +43,20 @@ class RequestGroup:
     which aborts what has not finished: a client that hangs up frees its KV blocks at the next
     step (a stream aborts only its own request, never a newer one that took a freed id)."""
 
-    def __init__(self, streams: list[AsyncIterator[RequestOutput]], metrics: ServerMetrics | None = None) -> None:
-        self.streams, self.metrics = streams, metrics
+    def __init__(self, streams: list[AsyncIterator[RequestOutput]]) -> None:
+        self.streams = streams
         self.unfinished = set(range(len(streams)))
         self._merged: AsyncIterator[tuple[int, RequestOutput]] | None = None  # the reader, once iterated
 
     @classmethod
     async def start(
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
-        metrics: ServerMetrics | None = None, lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestGroup:  # fmt: skip
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
         sent; those queued before it are aborted then."""
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        group = cls([], metrics)
+        group = cls([])
         try:
             for rid, prompt in zip(ids, prompts):
                 group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
@@ -76,18 +75,9 @@ class RequestGroup:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
-            generated: dict[int, int] = {}  # tokens per sequence (for the metrics: outputs are deltas, or one final)
-            reason = "abort"
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
-                    if not isinstance(out, RequestOutput):  # (a pooling request's: no completions)
-                        continue
-                    for c in out.outputs:
-                        generated[c.index] = generated.get(c.index, 0) + len(c.token_ids)
-                    reason = next((c.finish_reason for c in reversed(out.outputs) if c.finish_reason), reason)
-                    if out.finished and self.metrics is not None:
-                        self.metrics.observe(out, generated, reason)
             except Exception as exc:  # (a failed step): the whole API request fails with it
                 queue.put_nowait((i, exc))
             queue.put_nowait((i, None))
@@ -155,12 +145,10 @@ class OpenAIServing:
     """One served model (and its adapters): its name, default sampling parameters and tokenizer."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics | None = None,
-        models: OpenAIServingModels | None = None,
-    ) -> None:  # fmt: skip
+        self, engine: AsyncLLMEngine, model_name: str, models: OpenAIServingModels | None = None
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.metrics = metrics
         self.models = models if models is not None else OpenAIServingModels(engine, model_name)
         self.tokenizer = engine.get_tokenizer()
         self.defaults = engine.engine.get_default_sampling_params()

@@ -1,0 +1,102 @@
+"""The engine's Prometheus metrics (metrics/stat_logger.py) read through LLM.get_metrics()
+(metrics/reader.py): what each counts, against what the requests did."""
+from __future__ import annotations
+
+import pytest
+
+from vllmini import LLM, EngineArgs, LLMEngine, SamplingParams
+from vllmini.metrics.reader import Counter, Gauge, Histogram, Metric, Vector
+
+KV = 64 << 20
+
+
+def by_name(metrics: list[Metric], **labels: str) -> dict[str, Metric]:
+    found = {}
+    for m in metrics:
+        if all(m.labels.get(k) == v for k, v in labels.items()):
+            assert m.name not in found, m.name  # one per name under these labels
+            found[m.name] = m
+    return found
+
+
+def test_get_metrics_counts_what_the_requests_did(tiny_dir):
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=KV, disable_log_stats=False, served_model_name="tiny")
+    params = [SamplingParams(max_tokens=6, ignore_eos=True), SamplingParams(max_tokens=4, ignore_eos=True, n=2,
+              temperature=0.8, seed=3), SamplingParams(max_tokens=1, ignore_eos=True)]  # fmt: skip
+    outs = llm.generate(["Hello there", "The sky is", "One"], params, use_tqdm=False)
+    lengths = [len(c.token_ids) for o in outs for c in o.outputs]
+    assert lengths == [6, 4, 4, 1]
+    m = by_name(llm.get_metrics(), model_name="tiny")
+    assert isinstance(m["vllm:generation_tokens"], Counter) and m["vllm:generation_tokens"].value == sum(lengths)
+    assert m["vllm:prompt_tokens"].value == sum(len(o.prompt_token_ids) for o in outs)
+    assert isinstance(m["vllm:num_requests_running"], Gauge) and m["vllm:num_requests_running"].value == 0
+    assert m["vllm:request_success"].labels["finished_reason"] == "length" and m["vllm:request_success"].value == 3
+
+    def hist(name: str) -> Histogram:
+        h = m[name]
+        assert isinstance(h, Histogram) and h.buckets["+Inf"] == h.count  # cumulative, as Prometheus's
+        assert list(h.buckets.values()) == sorted(h.buckets.values())
+        return h
+
+    assert hist("vllm:time_to_first_token_seconds").count == 3  # one per request, n=2 included
+    assert hist("vllm:inter_token_latency_seconds").count == sum(n - 1 for n in lengths)  # a gap per step after the first
+    assert hist("vllm:request_time_per_output_token_seconds").count == 2  # requests of more than one token
+    assert hist("vllm:request_generation_tokens").sum == sum(lengths)
+    assert hist("vllm:request_max_num_generation_tokens").sum == 6 + 4 + 1
+    assert hist("vllm:request_prompt_tokens").sum == sum(len(o.prompt_token_ids) for o in outs)
+    assert hist("vllm:request_params_n").sum == 1 + 2 + 1 and hist("vllm:request_params_max_tokens").sum == 6 + 4 + 1
+    e2e, queue, inference = (hist(f"vllm:{n}").sum for n in ("e2e_request_latency_seconds",
+                             "request_queue_time_seconds", "request_inference_time_seconds"))  # fmt: skip
+    assert e2e == pytest.approx(queue + inference) and inference > 0
+    prefill, decode = hist("vllm:request_prefill_time_seconds").sum, hist("vllm:request_decode_time_seconds").sum
+    assert inference == pytest.approx(prefill + decode) and decode > 0
+    # every token after a request's first came in some gap: the decode time covers the gaps of its longest sequence
+    assert m["vllm:inter_token_latency_seconds"].sum >= decode * 0.99
+
+
+def test_metrics_are_off_by_default_offline_and_each_engine_counts_its_own(tiny_dir):
+    off = LLM(model=str(tiny_dir), kv_cache_memory=KV)
+    assert off.llm_engine.stat_logger is None
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        off.get_metrics()
+    a = LLM(model=str(tiny_dir), kv_cache_memory=KV, disable_log_stats=False)
+    b = LLM(model=str(tiny_dir), kv_cache_memory=KV, disable_log_stats=False)
+    a.generate(["Hi"], SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert by_name(a.get_metrics())["vllm:generation_tokens"].value == 3
+    assert by_name(b.get_metrics())["vllm:generation_tokens"].value == 0
+    assert "vllm:request_success" not in by_name(b.get_metrics())  # (no label set observed yet)
+    # the label is the model unless a served name is given, as in vLLM
+    assert by_name(a.get_metrics())["vllm:generation_tokens"].labels == {"model_name": str(tiny_dir)}
+
+
+def test_an_aborted_request_counts_as_abort(tiny_dir):
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))  # (on by default)
+    engine.add_request("waiting", "Hello", SamplingParams(max_tokens=5))
+    engine.add_request("running", "Hello there", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.abort_request("waiting")  # before any step: never scheduled
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("running")
+    engine.abort_request("running")  # (an id already gone counts nothing)
+    m = by_name(engine.get_metrics())
+    assert m["vllm:request_success"].labels["finished_reason"] == "abort" and m["vllm:request_success"].value == 2
+    assert m["vllm:e2e_request_latency_seconds"].count == 2
+    assert m["vllm:request_queue_time_seconds"].count == 1  # only the one that ran was ever scheduled
+    assert m["vllm:time_to_first_token_seconds"].count == 1 and m["vllm:inter_token_latency_seconds"].count == 2
+    assert m["vllm:request_generation_tokens"].sum == 3
+    assert not engine.has_unfinished_requests()
+
+
+def test_speculative_decoding_reports_acceptance_by_position(default_model_dir):
+    llm = LLM(model=str(default_model_dir), disable_log_stats=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                  "prompt_lookup_min": 1})  # fmt: skip
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"
+    out = llm.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
+    stats = llm.llm_engine.spec_stats
+    m = by_name(llm.get_metrics())
+    vector = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(vector, Vector) and vector.values == list(stats.num_accepted_tokens_per_pos) and vector.values[0] > 0
+    assert m["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens > 0
+    # one gap per step, however many tokens it gave: fewer gaps than tokens after the first
+    assert m["vllm:inter_token_latency_seconds"].count == len(out.outputs[0].token_ids) - 1 - stats.num_accepted_tokens
