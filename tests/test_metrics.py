@@ -100,3 +100,13 @@ def test_speculative_decoding_reports_acceptance_by_position(default_model_dir):
     assert m["vllm:spec_decode_num_accepted_tokens"].value == stats.num_accepted_tokens > 0
     # one gap per step, however many tokens it gave: fewer gaps than tokens after the first
     assert m["vllm:inter_token_latency_seconds"].count == len(out.outputs[0].token_ids) - 1 - stats.num_accepted_tokens
+
+
+def test_pooling_requests_count_with_their_prompts(tiny_dir):
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=KV, runner="pooling", disable_log_stats=False)
+    outs = llm.embed(["Hello there", "One two three four"], use_tqdm=False)
+    m = by_name(llm.get_metrics())
+    assert m["vllm:request_success"].labels["finished_reason"] == "stop" and m["vllm:request_success"].value == 2
+    assert m["vllm:request_prompt_tokens"].sum == sum(len(o.prompt_token_ids) for o in outs)
+    assert m["vllm:request_generation_tokens"].sum == 0 and m["vllm:time_to_first_token_seconds"].count == 0
+    assert m["vllm:request_inference_time_seconds"].count == 2 and m["vllm:request_prefill_time_seconds"].count == 0

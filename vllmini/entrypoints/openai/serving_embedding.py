@@ -112,7 +112,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         prompts = self._prompts(request)
         params = request.pooling_params()
         request_id = self.new_id("embd", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, None, lora_request)
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request)
         finals = {}
         async for i, out in group:
             if out.outputs is None:  # aborted: only a shutdown does that to a request still being read
