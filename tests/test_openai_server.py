@@ -209,6 +209,8 @@ BAD = [
     ({}, "prompt"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "seed": 2**64}, "$.seed"),  # a signed 64-bit int, as vLLM's server
+    ({"prompt": "x", "seed": -(2**63) - 1}, "$.seed"),
 ]
 
 

@@ -9,7 +9,7 @@ vLLM's server does), then ``SamplingParams``' own.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -45,6 +45,10 @@ _PASSED = (
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+# a seed must fit a signed 64-bit int, as vLLM's server checks (a 400 naming `seed` otherwise)
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+
+
 class SamplingRequest(msgspec.Struct, kw_only=True):
     """The fields both endpoints share: OpenAI's, then vLLM's extras."""
 
@@ -52,7 +56,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
