@@ -110,3 +110,16 @@ def test_pooling_requests_count_with_their_prompts(tiny_dir):
     assert m["vllm:request_prompt_tokens"].sum == sum(len(o.prompt_token_ids) for o in outs)
     assert m["vllm:request_generation_tokens"].sum == 0 and m["vllm:time_to_first_token_seconds"].count == 0
     assert m["vllm:request_inference_time_seconds"].count == 2 and m["vllm:request_prefill_time_seconds"].count == 0
+
+
+def test_an_engine_with_metrics_is_freed_when_dropped(tiny_dir):
+    """Its registry must not hold it: from_engine_args freezes what is alive (gc.freeze), so an
+    engine in a reference cycle would never be freed, and each one holds its KV cache."""
+    import weakref
+
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=KV, disable_log_stats=False)
+    llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+    registry, ref = llm.llm_engine.stat_logger.registry, weakref.ref(llm.llm_engine)
+    del llm
+    assert ref() is None  # by reference counting alone
+    assert not [m for m in registry.collect() if m.name == "vllm:num_requests_running"]  # (read after: nothing)

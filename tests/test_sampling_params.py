@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, SamplingType
+from vllmini.engine.sampling_params import SAMPLING_EPS, RequestOutputKind, SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm():
@@ -112,8 +112,13 @@ def test_boundaries_accepted():
     SamplingParams(temperature=3.4e38, repetition_penalty=2.0**-149)  # the float32 extremes
 
 
+def _params(n: int, temperature: float, **kwargs) -> SamplingParams:
+    """(greedy sampling takes n=1 only: more is refused, as in vLLM)"""
+    return SamplingParams(n=1 if temperature < SAMPLING_EPS else n, temperature=temperature, **kwargs)
+
+
 params_st = st.builds(
-    SamplingParams,
+    _params,
     n=st.integers(1, 8),
     temperature=st.floats(0, 5),
     top_p=st.floats(0, 1, exclude_min=True),
@@ -153,3 +158,9 @@ def test_decode_validates():
         msgspec.json.decode(b'{"bogus": 1}', type=SamplingParams)
     p = msgspec.json.decode(b'{"temperature": 0, "stop": "x"}', type=SamplingParams)
     assert p.is_greedy and p.stop == ["x"]
+
+
+def test_greedy_sampling_takes_one_sequence_as_in_vllm():
+    with pytest.raises(ValueError, match="n must be 1 when using greedy sampling"):
+        SamplingParams(n=2, temperature=0)
+    assert SamplingParams(n=2, temperature=0.5).n == 2 and SamplingParams(n=1, temperature=0).is_greedy

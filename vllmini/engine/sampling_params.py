@@ -237,6 +237,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not is_int(self.n) or self.n < 1:
             raise bad_value("n", "an int >= 1", self.n)
         self.temperature = self._real("temperature", ">= 0", lambda v: v >= 0)
+        if self.n > 1 and self.is_greedy:  # (n copies of one answer; vLLM refuses them too)
+            raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}")
         self.top_p = self._real("top_p", "in (0, 1]", lambda v: 0 < v <= 1)
         if not is_int(self.top_k) or self.top_k < -1:
             raise bad_value("top_k", "an int >= 1, or 0 / -1 to disable", self.top_k)

@@ -12,12 +12,14 @@ belongs to the engine (no process-wide state), so two engines never share counts
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vllmini.scheduler.sequence import Sequence
+from vllmini.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     from vllmini.engine.llm_engine import LLMEngine
@@ -105,10 +107,12 @@ class StatLogger:
 
 class _EngineCollector:
     """The engine's gauges and counters, read at collection time (plain reads of ints and floats:
-    the server collects from its event loop while the engine steps in its own thread)."""
+    the server collects from its event loop while the engine steps in its own thread). It holds
+    the engine weakly: the engine holds its registry, and a cycle would outlive the engine's last
+    user (``LLMEngine.from_engine_args`` freezes what is alive, so no collection would free it)."""
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
-        self.engine, self.model_name = engine, model_name
+        self._engine, self.model_name = weakref.ref(engine), model_name
 
     def _one(self, family: type, name: str, doc: str, value: float) -> Metric:
         metric = family(name, doc, labels=["model_name"])
@@ -116,7 +120,9 @@ class _EngineCollector:
         return metric
 
     def collect(self) -> Iterator[Metric]:
-        core, gauge, counter = self.engine, GaugeMetricFamily, CounterMetricFamily
+        core, gauge, counter = self._engine(), GaugeMetricFamily, CounterMetricFamily
+        if core is None:
+            return
         sched, bm = core.scheduler, core.block_manager
         yield self._one(gauge, "vllm:num_requests_running", "Requests in the running batch.", len(sched.running))
         yield self._one(gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
@@ -132,11 +138,11 @@ class _EngineCollector:
         if core.lora_manager is not None:
             yield self._lora_info(core.args.max_loras, list(sched.running), list(sched.waiting))
         if core.proposer is not None:
-            yield from self._spec_decode()
+            yield from self._spec_decode(core.spec_stats)
 
-    def _spec_decode(self) -> Iterator[Metric]:
+    def _spec_decode(self, stats: SpecDecodingStats) -> Iterator[Metric]:
         """vLLM's speculative-decoding counters (acceptance rate = accepted / draft tokens)."""
-        stats, counter = self.engine.spec_stats, CounterMetricFamily
+        counter = CounterMetricFamily
         yield self._one(counter, "vllm:spec_decode_num_drafts", "Drafts verified (one per sequence per step).",
                         stats.num_drafts)  # fmt: skip
         yield self._one(counter, "vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.num_draft_tokens)
