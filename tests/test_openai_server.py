@@ -128,7 +128,7 @@ async def test_a_streamed_echo_has_the_prompt_logprobs_in_every_choice(tiny_dir)
     one that starts in a later output (here: max_num_seqs=2 runs the third one later)."""
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_seqs=2))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(eng, NAME)), base_url="http://test")
-    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 0, "logprobs": 1,
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 1, "top_k": 1, "logprobs": 1,
             "echo": True, "ignore_eos": True}  # fmt: skip
     whole = (await http.post("/v1/completions", json=body)).json()
     streamed = events((await http.post("/v1/completions", json={**body, "stream": True})).text)

@@ -44,9 +44,10 @@ def test_n_completions_share_the_prompt_kv(tiny_llm):
     assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # siblings sample independently
     again = gen(tiny_llm, PROMPT, n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
-    greedy = gen(tiny_llm, PROMPT, n=2, temperature=0, max_tokens=12, ignore_eos=True)
+    # (greedy n > 1 is refused, as in vLLM: top_k=1 samples the greedy token)
+    top1 = gen(tiny_llm, PROMPT, n=2, temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True)
     single = gen(tiny_llm, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
-    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.outputs[0].token_ids
+    assert top1.outputs[0].token_ids == top1.outputs[1].token_ids == single.outputs[0].token_ids
     assert_no_leaks(tiny_llm)
 
 
