@@ -22,15 +22,16 @@ FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # (th
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    with serving(tiny_dir) as eng:
-        yield eng
+def engines(tiny_dir, default_model_dir):
+    """The tiny random model (quick: structured outputs force its texts) and the default one (whose
+    JSON a schema shapes: the random one writes whitespace the schema allows until max_tokens)."""
+    with serving(tiny_dir) as tiny, serving(default_model_dir) as default:
+        yield {"tiny": tiny, "default": default}
 
 
-@pytest.fixture(scope="module")
-def real(default_model_dir):
-    with serving(default_model_dir) as eng:
-        yield eng
+@pytest.fixture
+def engine(engines):
+    return engines["tiny"]
 
 
 def client(engine, **parsers) -> openai.AsyncOpenAI:
@@ -126,7 +127,8 @@ def test_the_store_drops_the_oldest_past_its_size():
     assert response == {"id": "resp_2"} and store.get("resp_2")[1] == [{"role": "user", "content": "2"}]
 
 
-async def test_text_format_json_schema_and_json_object(real):
+async def test_text_format_json_schema_and_json_object(engines):
+    real = engines["default"]
     c = client(real)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}  # fmt: skip
