@@ -5,6 +5,7 @@ output parses, tool calls are ``function_call`` items, reasoning a ``reasoning``
 responses are read back and continued, and bad input is a 400 naming the field."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -133,18 +134,35 @@ async def test_text_format_json_schema_and_json_object(engines):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"]}  # fmt: skip
     fmt = {"type": "json_schema", "name": "person", "schema": schema}
-    out = await c.responses.create(model=NAME, input="Describe a person.", temperature=0, max_output_tokens=60, text={"format": fmt})
-    person = json.loads(out.output_text)
-    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
-    assert out.status == "completed" and out.incomplete_details is None and out.text.format.type == "json_schema"
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
-    text, _ = await chat_text(c, [{"role": "user", "content": "Describe a person."}], max_tokens=60,
-                              response_format=response_format)  # fmt: skip
-    assert out.output_text == text
-    obj = await c.responses.create(model=NAME, input='Return {"ok": true} as JSON.', temperature=0,
-                                   max_output_tokens=60, text={"format": {"type": "json_object"}})  # fmt: skip
+    out, (text, _), obj = await asyncio.gather(  # (one batch)
+        c.responses.create(model=NAME, input="Describe a person.", temperature=0, max_output_tokens=60,
+                           text={"format": fmt}),
+        chat_text(c, [{"role": "user", "content": "Describe a person."}], max_tokens=60, response_format=response_format),
+        c.responses.create(model=NAME, input='Return {"ok": true} as JSON.', temperature=0, max_output_tokens=60,
+                           text={"format": {"type": "json_object"}}),
+    )  # fmt: skip
+    person = json.loads(out.output_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and out.output_text == text
+    assert out.status == "completed" and out.incomplete_details is None and out.text.format.type == "json_schema"
     assert obj.status == "completed" and json.loads(obj.output_text) == {"ok": True}
     await wait_idle(real)
+
+
+async def test_a_named_or_required_tool_choice_is_a_function_call_item(engines):
+    """Made with structured outputs (no server flags), as on the chat route."""
+    c = client(engines["default"])
+    choices = ({"type": "function", "name": "get_weather"}, "required")
+    outs = await asyncio.gather(*(c.responses.create(model=NAME, input="What is the weather in Paris?", tools=FLAT_TOOLS,
+                                                     tool_choice=choice, temperature=0, max_output_tokens=100)
+                                  for choice in choices))  # (one batch)  # fmt: skip
+    for choice, out in zip(choices, outs):
+        assert out.output and all(item.type == "function_call" for item in out.output) and out.output_text == ""
+        for call in out.output:
+            schema = next(t["parameters"] for t in FLAT_TOOLS if t["name"] == call.name)
+            assert set(json.loads(call.arguments)) == set(schema["properties"])
+        assert out.tool_choice == choice or out.tool_choice.name == "get_weather"
+    await wait_idle(engines["default"])
 
 
 async def test_tool_calls_are_function_call_items_whole_and_streamed_and_their_output_continues(engine):
