@@ -90,6 +90,27 @@ async def test_the_stream_sends_the_responses_events_in_order_and_adds_up_to_the
     await wait_idle(engine)
 
 
+async def test_output_logprobs_are_the_chat_routes_whole_and_streamed(engine):
+    c = client(engine)
+    kwargs = {"model": NAME, "input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2, **GREEDY}
+    out = await c.responses.create(**kwargs)
+    chat = await c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], temperature=0,
+                                           max_tokens=12, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    logprobs = out.output[0].content[0].logprobs
+    assert [lp.model_dump() for lp in logprobs] == [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert len(logprobs) == 12 and all(len(lp.top_logprobs) == 2 for lp in logprobs) and out.top_logprobs == 2
+    events = [event async for event in await c.responses.create(**kwargs, stream=True)]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in done.logprobs][: len(streamed)]
+    whole = [(lp.token, lp.logprob) for lp in logprobs]
+    assert [(lp.token, lp.logprob) for lp in done.logprobs] == whole
+    assert [(lp.token, lp.logprob) for lp in events[-1].response.output[0].content[0].logprobs] == whole
+    plain = await c.responses.create(model=NAME, input="Hi", **GREEDY)
+    assert plain.output[0].content[0].logprobs is None and plain.output_text == out.output_text
+    await wait_idle(engine)
+
+
 async def test_store_get_previous_response_id_and_cancel(engine):
     c = client(engine)
     first = await c.responses.create(model=NAME, input="Hello!", instructions="Answer in French.", **GREEDY)
@@ -229,6 +250,8 @@ async def test_reasoning_is_a_reasoning_item_whole_and_streamed(engine):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
     ({"text": {"format": {"type": "yaml"}}}, "text.format.type"),
     ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"temperature": "hot"}, "$.temperature"),
 ])  # fmt: skip
 async def test_bad_requests_are_400s_naming_the_field(engine, body, named):

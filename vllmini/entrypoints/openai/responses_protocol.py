@@ -15,6 +15,7 @@ from vllmini.engine.sampling_params import StructuredOutputsParams
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 
 ROLES = ("user", "system", "developer", "assistant")
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value served
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 # the sampling fields vLLM's ResponsesRequest takes, handed to the chat request as they are
 _PASSED = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias",
@@ -35,6 +36,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None  # left out: "auto" (with tools)
     parallel_tool_calls: bool = True
     reasoning: dict[str, Any] | None = None  # {"effort": "none"} turns a template's thinking off (as vLLM)
+    include: list[str] | None = None  # ["message.output_text.logprobs"]: the output text's logprobs
+    top_logprobs: int | None = None  # with them, the most likely tokens at each position
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
@@ -67,6 +70,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
             raise ValueError("truncation 'auto' is not supported: the input must fit in the context")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must be a string or a non-empty list of items")
+        if unknown := [name for name in self.include or [] if name != LOGPROBS]:
+            raise ValueError(f"include: only {LOGPROBS!r} is supported, got {unknown!r}")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be between 0 and 20, got {self.top_logprobs}")
+
+    @property
+    def output_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or [])
 
     def input_messages(self) -> list[dict[str, Any]]:
         """The ``input`` as chat messages (a string is one user message)."""
@@ -86,7 +97,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
         return ChatCompletionRequest(
             messages=messages, model=self.model, max_completion_tokens=self.max_output_tokens, stream=self.stream,
             response_format=self._response_format(), tools=tools, tool_choice=self._tool_choice(tools),
-            parallel_tool_calls=self.parallel_tool_calls, chat_template_kwargs=kwargs, **given,
+            parallel_tool_calls=self.parallel_tool_calls, chat_template_kwargs=kwargs, logprobs=self.output_logprobs,
+            top_logprobs=self.top_logprobs if self.output_logprobs else None, **given,
         )  # fmt: skip
 
     def _response_format(self) -> ResponseFormat | None:

@@ -168,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 message, finish_reason = self._message(request, choice, make, c)
-                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
+                choices.append({"index": c.index, "message": message, "logprobs": self.choice_logprobs(request, c),
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
         body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
                 "usage": usage.body()}  # fmt: skip
@@ -204,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
             usage.add(i, out)
             choices = []
             for c in out.outputs:
-                logprobs, finish_reason = self._logprobs(request, c), c.finish_reason
+                logprobs, finish_reason = self.choice_logprobs(request, c), c.finish_reason
                 delta: Any = {"content": c.text} if c.text else {}
                 if make is not None:
                     parser = parsers[c.index] = parsers.get(c.index) or make()
@@ -218,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
             if choices:
                 yield chunk(choices)
 
-    def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
+    def choice_logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
         ``top_logprobs`` most likely tokens there."""
         if request.num_logprobs is None:

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 
 from vllmini.engine.outputs import CompletionOutput, RequestOutput
-from vllmini.entrypoints.openai.protocol import DeltaMessage
+from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, DeltaMessage
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest, add_item
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
 from vllmini.entrypoints.openai.serving_engine import EventStream, RequestGroup
@@ -42,12 +42,14 @@ def new_id(prefix: str) -> str:
 # -- output items (the same builders for the whole response and the stream)
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A text part; ``logprobs``: its tokens' (with ``include``), as the chat route writes them."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict[str, Any]:
-    content = [] if text is None else [output_text(text)]
+def message_item(item_id: str, text: str | None, status: str = "completed",
+                 logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
@@ -104,19 +106,21 @@ class OpenAIServingResponses:
         history = [] if request.previous_response_id is None else self.store.get(request.previous_response_id)[1]
         conversation = history + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
-        prepared = self.chat.prepare(request.to_chat(system + conversation), "max_output_tokens")
+        chat_request = request.to_chat(system + conversation)
+        prepared = self.chat.prepare(chat_request, "max_output_tokens")
         response_id = request.request_id or new_id("resp")
         group = await RequestGroup.start(self.chat.engine, response_id, [prepared.prompt], prepared.params,
                                          request.priority, prepared.lora_request)  # fmt: skip
         base = self._header(request, response_id, prepared)
         if request.stream:
-            return EventStream(self._events(request, base, group, prepared, conversation), group)
+            return EventStream(self._events(request, chat_request, base, group, prepared, conversation), group)
         final: RequestOutput | None = None
         async for _, out in group:
             final = out
         assert final is not None
         c = final.outputs[0]
-        response = self._finish(base, self._items(prepared, c), c.finish_reason, final, len(c.token_ids))
+        items = self._items(prepared, c, self._logprobs(chat_request, c))
+        response = self._finish(base, items, c.finish_reason, final, len(c.token_ids))
         self._keep(request, response, conversation)
         return response
 
@@ -149,7 +153,7 @@ class OpenAIServingResponses:
             "reasoning": request.reasoning, "service_tier": request.service_tier, "store": request.store,
             "background": False, "temperature": params.temperature, "top_p": params.top_p,
             "text": request.text or {"format": {"type": "text"}}, "tool_choice": request.tool_choice or "auto",
-            "tools": request.tools, "top_logprobs": None, "truncation": request.truncation, "usage": None,
+            "tools": request.tools, "top_logprobs": request.top_logprobs, "truncation": request.truncation, "usage": None,
             "user": request.user,
         }  # fmt: skip
 
@@ -165,19 +169,27 @@ class OpenAIServingResponses:
         return {**base, "status": "incomplete" if incomplete else "completed", "output": output, "usage": usage,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}  # fmt: skip
 
+    def _logprobs(self, chat_request: ChatCompletionRequest, c: CompletionOutput) -> list[dict[str, Any]] | None:
+        """The tokens' logprobs (None unless asked for), the chat route's entries: each token's text,
+        logprob, bytes and top_logprobs."""
+        logprobs = self.chat.choice_logprobs(chat_request, c)
+        return None if logprobs is None else logprobs["content"]
+
     @staticmethod
-    def _items(prepared: PreparedChat, c: CompletionOutput) -> list[dict[str, Any]]:
-        """A whole output's items: its reasoning, its text, its calls (the chat parsers read them)."""
+    def _items(prepared: PreparedChat, c: CompletionOutput, logprobs: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+        """A whole output's items: its reasoning, its text (with every output token's logprobs, as
+        vLLM), its calls (the chat parsers read them)."""
         reasoning, content, calls = (None, c.text, []) if prepared.make is None else prepared.make().parse(c.text)
         items = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
         if content:
-            items.append(message_item(new_id("msg"), content))
+            items.append(message_item(new_id("msg"), content, logprobs=logprobs))
         items += [function_call_item(new_id("fc"), new_id("call"), call.function.name, call.function.arguments)
                   for call in calls]  # fmt: skip
         return items
 
-    async def _events(self, request: ResponsesRequest, base: dict[str, Any], group: RequestGroup,
-                      prepared: PreparedChat, conversation: list[dict[str, Any]]) -> AsyncIterator[str]:  # fmt: skip
+    async def _events(self, request: ResponsesRequest, chat_request: ChatCompletionRequest, base: dict[str, Any],
+                      group: RequestGroup, prepared: PreparedChat, conversation: list[dict[str, Any]]
+                      ) -> AsyncIterator[str]:  # fmt: skip
         """response.created and .in_progress, the items' events as the output is parsed, then
         response.completed with the whole response; a failed step ends it with an ``error`` event."""
         numbers = itertools.count()
@@ -188,13 +200,15 @@ class OpenAIServingResponses:
 
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
-        items, parser = StreamedItems(event), prepared.make() if prepared.make is not None else None
+        items = StreamedItems(event, request.output_logprobs)
+        parser = prepared.make() if prepared.make is not None else None
         final, finish_reason, num_output_tokens = None, None, 0
         try:
             async for _, out in group:
                 final = out
                 for c in out.outputs:
                     num_output_tokens += len(c.token_ids)
+                    items.logprobs += self._logprobs(chat_request, c) or []
                     finish_reason = c.finish_reason or finish_reason
                     if parser is None:
                         delta = DeltaMessage(content=c.text) if c.text else None
@@ -216,11 +230,13 @@ class StreamedItems:
     """A stream's output items, each opened (``output_item.added``) as the parsed deltas reach it and
     closed (its ``.done`` events) when the next begins or the output ends; ``done``: the closed items."""
 
-    def __init__(self, event: Event) -> None:
-        self.event = event
+    def __init__(self, event: Event, with_logprobs: bool = False) -> None:
+        self.event, self.with_logprobs = event, with_logprobs
         self.done: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open one
         self.text = ""  # its text (or a call's arguments) so far
+        self.logprobs: list[dict[str, Any]] = []  # of the tokens read, not sent yet (the next text delta takes them)
+        self.sent: list[dict[str, Any]] = []  # those the open message's deltas sent
 
     def feed(self, delta: DeltaMessage) -> list[str]:
         out = []
@@ -249,13 +265,14 @@ class StreamedItems:
             done = reasoning_item(item["id"], text)
             out = [self._event("response.reasoning_text.done", content_index=0, text=text),
                    self._event("response.content_part.done", content_index=0, part=done["content"][0])]  # fmt: skip
-        else:
-            done = message_item(item["id"], text)
-            out = [self._event("response.output_text.done", content_index=0, text=text, logprobs=[]),
+        else:  # (the tokens read since its last delta, e.g. the end of text's, are the message's too)
+            self.sent, self.logprobs = self.sent + self.logprobs, []
+            done = message_item(item["id"], text, logprobs=self.sent if self.with_logprobs else None)
+            out = [self._event("response.output_text.done", content_index=0, text=text, logprobs=self.sent),
                    self._event("response.content_part.done", content_index=0, part=done["content"][0])]  # fmt: skip
         out.append(self.event("response.output_item.done", output_index=len(self.done), item=done))
         self.done.append(done)
-        self.item, self.text = None, ""
+        self.item, self.text, self.sent = None, "", []
         return out
 
     def _text(self, kind: str, text: str) -> list[str]:
@@ -263,13 +280,15 @@ class StreamedItems:
         if self.item is None or self.item["type"] != kind:
             make = reasoning_item if kind == "reasoning" else message_item
             out = self.close() + self._open(make(new_id("rs" if kind == "reasoning" else "msg"), None, "in_progress"))
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else output_text("")
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else output_text("", [])
             out.append(self._event("response.content_part.added", content_index=0, part=part))
         self.text += text
         if kind == "reasoning":
             out.append(self._event("response.reasoning_text.delta", content_index=0, delta=text))
         else:
-            out.append(self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[]))
+            logprobs, self.logprobs = self.logprobs, []
+            self.sent += logprobs
+            out.append(self._event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs))
         return out
 
     def _open(self, item: dict[str, Any]) -> list[str]:
