@@ -253,6 +253,7 @@ async def test_reasoning_is_a_reasoning_item_whole_and_streamed(engine):
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"temperature": "hot"}, "$.temperature"),
+    ({"seed": 2**63}, "$.seed"),
 ])  # fmt: skip
 async def test_bad_requests_are_400s_naming_the_field(engine, body, named):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, NAME)), base_url="http://t") as h:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from vllmini.engine.sampling_params import StructuredOutputsParams
-from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
+from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Seed
 
 ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS = "message.output_text.logprobs"  # the one ``include`` value served
@@ -49,7 +49,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     # vLLM's extras
     top_k: int | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
