@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+import test_openai_server
 from test_openai_server import wait_idle
 from test_openai_server_tools import CALL, PARIS, TOOLS, forced, serving
 from vllmini.entrypoints.openai.api_server import build_app
@@ -136,6 +137,24 @@ async def test_store_get_previous_response_id_and_cancel(engine):
     with pytest.raises(openai.NotFoundError):  # another app (server) has its own store
         await client(engine).responses.retrieve(first.id)
     await wait_idle(engine)
+
+
+served = test_openai_server.served  # (the app on a real socket, with this module's engine, as model "tiny")
+
+
+async def test_clients_that_hang_up_are_aborted(served, engine):
+    body = {"model": test_openai_server.NAME, "input": "Count:", "max_output_tokens": 400, "ignore_eos": True}
+    generated = engine.engine.num_generated_tokens
+    async with httpx.AsyncClient(base_url=served, timeout=30) as c:
+        async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+            lines = r.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+        # the stream is closed after its first event: its request is aborted
+        with pytest.raises(httpx.ReadTimeout):  # a whole (not streamed) response, given up on
+            await c.post("/v1/responses", json=body, timeout=0.5)
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens - generated < 400  # neither ran to the end
 
 
 def test_the_store_drops_the_oldest_past_its_size():
