@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import test_openai_server
-from test_openai_server import wait_idle
+from test_openai_server import hang_up_after_first_event, wait_idle
 from test_openai_server_tools import CALL, PARIS, TOOLS, forced, serving
 from vllmini.entrypoints.openai.api_server import build_app
 from vllmini.entrypoints.openai.serving_responses import ResponseNotFoundError, ResponseStore
@@ -146,11 +146,7 @@ async def test_clients_that_hang_up_are_aborted(served, engine):
     body = {"model": test_openai_server.NAME, "input": "Count:", "max_output_tokens": 400, "ignore_eos": True}
     generated = engine.engine.num_generated_tokens
     async with httpx.AsyncClient(base_url=served, timeout=30) as c:
-        async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
-            lines = r.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
-        # the stream is closed after its first event: its request is aborted
+        await hang_up_after_first_event(c, "/v1/responses", {**body, "stream": True})
         with pytest.raises(httpx.ReadTimeout):  # a whole (not streamed) response, given up on
             await c.post("/v1/responses", json=body, timeout=0.5)
     await wait_idle(engine)
