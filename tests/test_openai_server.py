@@ -376,17 +376,21 @@ async def served(engine):
     await task
 
 
+async def hang_up_after_first_event(c: httpx.AsyncClient, path: str, body: dict) -> None:
+    """Stream a request and close the stream after its first event (its request is aborted)."""
+    async with c.stream("POST", path, json=body) as r:
+        lines = r.aiter_lines()
+        while not (await anext(lines)).startswith("data: "):
+            pass
+
+
 async def test_clients_that_hang_up_are_aborted_and_others_finish(served, engine):
     long = {"model": NAME, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
     chat = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "ignore_eos": True}
     generated = engine.engine.num_generated_tokens
     async with httpx.AsyncClient(base_url=served, timeout=30) as c:
         others = [asyncio.ensure_future(c.post("/v1/completions", json={**long, "max_tokens": 20})) for _ in range(3)]
-        async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
-            lines = r.aiter_lines()
-            while not (await anext(lines)).startswith("data: "):
-                pass
-        # the stream is closed after its first event: its request is aborted
+        await hang_up_after_first_event(c, "/v1/completions", {**long, "stream": True})
         with pytest.raises(httpx.ReadTimeout):  # a whole (not streamed) request, given up on
             await c.post("/v1/chat/completions", json=chat, timeout=0.5)
         done = await asyncio.gather(*others)

@@ -33,6 +33,7 @@ from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                                  decode_request)  # fmt: skip
+from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
@@ -40,6 +41,7 @@ from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, Open
 from vllmini.entrypoints.openai.serving_engine import error_body
 from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                        runtime_lora_updating)  # fmt: skip
+from vllmini.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("vllmini")
@@ -107,11 +109,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
+    responses = OpenAIServingResponses(chat)
 
-    def handler(kind: type[msgspec.Struct], create: Callable[[Any], Awaitable[Any]]) -> Callable:
+    def handler(kind: type[msgspec.Struct] | None, create: Callable[[Any], Awaitable[Any]]) -> Callable:
+        """``kind`` None: ``create`` takes the path's id (``/v1/responses/{id}``) instead of a body."""
+
         async def endpoint(request: Request) -> Response:
             try:
-                body, ignored = decode_request(await request.body(), kind)
+                if kind is None:
+                    body, ignored = request.path_params["id"], []
+                else:
+                    body, ignored = decode_request(await request.body(), kind)
                 if ignored:
                     logger.warning("fields of the request ignored (not supported): %s", ", ".join(ignored))
                 result = await _until_disconnect(request, create(body))
@@ -154,6 +162,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     routes = [
         Route("/v1/completions", handler(CompletionRequest, completion.create_completion), methods=["POST"]),
         Route("/v1/chat/completions", handler(ChatCompletionRequest, chat.create_chat_completion), methods=["POST"]),
+        Route("/v1/responses", handler(ResponsesRequest, responses.create_response), methods=["POST"]),
+        Route("/v1/responses/{id}", handler(None, responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{id}/cancel", handler(None, responses.cancel), methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/tokenize", handler(TokenizeRequest, tokenization.tokenize), methods=["POST"]),
         Route("/detokenize", handler(DetokenizeRequest, tokenization.detokenize), methods=["POST"]),

@@ -8,7 +8,7 @@ of the content; a named or "required" tool choice is made with structured output
 tool_choice.py, output_parser.py and the parsers)."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.chat import render_chat, resolve_chat_template
@@ -24,8 +24,19 @@ from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 from vllmini.entrypoints.openai.tool_choice import ToolChoice, tool_schema
 from vllmini.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from vllmini.entrypoints.openai.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
+from vllmini.lora.request import LoRARequest
 
 MakeParser = Callable[[], ChatOutputParser]
+
+
+class PreparedChat(NamedTuple):
+    """A checked chat request, ready for the engine."""
+
+    prompt: dict[str, Any]  # {"prompt", "prompt_token_ids"}: the messages through the chat template
+    params: SamplingParams
+    choice: ToolChoice
+    make: MakeParser | None  # makes an output's parser (None: the text is content)
+    lora_request: LoRARequest | None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -47,6 +58,20 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
         before anything is generated."""
+        prepared = self.prepare(request)
+        request_id = self.new_id("chatcmpl", request.request_id)
+        group = await RequestGroup.start(self.engine, request_id, [prepared.prompt], prepared.params, request.priority,
+                                         prepared.lora_request)  # fmt: skip
+        choice, make = prepared.choice, prepared.make
+        if request.stream:
+            num_prompt_tokens = len(prepared.prompt["prompt_token_ids"])
+            return EventStream(self._stream(request, request_id, group, num_prompt_tokens, choice, make), group)
+        return await self._whole(request, request_id, group, choice, make)
+
+    def prepare(self, request: ChatCompletionRequest, max_tokens_name: str = "max_tokens") -> PreparedChat:
+        """The request checked and made ready for the engine (the Responses API runs its requests
+        through here too; ``max_tokens_name``: its name for max_tokens in errors). ValueError names
+        a bad field, ModelNotFoundError an unknown model."""
         lora_request = self.check_model(request.model)
         request.check()
         choice = request.resolved_tool_choice()
@@ -59,14 +84,9 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
         if max_tokens is not None and max_tokens is not self.model_max_tokens:
-            self.check_context(len(prompt["prompt_token_ids"]), params)
+            self.check_context(len(prompt["prompt_token_ids"]), params, max_tokens_name)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
-        request_id = self.new_id("chatcmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, [prompt], params, request.priority, lora_request)
-        if request.stream:
-            num_prompt_tokens = len(prompt["prompt_token_ids"])
-            return EventStream(self._stream(request, request_id, group, num_prompt_tokens, choice, make), group)
-        return await self._whole(request, request_id, group, choice, make)
+        return PreparedChat(prompt, params, choice, make, lora_request)
 
     def _parsing(
         self, request: ChatCompletionRequest, choice: ToolChoice, prompt: str, params: SamplingParams
@@ -148,7 +168,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 message, finish_reason = self._message(request, choice, make, c)
-                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(request, c),
+                choices.append({"index": c.index, "message": message, "logprobs": self.choice_logprobs(request, c),
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
         body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
                 "usage": usage.body()}  # fmt: skip
@@ -184,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
             usage.add(i, out)
             choices = []
             for c in out.outputs:
-                logprobs, finish_reason = self._logprobs(request, c), c.finish_reason
+                logprobs, finish_reason = self.choice_logprobs(request, c), c.finish_reason
                 delta: Any = {"content": c.text} if c.text else {}
                 if make is not None:
                     parser = parsers[c.index] = parsers.get(c.index) or make()
@@ -198,7 +218,7 @@ class OpenAIServingChat(OpenAIServing):
             if choices:
                 yield chunk(choices)
 
-    def _logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
+    def choice_logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
         ``top_logprobs`` most likely tokens there."""
         if request.num_logprobs is None:

@@ -28,7 +28,8 @@ from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGrou
 from vllmini.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 
 # the routes a pooling server refuses, and the API each belongs to (in vLLM's error words)
-_GENERATION_ROUTES = {"/v1/completions": "Completions API", "/v1/chat/completions": "Chat Completions API"}
+_GENERATION_ROUTES = {"/v1/completions": "Completions API", "/v1/chat/completions": "Chat Completions API",
+                      "/v1/responses": "Responses API"}
 
 
 class APINotSupportedError(ModelNotFoundError):

@@ -158,14 +158,15 @@ class OpenAIServing:
         self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
         self.max_model_len = engine.engine.max_model_len
 
-    def check_context(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """A request's max_tokens must fit in the context after its prompt (as the engine truncates
-        it): vLLM's server refuses it (a 400), where the offline engines cut it to what is left."""
+    def check_context(self, num_prompt_tokens: int, params: SamplingParams, name: str = "max_tokens") -> None:
+        """A request's max_tokens (the request's ``name`` for it) must fit in the context after its
+        prompt (as the engine truncates it): vLLM's server refuses it (a 400), where the offline
+        engines cut it to what is left."""
         if params.truncate_prompt_tokens is not None:
             num_prompt_tokens = min(num_prompt_tokens, self.engine.engine.input_processor.keep_tokens(params))
         if num_prompt_tokens < self.max_model_len < num_prompt_tokens + params.max_tokens:  # (a prompt past it: the engine says so)
             raise ValueError(
-                f"max_tokens is too large: {params.max_tokens}. This model's maximum context length is "
+                f"{name} is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
                 f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})"
             )
