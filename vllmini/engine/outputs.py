@@ -133,3 +133,57 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
             request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
             request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
         )  # fmt: skip
+
+
+@dataclass
+class ClassificationOutput:
+    """A prompt's class probabilities (``LLM.classify``'s ``.outputs``; the logits with
+    ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
+        if pooling_output.data.ndim != 1:
+            raise ValueError("pooled data should be a 1-D probability vector")
+        return ClassificationOutput(pooling_output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """``LLM.classify``'s output per prompt: ``.outputs.probs``."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return ClassificationRequestOutput(
+            request_output.request_id, ClassificationOutput.from_base(request_output.outputs),
+            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
+        )  # fmt: skip
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (``LLM.score``'s ``.outputs``): the cosine similarity of two embeddings, or a
+    cross-encoder's relevance."""
+
+    score: float
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ScoringOutput:
+        if pooling_output.data.numel() != 1:
+            raise ValueError("pooled data should be a scalar score")
+        return ScoringOutput(pooling_output.data.item())
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """``LLM.score``'s output per pair: ``.outputs.score``."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ScoringRequestOutput:
+        return ScoringRequestOutput(
+            request_output.request_id, ScoringOutput.from_base(request_output.outputs),
+            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
+        )  # fmt: skip
