@@ -35,12 +35,14 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
                                                           refuse_generation_routes)  # fmt: skip
 from vllmini.entrypoints.openai.serving_engine import error_body
 from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                        runtime_lora_updating)  # fmt: skip
+from vllmini.entrypoints.openai.serving_score import OpenAIServingScores
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("vllmini")
@@ -162,6 +164,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         Route("/metrics", prometheus, methods=["GET"]),
     ]
     routes.append(Route("/v1/embeddings", handler(EmbeddingRequest, embedding.create_embedding), methods=["POST"]))
+    routes += [*OpenAIServingScores(engine, served_model_name, models).routes(handler),  # score, rerank
+               *OpenAIServingClassification(engine, served_model_name, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
     if runtime_lora_updating():
