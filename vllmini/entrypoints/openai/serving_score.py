@@ -40,6 +40,8 @@ class ScoreRequest(PoolingRequestFields, kw_only=True):
         if len(given) != 1:
             raise ValueError("set exactly one pair of text_1 and text_2, queries and documents, or data_1 and data_2")
         (a, b), = given
+        if missing := [name for name in (a, b) if getattr(self, name) is None]:
+            raise ValueError(f"{missing[0]} is required (with {b if missing[0] == a else a})")
         return (a, getattr(self, a)), (b, getattr(self, b))
 
 
