@@ -17,19 +17,12 @@ from transformers import AutoModel, AutoTokenizer
 
 from helpers import save_tiny_classifier
 from test_engine import assert_no_leaks
+from test_pooling import KV, PROMPTS, TOL, assert_close
 from vllmini import (LLM, ClassificationRequestOutput, EngineArgs, PoolingParams, PoolingRequestOutput,
                      ScoringRequestOutput)  # fmt: skip
 from vllmini.engine.classifier_activation import classifier_activation
 from vllmini.engine.scoring import cross_encoder_prompts
 
-TOL = 1e-4
-KV = 16 << 20
-PROMPTS = [
-    "The capital of France is Paris, and the capital of Italy is Rome; both are old cities with long histories.",
-    "Hi",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
-    "Once upon a time, in a land far away",
-]
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel Tower is in Paris, France's capital."]
 
@@ -46,13 +39,6 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """The oracle: transformers' sequence classifier (the last token's score head)."""
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
-
-
-def assert_close(got, want: torch.Tensor, what: str = "") -> None:
-    got = torch.as_tensor(got, dtype=torch.float32)
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    err = (got - want).abs().max().item()
-    assert err < TOL, f"{what}: max abs error {err:.2e} against transformers"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

@@ -115,9 +115,7 @@ class EmbeddingOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
-        if pooling_output.data.ndim != 1:
-            raise ValueError("pooled data should be a 1-D embedding vector")
-        return EmbeddingOutput(pooling_output.data.tolist())
+        return EmbeddingOutput(_vector(pooling_output, "embedding"))
 
     @property
     def hidden_size(self) -> int:
@@ -129,10 +127,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return EmbeddingRequestOutput(
-            request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
-            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
-        )  # fmt: skip
+        return _typed(EmbeddingRequestOutput, request_output, EmbeddingOutput.from_base(request_output.outputs))
 
 
 @dataclass
@@ -144,9 +139,7 @@ class ClassificationOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
-        if pooling_output.data.ndim != 1:
-            raise ValueError("pooled data should be a 1-D probability vector")
-        return ClassificationOutput(pooling_output.data.tolist())
+        return ClassificationOutput(_vector(pooling_output, "probability"))
 
     @property
     def num_classes(self) -> int:
@@ -158,10 +151,7 @@ class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return ClassificationRequestOutput(
-            request_output.request_id, ClassificationOutput.from_base(request_output.outputs),
-            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
-        )  # fmt: skip
+        return _typed(ClassificationRequestOutput, request_output, ClassificationOutput.from_base(request_output.outputs))
 
 
 @dataclass
@@ -183,7 +173,18 @@ class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> ScoringRequestOutput:
-        return ScoringRequestOutput(
-            request_output.request_id, ScoringOutput.from_base(request_output.outputs),
-            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
-        )  # fmt: skip
+        return _typed(ScoringRequestOutput, request_output, ScoringOutput.from_base(request_output.outputs))
+
+
+def _vector(pooling_output: PoolingOutput, what: str) -> list[float]:
+    if pooling_output.data.ndim != 1:
+        raise ValueError(f"pooled data should be a 1-D {what} vector")
+    return pooling_output.data.tolist()
+
+
+_R = TypeVar("_R", bound=PoolingRequestOutput)
+
+
+def _typed(cls: type[_R], base: PoolingRequestOutput, outputs: object) -> _R:
+    """``base`` as the task's own output class (vLLM's ``*RequestOutput.from_base``)."""
+    return cls(base.request_id, outputs, base.prompt_token_ids, base.num_cached_tokens, base.finished)
