@@ -29,10 +29,11 @@ DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "The Eiffel To
 
 @pytest.fixture(scope="module")
 def classifiers(tmp_path_factory, default_model_dir) -> dict[str, tuple[Path, torch.nn.Module]]:
-    """Three-label classifiers (Llama, Qwen3) and a one-label Llama reranker (cross-encoder)."""
-    return {"llama": save_tiny_classifier("llama", tmp_path_factory.mktemp("cls_llama"), default_model_dir, 3),
-            "qwen3": save_tiny_classifier("qwen3", tmp_path_factory.mktemp("cls_qwen3"), default_model_dir, 3, seed=1),
-            "reranker": save_tiny_classifier("llama", tmp_path_factory.mktemp("rerank"), default_model_dir, 1, seed=2)}
+    """Three-label classifiers (Llama, Qwen3, Qwen2, Mistral) and a one-label Llama reranker
+    (cross-encoder)."""
+    made = {kind: save_tiny_classifier(kind, tmp_path_factory.mktemp(f"cls_{kind}"), default_model_dir, 3, seed=seed)
+            for seed, kind in enumerate(["llama", "qwen3", "qwen2", "mistral"])}  # fmt: skip
+    return {**made, "reranker": save_tiny_classifier("llama", tmp_path_factory.mktemp("rerank"), default_model_dir, 1, seed=9)}
 
 
 def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -41,7 +42,7 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
 def test_classify_equals_transformers_through_chunked_prefill(classifiers, arch):
     model_dir, hf = classifiers[arch]
     llm = LLM(model=str(model_dir), runner="pooling", kv_cache_memory=KV, max_num_batched_tokens=8)
