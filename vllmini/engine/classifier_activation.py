@@ -49,7 +49,8 @@ def classifier_activation(hf_config: Any, task: str) -> Activation:
     name = sbert.get("activation_fn") if isinstance(sbert, dict) else None
     field = "sentence_transformers.activation_fn"
     if name is None:
-        name, field = getattr(hf_config, "sbert_ce_default_activation_function", None), "sbert_ce_default_activation_function"
+        field = "sbert_ce_default_activation_function"
+        name = getattr(hf_config, field, None)
     if name is None:
         return _softmax_or_sigmoid
     if name not in _SBERT_FUNCTIONS:

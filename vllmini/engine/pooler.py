@@ -8,8 +8,8 @@ the prompt's last position (in the chunk that completes it), CLS its first, MEAN
 (summed chunk by chunk in float32; a recompute after a preemption starts the sum again). Once the
 last chunk is computed, the vector is cut to ``dimensions`` (matryoshka), L2-normalized when asked,
 and the request finishes (its blocks freed); a classifier's pooled state goes through its ``score``
-head and the task's activation instead (engine/classifier_activation.py). The model knows nothing of requests: it returns the
-hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
+head and the task's activation instead (engine/classifier_activation.py). The model knows nothing
+of requests: it returns the hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
 so the engine runs them without prefix caching, as vLLM does.
 
 The defaults, as vLLM reads them: ``PoolerConfig`` fields the user leaves None come from the
@@ -30,6 +30,7 @@ from vllmini.config import PoolerConfig
 from vllmini.engine.classifier_activation import Activation, classifier_activation
 from vllmini.engine.outputs import PoolingOutput, PoolingRequestOutput
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.models.registry import is_classifier_architecture
 from vllmini.scheduler.sequence import Sequence
 
 # sentence-transformers' pooling modes -> vLLM's pooling types (the others have no equivalent here)
@@ -82,6 +83,8 @@ def resolve_pooler_config(given: PoolerConfig | None, model_dir: Path, hf_config
     for a decoder (LAST, normalized). A default ``dimensions`` is checked as a request's would be."""
     given = given or PoolerConfig()
     st = sentence_transformers_pooling(model_dir)
+    if is_classifier_architecture(getattr(hf_config, "architectures", None)):
+        st.pop("normalize", None)  # (a Normalize module is an embedder's: a classifier's activation is on by default)
     normalize = given.normalize if given.normalize is not None else st.get("normalize", True)
     config = PoolerConfig(given.pooling_type or st.get("pooling_type", "LAST"), normalize, normalize, given.dimensions)
     if config.dimensions is not None:
