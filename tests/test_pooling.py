@@ -145,7 +145,7 @@ def test_each_runner_refuses_the_other_ones_calls(llm, tiny_dir):
     assert_no_leaks(gen)
     # vLLM's older spelling, and what is refused before the model loads
     assert LLM(model=str(tiny_dir), task="embed", kv_cache_memory=KV).llm_engine.runner_type == "pooling"
-    for kwargs, message in [({"runner": "embed"}, "runner must be one of"), ({"task": "classify"}, "task='classify'"),
+    for kwargs, message in [({"runner": "embed"}, "runner must be one of"), ({"task": "reward"}, "task='reward'"),
                             ({"task": "embed", "runner": "generate"}, "task='embed' means runner='pooling'"),
                             ({"pooler_config": {"pooling_type": "MAX"}}, "pooling_type must be one of"),
                             ({"pooler_config": '{"pooling": "MEAN"}'}, "unsupported field"),

@@ -26,8 +26,9 @@ from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from vllmini.engine.llm import LLM
 from vllmini.engine.llm_engine import LLMEngine
-from vllmini.engine.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, PoolingOutput,
-                                    PoolingRequestOutput, RequestMetrics, RequestOutput)  # fmt: skip
+from vllmini.engine.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                                    EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                                    RequestOutput, ScoringOutput, ScoringRequestOutput)  # fmt: skip
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllmini.lora.request import LoRARequest
@@ -55,5 +56,9 @@ __all__ = [
     "PoolingRequestOutput",
     "EmbeddingOutput",
     "EmbeddingRequestOutput",
+    "ClassificationOutput",
+    "ClassificationRequestOutput",
+    "ScoringOutput",
+    "ScoringRequestOutput",
 ]
 __version__ = "0.1.0"

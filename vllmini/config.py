@@ -167,23 +167,33 @@ def config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:
 
 
 RUNNERS = ("auto", "generate", "pooling")
-# vLLM's older ``task`` -> the runner it picks (its other tasks, classify/score/reward, are not built here)
-_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling"}
+# vLLM's older ``task`` -> the runner it picks (its "reward" and "transcription" are not built here)
+_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
+                 "score": "pooling"}  # fmt: skip
 
 
 def resolve_runner(args: EngineArgs, architectures: list[str] | None) -> str:
     """"generate" or "pooling", as vLLM resolves ``runner`` (and the older ``task``): "auto" is
     "pooling" for an architecture without a language-model head (``*Model``: MistralModel,
-    Qwen3Model, ...), else "generate"."""
-    from vllmini.models.registry import is_pooling_architecture
+    Qwen3Model, ...; ``*ForSequenceClassification``), else "generate". ``task`` "classify" /
+    "score" needs a classifier checkpoint and "embed" a model without one (vLLM's ``convert``,
+    which would add or drop the head, is not built)."""
+    from vllmini.models.registry import is_classifier_architecture, is_pooling_architecture
 
     runner = args.runner if args.task is None else _TASK_RUNNERS[args.task]  # (validate() checked they agree)
     headless = is_pooling_architecture(architectures)
+    classifier = is_classifier_architecture(architectures)
+    if args.task in ("classify", "score") and not classifier:
+        raise ValueError(f"task={args.task!r} needs a *ForSequenceClassification checkpoint; architecture "
+                         f"{architectures} has no classifier head (vLLM's convert='classify' is not built)")  # fmt: skip
+    if args.task in ("embed", "embedding") and classifier:
+        raise ValueError(f"task={args.task!r}: architecture {architectures} is a classifier (use task='classify' "
+                         "or 'score'; vLLM's convert='embed' is not built)")  # fmt: skip
     if runner == "auto":
         return "pooling" if headless else "generate"
     if runner == "generate" and headless:
         raise ValueError(f"architecture {architectures} has no language-model head, so it cannot generate; "
-                         "use runner='pooling' (embeddings)")  # fmt: skip
+                         "use runner='pooling' (embeddings, or classification for a classifier)")  # fmt: skip
     return runner
 
 
@@ -235,8 +245,9 @@ class EngineArgs:
     # "prompt_lookup_max": 5, "prompt_lookup_min": 5} (spec_decode/)
     speculative_config: dict[str, Any] | str | None = None
     # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
-    # "auto" (vLLM's default: pooling for a *Model architecture, else generate); ``task`` is vLLM's
-    # older spelling ("embed" = runner "pooling"); ``pooler_config``: PoolerConfig, a dict or JSON
+    # "auto" (vLLM's default: pooling for a *Model or *ForSequenceClassification architecture, else
+    # generate); ``task`` is vLLM's older spelling ("embed", "classify", "score" = runner "pooling");
+    # ``pooler_config``: PoolerConfig, a dict or JSON
     runner: str = "auto"
     task: str | None = None
     pooler_config: PoolerConfig | dict | str | None = None

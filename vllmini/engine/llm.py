@@ -1,4 +1,5 @@
-"""Offline batch API (``LLM.generate`` / ``LLM.chat`` / ``LLM.beam_search``), as in vLLM."""
+"""Offline batch API (``LLM.generate`` / ``LLM.chat`` / ``LLM.beam_search``; with the pooling
+runner ``LLM.embed`` / ``classify`` / ``score`` / ``encode``), as in vLLM."""
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -7,12 +8,13 @@ import msgspec
 from tqdm.auto import tqdm
 
 from vllmini.config import EngineArgs
-from vllmini.engine import beam_search
+from vllmini.engine import beam_search, scoring
 from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from vllmini.engine.chat import render_chat
 from vllmini.engine.input_processor import as_prompt_list, per_prompt_loras
 from vllmini.engine.llm_engine import LLMEngine, PromptType
-from vllmini.engine.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from vllmini.engine.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                    RequestOutput, ScoringRequestOutput)  # fmt: skip
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.lora.request import LoRARequest
@@ -33,6 +35,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """("generate",), or the pooling model's tasks: ("embed",) or ("classify", "score")."""
+        return self.llm_engine.supported_tasks
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while requests are unfinished."""
@@ -85,18 +92,21 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """vLLM's ``LLM.encode``: each prompt's pooled hidden state (``.outputs.data``, a float32
         tensor), in input order, on an LLM with ``runner="pooling"``. ``pooling_task`` must be given,
-        as in vLLM: "embed" (the one built here). ``pooling_params``: one for every prompt or one
-        per prompt (None: the engine's PoolerConfig); ``truncate_prompt_tokens`` sets theirs."""
+        as in vLLM: one of ``supported_tasks`` ("embed"; a classifier's "classify" and "score": the
+        head's probabilities). ``pooling_params``: one for every prompt or one per prompt (None: the
+        engine's PoolerConfig); ``truncate_prompt_tokens`` sets theirs."""
         if self.llm_engine.runner_type != "pooling":
             raise ValueError("LLM.encode() is only supported for pooling models; start the LLM with "
                              "runner='pooling' (vLLM: --runner pooling)")  # fmt: skip
         if pooling_task is None:
-            raise ValueError('pooling_task is required for LLM.encode: use LLM.embed(...) or pooling_task="embed"')
-        if pooling_task != "embed":
-            raise ValueError(f"pooling_task={pooling_task!r} is not supported; supported: ['embed']")
+            raise ValueError("pooling_task is required for LLM.encode: use LLM.embed(...) / LLM.classify(...) / "
+                             'LLM.score(...), or pooling_task="embed" / "classify" / "score"')  # fmt: skip
+        if pooling_task not in self.supported_tasks:
+            raise ValueError(f"pooling_task={pooling_task!r} is not supported by this model; supported: "
+                             f"{list(self.supported_tasks)}")  # fmt: skip
         prompts = as_prompt_list(prompts)
         params_list = _per_prompt(pooling_params, PoolingParams, "pooling_params", len(prompts))
-        params_list = [PoolingParams() if p is None else p for p in params_list]
+        params_list = [(PoolingParams() if p is None else p).clone(task=pooling_task) for p in params_list]
         if truncate_prompt_tokens is not None:
             params_list = [p.clone(truncate_prompt_tokens=truncate_prompt_tokens) for p in params_list]
         return self._run(prompts, params_list, [0] * len(prompts), lora_request, use_tqdm)
@@ -115,6 +125,57 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed",
                            truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
         return [EmbeddingRequestOutput.from_base(out) for out in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``, on a ``*ForSequenceClassification`` model: one
+        ``ClassificationRequestOutput`` per prompt (``.outputs.probs``: softmax over the labels, a
+        sigmoid for one label; the logits with ``PoolingParams(use_activation=False)``)."""
+        self._require_task("classify", "Classification API", "a *ForSequenceClassification checkpoint")
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="classify")  # fmt: skip
+        return [ClassificationRequestOutput.from_base(out) for out in outs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one ``ScoringRequestOutput`` (``.outputs.score``) per pair, 1:1, 1:N
+        or N:N: an embedding model's cosine similarity, or a one-label classifier's (cross-encoder)
+        relevance of the pair read as one input (engine/scoring.py)."""
+        if self.llm_engine.runner_type != "pooling":
+            raise ValueError("LLM.score() is only supported for pooling models; start the LLM with "
+                             "runner='pooling' (vLLM: --runner pooling)")  # fmt: skip
+        tok, hf_config = self.get_tokenizer(), self.llm_engine.hf_config
+        texts_1, texts_2 = scoring.score_texts(data_1, "data_1", tok), scoring.score_texts(data_2, "data_2", tok)
+        scoring.check_pairing(texts_1, texts_2, ("data_1", "data_2"))
+        run = {"use_tqdm": use_tqdm, "lora_request": lora_request, "truncate_prompt_tokens": truncate_prompt_tokens}
+        if "score" in self.supported_tasks:
+            scoring.check_cross_encoder(hf_config)
+            pairs = scoring.cross_encoder_prompts(tok, hf_config, texts_1, texts_2)
+            outs = self.encode(pairs, pooling_params, pooling_task="score", **run)
+        else:
+            embedded = self.encode(texts_1 + texts_2, pooling_params, pooling_task="embed", **run)
+            outs = scoring.cosine_scores(embedded[: len(texts_1)], embedded[len(texts_1) :], tok.pad_token_id)
+        return [ScoringRequestOutput.from_base(out) for out in outs]
+
+    def _require_task(self, task: str, api: str, needs: str) -> None:
+        if self.llm_engine.runner_type != "pooling" or task not in self.supported_tasks:
+            raise ValueError(f"{api} is not supported by this model (its tasks: {list(self.supported_tasks)}); it "
+                             f"needs {needs} with runner='pooling'")  # fmt: skip
 
     def _run(
         self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],

@@ -63,8 +63,9 @@ class LLMEngine:
         self.pooler: Pooler | None = None
         if self.runner_type == "pooling":
             config = resolve_pooler_config(PoolerConfig.coerce(args.pooler_config), self.model_dir, self.hf_config)
-            self.pooler = Pooler(config)
-            logger.info("pooling runner: %s pooling, normalize=%s", config.pooling_type, config.normalize)
+            self.pooler = Pooler(config, getattr(self.model, "score", None), self.hf_config)
+            logger.info("pooling runner: tasks %s, %s pooling, normalize / activation=%s", list(self.pooler.tasks),
+                        config.pooling_type, config.normalize)  # fmt: skip
 
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
         if (window := getattr(self.model, "sliding_window", None)) is not None:
@@ -270,6 +271,11 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             outputs.append(self._report(state))  # finished now, so never None
         return outputs
+
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: ("generate",), or the pooling tasks of the model ("embed"; "classify", "score")."""
+        return ("generate",) if self.pooler is None else self.pooler.tasks
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

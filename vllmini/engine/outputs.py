@@ -115,9 +115,7 @@ class EmbeddingOutput:
 
     @staticmethod
     def from_base(pooling_output: PoolingOutput) -> EmbeddingOutput:
-        if pooling_output.data.ndim != 1:
-            raise ValueError("pooled data should be a 1-D embedding vector")
-        return EmbeddingOutput(pooling_output.data.tolist())
+        return EmbeddingOutput(_vector(pooling_output, "embedding"))
 
     @property
     def hidden_size(self) -> int:
@@ -129,7 +127,64 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
 
     @staticmethod
     def from_base(request_output: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return EmbeddingRequestOutput(
-            request_output.request_id, EmbeddingOutput.from_base(request_output.outputs),
-            request_output.prompt_token_ids, request_output.num_cached_tokens, request_output.finished,
-        )  # fmt: skip
+        return _typed(EmbeddingRequestOutput, request_output, EmbeddingOutput.from_base(request_output.outputs))
+
+
+@dataclass
+class ClassificationOutput:
+    """A prompt's class probabilities (``LLM.classify``'s ``.outputs``; the logits with
+    ``use_activation=False``)."""
+
+    probs: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ClassificationOutput:
+        return ClassificationOutput(_vector(pooling_output, "probability"))
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """``LLM.classify``'s output per prompt: ``.outputs.probs``."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return _typed(ClassificationRequestOutput, request_output, ClassificationOutput.from_base(request_output.outputs))
+
+
+@dataclass
+class ScoringOutput:
+    """A pair's score (``LLM.score``'s ``.outputs``): the cosine similarity of two embeddings, or a
+    cross-encoder's relevance."""
+
+    score: float
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> ScoringOutput:
+        if pooling_output.data.numel() != 1:
+            raise ValueError("pooled data should be a scalar score")
+        return ScoringOutput(pooling_output.data.item())
+
+
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """``LLM.score``'s output per pair: ``.outputs.score``."""
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> ScoringRequestOutput:
+        return _typed(ScoringRequestOutput, request_output, ScoringOutput.from_base(request_output.outputs))
+
+
+def _vector(pooling_output: PoolingOutput, what: str) -> list[float]:
+    if pooling_output.data.ndim != 1:
+        raise ValueError(f"pooled data should be a 1-D {what} vector")
+    return pooling_output.data.tolist()
+
+
+_R = TypeVar("_R", bound=PoolingRequestOutput)
+
+
+def _typed(cls: type[_R], base: PoolingRequestOutput, outputs: object) -> _R:
+    """``base`` as the task's own output class (vLLM's ``*RequestOutput.from_base``)."""
+    return cls(base.request_id, outputs, base.prompt_token_ids, base.num_cached_tokens, base.finished)

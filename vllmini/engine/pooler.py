@@ -1,4 +1,5 @@
-"""The pooling runner (vLLM's ``runner="pooling"``): from a prompt's hidden states to one embedding.
+"""The pooling runner (vLLM's ``runner="pooling"``): from a prompt's hidden states to one embedding,
+or, for a ``*ForSequenceClassification`` checkpoint, to its classifier head's probabilities.
 
 A pooling request is prefill-only. The scheduler runs its prompt like any other (chunked prefill,
 batching, paged KV, preemption); for each scheduled chunk the model runner asks the model for the
@@ -6,8 +7,9 @@ final-normed hidden states of only the rows the pooling type needs (``Pooler.wan
 the prompt's last position (in the chunk that completes it), CLS its first, MEAN every position
 (summed chunk by chunk in float32; a recompute after a preemption starts the sum again). Once the
 last chunk is computed, the vector is cut to ``dimensions`` (matryoshka), L2-normalized when asked,
-and the request finishes (its blocks freed). The model knows nothing of requests: it returns the
-hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
+and the request finishes (its blocks freed); a classifier's pooled state goes through its ``score``
+head and the task's activation instead (engine/classifier_activation.py). The model knows nothing
+of requests: it returns the hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
 so the engine runs them without prefix caching, as vLLM does.
 
 The defaults, as vLLM reads them: ``PoolerConfig`` fields the user leaves None come from the
@@ -25,8 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from vllmini.config import PoolerConfig
+from vllmini.engine.classifier_activation import Activation, classifier_activation
 from vllmini.engine.outputs import PoolingOutput, PoolingRequestOutput
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.models.registry import is_classifier_architecture
 from vllmini.scheduler.sequence import Sequence
 
 # sentence-transformers' pooling modes -> vLLM's pooling types (the others have no equivalent here)
@@ -79,6 +83,8 @@ def resolve_pooler_config(given: PoolerConfig | None, model_dir: Path, hf_config
     for a decoder (LAST, normalized). A default ``dimensions`` is checked as a request's would be."""
     given = given or PoolerConfig()
     st = sentence_transformers_pooling(model_dir)
+    if is_classifier_architecture(getattr(hf_config, "architectures", None)):
+        st.pop("normalize", None)  # (a Normalize module is an embedder's: a classifier's activation is on by default)
     normalize = given.normalize if given.normalize is not None else st.get("normalize", True)
     config = PoolerConfig(given.pooling_type or st.get("pooling_type", "LAST"), normalize, normalize, given.dimensions)
     if config.dimensions is not None:
@@ -126,21 +132,37 @@ class PoolingRequestState:
 
 
 class Pooler:
-    """One engine's pooling type, and how each chunk's hidden states feed it."""
+    """One engine's pooling type and tasks, and how each chunk's hidden states feed it. ``head``: a
+    classifier's ``score`` layer (models/score_head.py); the engine then classifies and scores
+    (cross-encoder) instead of embedding, as vLLM's ``*ForSequenceClassification`` models do."""
 
-    def __init__(self, config: PoolerConfig) -> None:
+    def __init__(self, config: PoolerConfig, head: torch.nn.Module | None = None, hf_config: Any = None) -> None:
         self.config = config
         self.pooling_type = config.pooling_type
+        self.head = head
+        self.tasks: tuple[str, ...] = ("embed",) if head is None else ("classify", "score")
+        self.activations: dict[str, Activation] = {} if head is None else {
+            task: classifier_activation(hf_config, task) for task in self.tasks}  # fmt: skip
 
     def resolve(self, params: PoolingParams, hf_config: Any) -> PoolingParams:
-        """The request's own params with the engine's defaults filled in (``normalize``,
-        ``dimensions``), checked against the model."""
-        normalize = params.wants_normalize
-        normalize = self.config.normalize if normalize is None else normalize
+        """The request's own params with the engine's defaults filled in (``task``, ``normalize`` /
+        ``use_activation``, ``dimensions``), checked against the model."""
+        task = params.task if params.task is not None else self.tasks[0]
+        if task not in self.tasks:
+            raise ValueError(f"pooling_task={task!r} is not supported by this model; supported: {list(self.tasks)}")
+        if task != "embed":  # (vLLM: classify and score take use_activation only)
+            for name in ("dimensions", "normalize"):
+                if getattr(params, name) is not None:
+                    raise ValueError(f"{name}: the {task} task does not take it (only embed does); use_activation "
+                                     "turns the softmax / sigmoid off")  # fmt: skip
+        activate = params.wants_normalize
+        activate = self.config.normalize if activate is None else activate
         dimensions = params.dimensions if params.dimensions is not None else self.config.dimensions
         if params.dimensions is not None:
             check_dimensions(params.dimensions, hf_config)
-        return params.clone(normalize=normalize, use_activation=normalize, dimensions=dimensions)
+        if task != "embed":
+            return params.clone(task=task, use_activation=activate)
+        return params.clone(task=task, normalize=activate, use_activation=activate, dimensions=dimensions)
 
     def wanted_rows(self, start: int, num_new: int, num_prompt: int) -> tuple[int, int]:
         """(first row in the chunk, count): the rows of a chunk of ``num_new`` prompt positions from
@@ -167,9 +189,14 @@ class Pooler:
         state.count += hidden.shape[0]
 
     def finish(self, state: PoolingRequestState) -> torch.Tensor:
-        """The request's embedding (float32, on the CPU): pooled, cut to ``dimensions``, normalized."""
+        """The request's embedding (float32, on the CPU): pooled, cut to ``dimensions``, normalized;
+        or (classify, score) the head's logits over the pooled state, through the task's activation."""
         assert state.total is not None
         vector = state.total / state.count if self.pooling_type == "MEAN" else state.total
+        if state.params.task in ("classify", "score"):
+            assert self.head is not None
+            logits = self.head(vector)
+            return (self.activations[state.params.task](logits) if state.params.use_activation else logits).cpu()
         if state.params.dimensions is not None:
             vector = vector[: state.params.dimensions]
         if state.params.normalize:

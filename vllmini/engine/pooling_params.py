@@ -1,6 +1,6 @@
-"""PoolingParams: vLLM's per-request options of the pooling runner (embeddings), validated at
-construction. What the value of a field must also fit (the model's hidden size, whether it is
-matryoshka) is checked when the request is added (engine/pooler.py)."""
+"""PoolingParams: vLLM's per-request options of the pooling runner (embed, classify, score),
+validated at construction. What the value of a field must also fit (the model's tasks and hidden
+size, whether it is matryoshka) is checked when the request is added (engine/pooler.py)."""
 from __future__ import annotations
 
 import msgspec
@@ -11,13 +11,17 @@ from vllmini.engine.sampling_params import bad_value, check_truncate_prompt_toke
 class PoolingParams(msgspec.Struct, omit_defaults=True):
     """``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: max_model_len).
     ``dimensions``: a matryoshka model's embedding cut to its first d values (then normalized).
-    ``normalize``: L2-normalize the embedding; ``use_activation`` is vLLM's newer name for it.
-    None: the engine's ``PoolerConfig`` decides (by default: normalized, full size)."""
+    ``normalize``: L2-normalize the embedding; ``use_activation`` is vLLM's newer name for it, and
+    for classify / score the only one: the softmax (or sigmoid) over the head's logits.
+    None: the engine's ``PoolerConfig`` decides (by default: normalized / activated, full size).
+    ``task``: "embed", "classify" or "score" (``LLM.encode``'s pooling_task sets it; None: the
+    model's first task)."""
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
@@ -26,6 +30,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
         for name in ("normalize", "use_activation"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise bad_value(name, "True, False or None", getattr(self, name))
+        if self.task is not None and not isinstance(self.task, str):
+            raise bad_value("task", "a pooling task name or None", self.task)
         if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
             raise ValueError("normalize and use_activation (its newer name in vLLM) disagree")
 

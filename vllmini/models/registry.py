@@ -19,22 +19,39 @@ _MODELS: dict[str, tuple[str, str]] = {
 # load them, their lm_head dropped (weight_loader.load_model)
 _HEADLESS: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
                              "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
+# sequence classifiers (and cross-encoder rerankers, num_labels == 1): the decoder body and transformers'
+# ``score`` head (hidden -> num_labels, no bias) over the last token; they only pool (classify / score),
+# loaded by the same classes with the head in place of lm_head (weight_loader.load_model)
+_CLASSIFIERS: dict[str, str] = {"LlamaForSequenceClassification": "LlamaForCausalLM",
+                                "MistralForSequenceClassification": "MistralForCausalLM",
+                                "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+                                "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}  # fmt: skip
 
 
 def supported_architectures() -> list[str]:
     """The generating architectures, then those that only pool."""
-    return sorted(_MODELS) + sorted(_HEADLESS)
+    return sorted(_MODELS) + sorted(_HEADLESS) + sorted(_CLASSIFIERS)
+
+
+def _first_supported(architectures: list[str] | None) -> str | None:
+    return next((a for a in architectures or [] if a in _MODELS or a in _HEADLESS or a in _CLASSIFIERS), None)
 
 
 def is_pooling_architecture(architectures: list[str] | None) -> bool:
     """Whether the first supported entry of ``architectures`` has no language-model head."""
-    return next((arch in _HEADLESS for arch in architectures or [] if arch in _MODELS or arch in _HEADLESS), False)
+    arch = _first_supported(architectures)
+    return arch in _HEADLESS or arch in _CLASSIFIERS
+
+
+def is_classifier_architecture(architectures: list[str] | None) -> bool:
+    """Whether the first supported entry of ``architectures`` is a ``*ForSequenceClassification``."""
+    return _first_supported(architectures) in _CLASSIFIERS
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """The first supported entry of ``architectures``; a clear error when none is."""
     for arch in architectures or []:
-        arch = _HEADLESS.get(arch, arch)
+        arch = _HEADLESS.get(arch, _CLASSIFIERS.get(arch, arch))
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)

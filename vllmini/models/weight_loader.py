@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vllmini.models import registry
+from vllmini.models.score_head import ScoreHead
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -281,7 +282,9 @@ def load_model(
     Peak memory stays ~1x the weights: no state_dict is built, each tensor is read
     (mmap) and copied straight into its parameter. ``config``: ``load_config(model_dir)``, when
     the caller read it already. ``pooling``: for the pooling runner, which never projects to
-    logits: the model gets no lm_head (as vLLM's embedding models), see ``_body_weights``.
+    logits: the model gets no lm_head (as vLLM's embedding models), see ``_body_weights``; a
+    ``*ForSequenceClassification`` checkpoint's ``score.weight`` fills ``model.score`` instead
+    (models/score_head.py).
     """
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
@@ -294,6 +297,9 @@ def load_model(
     if pooling:
         model.lm_head = None
     model.to(dtype)
+    if registry.is_classifier_architecture(config.architectures):
+        with torch.device("meta"):  # (after .to(dtype): the head stays float32)
+            model.score = ScoreHead(config.hidden_size, config.num_labels)
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
@@ -316,10 +322,11 @@ def load_model(
 def _body_weights(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """A pooling model's tensors: lm_head's are skipped, and a headless checkpoint's names
     (``layers.0...``, saved from ``*Model`` as sentence-transformers and e5 models are) move under
-    ``model.``, so that either kind of checkpoint loads, as in vLLM."""
+    ``model.``, so that either kind of checkpoint loads, as in vLLM; a classifier's ``score.`` head
+    keeps its name."""
     for name, tensor in weights:
         if not name.startswith("lm_head."):
-            yield (name if name.startswith("model.") else f"model.{name}"), tensor
+            yield (name if name.startswith(("model.", "score.")) else f"model.{name}"), tensor
 
 
 def _shared_parameter_names(model: nn.Module) -> list[list[str]]:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server (``vllmini serve``): a Starlette app over one
 ``AsyncLLMEngine``, served by uvicorn (with uvloop when installed).
 
-Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
-(with ``--runner pooling``, which answers the completion routes 404), ``GET /v1/models``,
+Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
+(with ``GET /v1/responses/{id}`` and its ``/cancel``), ``POST /v1/embeddings``, ``/score``,
+``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too; with ``--runner
+pooling``, which answers the generating routes 404), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
 ``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
 and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
@@ -35,6 +37,7 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding,
                                                           refuse_generation_routes)  # fmt: skip
@@ -42,6 +45,7 @@ from vllmini.entrypoints.openai.serving_engine import error_body
 from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                        runtime_lora_updating)  # fmt: skip
 from vllmini.entrypoints.openai.serving_responses import OpenAIServingResponses
+from vllmini.entrypoints.openai.serving_score import OpenAIServingScores
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("vllmini")
@@ -173,6 +177,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         Route("/metrics", prometheus, methods=["GET"]),
     ]
     routes.append(Route("/v1/embeddings", handler(EmbeddingRequest, embedding.create_embedding), methods=["POST"]))
+    routes += [*OpenAIServingScores(engine, served_model_name, models).routes(handler),  # score, rerank
+               *OpenAIServingClassification(engine, served_model_name, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
     if runtime_lora_updating():

@@ -20,12 +20,14 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from vllmini.engine.outputs import PoolingRequestOutput
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import is_int
 from vllmini.entrypoints.openai.protocol import check_chat_options
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGroup, error_body
 from vllmini.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
+from vllmini.lora.request import LoRARequest
 
 # the routes a pooling server refuses, and the API each belongs to (in vLLM's error words)
 _GENERATION_ROUTES = {"/v1/completions": "Completions API", "/v1/chat/completions": "Chat Completions API",
@@ -62,28 +64,33 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, dimensions=self.dimensions,
-                             normalize=self.normalize, use_activation=self.use_activation)  # fmt: skip
+                             normalize=self.normalize, use_activation=self.use_activation, task="embed")  # fmt: skip
 
     def inputs(self, vocab_size: int) -> list[str | list[int]]:
         """``input`` as a list of prompts (strings or token-id lists), each checked, naming it."""
         if (self.input is None) == (self.messages is None):
             raise ValueError("set exactly one of input and messages")
-        given = self.input
-        one = isinstance(given, str) or (isinstance(given, list) and given and all(map(is_int, given)))
-        items = [given] if one else given
-        if not isinstance(items, list) or not items:
-            raise ValueError("input must be a string, a list of strings, a list of token ids or a list of "
-                             "token-id lists, and not empty")  # fmt: skip
-        for i, item in enumerate(items):
-            where = "input" if one else f"input[{i}]"
-            if isinstance(item, str):
-                if not item:
-                    raise ValueError(f"{where} is an empty string")
-            elif not isinstance(item, list) or not item or not all(map(is_int, item)):
-                raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
-            elif bad := [t for t in item if not 0 <= t < vocab_size]:
-                raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-        return items
+        return check_inputs(self.input, vocab_size)
+
+
+def check_inputs(given: Any, vocab_size: int, field: str = "input") -> list[str | list[int]]:
+    """A pooling request's ``input`` (a string, a list of strings, a token-id list or a list of
+    them) as a list of prompts, each checked, naming it (``input[1]``)."""
+    one = isinstance(given, str) or (isinstance(given, list) and given and all(map(is_int, given)))
+    items = [given] if one else given
+    if not isinstance(items, list) or not items:
+        raise ValueError(f"{field} must be a string, a list of strings, a list of token ids or a list of "
+                         "token-id lists, and not empty")  # fmt: skip
+    for i, item in enumerate(items):
+        where = field if one else f"{field}[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise ValueError(f"{where} is an empty string")
+        elif not isinstance(item, list) or not item or not all(map(is_int, item)):
+            raise ValueError(f"{where} must be a non-empty string or a non-empty list of token ids")
+        elif bad := [t for t in item if not 0 <= t < vocab_size]:
+            raise ValueError(f"{where} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return items
 
 
 def encode_embedding(data: torch.Tensor, encoding_format: str) -> list[float] | str:
@@ -95,36 +102,60 @@ def encode_embedding(data: torch.Tensor, encoding_format: str) -> list[float] | 
     return vector.tolist()
 
 
-class OpenAIServingEmbedding(OpenAIServing):
-    def __init__(
-        self, engine: AsyncLLMEngine, model_name: str, chat: OpenAIServingChat, models: OpenAIServingModels | None = None
-    ) -> None:  # fmt: skip
-        super().__init__(engine, model_name, models)
-        self.chat = chat  # (its chat template and rendering, for the messages form)
-        self.runner_type = engine.engine.runner_type
-        self.vocab_size = engine.engine.vocab_size
+def pooling_usage(outs: list[PoolingRequestOutput]) -> dict[str, Any]:
+    """A pooling response's usage: the prompt tokens, nothing generated."""
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
+            "prompt_tokens_details": None}  # fmt: skip
 
-    async def create_embedding(self, request: EmbeddingRequest) -> dict[str, Any]:
-        """The whole response; a bad request raises ValueError (400) before anything is computed."""
+
+class OpenAIServingPooling(OpenAIServing):
+    """What the pooling routes share (embeddings, score / rerank, classify): the runner check (a
+    generating server answers 404, as vLLM's has no such route), the model's tasks, and running a
+    request's prompts to their pooled outputs."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, models: OpenAIServingModels | None = None) -> None:
+        super().__init__(engine, model_name, models)
+        self.runner_type = engine.engine.runner_type
+        self.tasks = engine.engine.supported_tasks
+        self.vocab_size = engine.engine.vocab_size
+        self.hf_config = engine.engine.hf_config
+
+    def require_pooling(self, api: str, what: str) -> None:
         if self.runner_type != "pooling":
-            raise APINotSupportedError("The model does not support the Embeddings API: this server generates; "
-                                       "start it with --runner pooling to serve embeddings")  # fmt: skip
-        lora_request = self.check_model(request.model)
-        prompts = self._prompts(request)
-        params = request.pooling_params()
-        request_id = self.new_id("embd", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request)
+            raise APINotSupportedError(f"The model does not support the {api}: this server generates; start it "
+                                       f"with --runner pooling to serve {what}")  # fmt: skip
+
+    async def pool(self, request_id: str, prompts: list[Any], params: PoolingParams, priority: int,
+                   lora_request: LoRARequest | None) -> list[PoolingRequestOutput]:  # fmt: skip
+        """Every prompt's final output, in prompt order (a bad prompt: ValueError before any runs)."""
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, priority, lora_request)
         finals = {}
         async for i, out in group:
             if out.outputs is None:  # aborted: only a shutdown does that to a request still being read
                 raise EngineDeadError("the request was aborted: the engine is shutting down")
             finals[i] = out
-        data = [{"object": "embedding", "embedding": encode_embedding(finals[i].outputs.data, request.encoding_format),
-                 "index": i} for i in sorted(finals)]  # fmt: skip
-        prompt_tokens = sum(len(out.prompt_token_ids) for out in finals.values())
-        usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
-                 "prompt_tokens_details": None}  # fmt: skip
-        return {**self.header(request_id, "list", request.model), "data": data, "usage": usage}
+        return [finals[i] for i in sorted(finals)]
+
+
+class OpenAIServingEmbedding(OpenAIServingPooling):
+    def __init__(
+        self, engine: AsyncLLMEngine, model_name: str, chat: OpenAIServingChat, models: OpenAIServingModels | None = None
+    ) -> None:  # fmt: skip
+        super().__init__(engine, model_name, models)
+        self.chat = chat  # (its chat template and rendering, for the messages form)
+
+    async def create_embedding(self, request: EmbeddingRequest) -> dict[str, Any]:
+        """The whole response; a bad request raises ValueError (400) before anything is computed."""
+        self.require_pooling("Embeddings API", "embeddings")
+        lora_request = self.check_model(request.model)
+        prompts = self._prompts(request)
+        params = request.pooling_params()
+        request_id = self.new_id("embd", request.request_id)
+        outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
+        data = [{"object": "embedding", "embedding": encode_embedding(out.outputs.data, request.encoding_format),
+                 "index": i} for i, out in enumerate(outs)]  # fmt: skip
+        return {**self.header(request_id, "list", request.model), "data": data, "usage": pooling_usage(outs)}
 
     def _prompts(self, request: EmbeddingRequest) -> list[Any]:
         """The engine prompts: each input (tokenized here only without special tokens), or the
