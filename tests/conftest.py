@@ -9,6 +9,7 @@ own tmp cache instead.
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -27,6 +28,15 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 from vllmini.models.weight_loader import DEFAULT_INSTALL_HINT, default_cache_dir, default_gguf_path, resolve_model_dir
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_cycles_after_each_module():
+    """A module's engines may be left in reference cycles (a server app's routes hold its engine),
+    which only a full collection frees, and each holds its weights and KV cache: collected before
+    the next module builds its own (a test worker otherwise grew past 15 GB)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

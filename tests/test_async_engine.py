@@ -727,3 +727,17 @@ async def test_an_abort_spares_a_request_that_takes_its_id_while_the_step_runs(t
         outs = [o async for o in new]
         assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 5
         assert_no_leaks(engine)
+
+
+async def test_shutdown_frees_the_kv_cache_at_once(tiny_dir):
+    """The engine never steps again: its KV cache goes now, not when the last reference to the
+    engine does (a server's routes hold it in cycles that only a full collection frees)."""
+    import weakref
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=16 << 20))
+    async for _ in engine.generate("Hi", SamplingParams(max_tokens=2), "r"):
+        pass
+    k_cache = weakref.ref(engine.engine.runner.kv_caches[0][0])
+    await engine.shutdown()
+    assert k_cache() is None and engine.engine.runner.kv_caches == []
+    assert engine.engine.num_generated_tokens == 2  # (the engine's counts are still there to read)

@@ -14,6 +14,7 @@ request reaches a new stream with the same id.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -214,6 +215,11 @@ class AsyncLLMEngine:
             self._executor.submit(self._abort_everything).result()
             self._executor.shutdown(wait=True)
             self.engine.structured.close()  # (its compile thread, if a grammar ever started one)
+            # The engine never steps again: its KV cache is freed now, not when the last reference
+            # goes (a server's routes and tasks hold the engine in cycles, which only a full
+            # collection frees; frozen by a later engine's gc.freeze, never: unfreeze them).
+            self.engine.runner.kv_caches.clear()
+            gc.unfreeze()
 
     # ---- requests ------------------------------------------------------------------------
     def _prompt(self, prompt: PromptType | list[dict[str, str]]) -> PromptType:
