@@ -40,9 +40,9 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.lora.adapter import LoRAAdapter
+from vllmini.lora.request import LoRARequest
 from vllmini.metrics.reader import Metric, get_metrics_snapshot
 from vllmini.metrics.stat_logger import StatLogger
-from vllmini.lora.request import LoRARequest
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 from vllmini.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
@@ -462,6 +462,7 @@ class LLMEngine:
         """The request's output for this step (None: nothing to report per its output_kind);
         a finished request leaves the engine here."""
         out = state.output() if isinstance(state, PoolingRequestState) else self.output_processor.make_output(state)
-        if state.finished and self.requests.pop(state.request_id, None) is not None and self.stat_logger is not None:
-            self.stat_logger.record_finished(state.seqs, len(state.prompt_token_ids), state.params)
+        if state.finished and self.requests.pop(state.request_id, None) is not None:  # (leaves once)
+            if self.stat_logger is not None:
+                self.stat_logger.record_finished(state.seqs, len(state.prompt_token_ids), state.params)
         return out

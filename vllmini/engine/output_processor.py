@@ -234,7 +234,7 @@ class OutputProcessor:
             )
         if not outputs and not finished:
             return None
-        metrics = self._metrics(state)
+        metrics = RequestMetrics.of(state.seqs, state.arrival_time, state.finished)
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, self._prompt_logprobs(state), outputs, finished,
             metrics, None if state.seqs[0].lora is None else state.seqs[0].lora.request,
@@ -253,15 +253,3 @@ class OutputProcessor:
                 return []
             state.prompt_logprobs_sent = True
         return recorded
-
-    @staticmethod
-    def _metrics(state: RequestState) -> RequestMetrics:
-        seqs = state.seqs
-        return RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
-            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            finished_time=max((s.finished_time or 0 for s in seqs), default=None) if state.finished else None,
-            num_preemptions=sum(s.num_preemptions for s in seqs),
-            num_cached_tokens=seqs[0].num_cached_tokens,
-        )

@@ -9,6 +9,8 @@ from vllmini.lora.request import LoRARequest
 if TYPE_CHECKING:
     import torch
 
+    from vllmini.scheduler.sequence import Sequence
+
 _O = TypeVar("_O")
 
 
@@ -66,6 +68,19 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+
+    @staticmethod
+    def of(seqs: list[Sequence], arrival_time: float, finished: bool) -> RequestMetrics:
+        """A request's, from its sequences: first scheduled and first token of any of them, finished
+        with the last of them (None until the request is)."""
+        return RequestMetrics(
+            arrival_time=arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in seqs if s.first_scheduled_time), default=None),
+            first_token_time=min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0 for s in seqs), default=None) if finished else None,
+            num_preemptions=sum(s.num_preemptions for s in seqs),
+            num_cached_tokens=seqs[0].num_cached_tokens,
+        )
 
 
 @dataclass

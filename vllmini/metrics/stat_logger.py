@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from vllmini.engine.outputs import RequestMetrics
 from vllmini.scheduler.sequence import Sequence
 from vllmini.spec_decode.stats import SpecDecodingStats
 
@@ -89,14 +90,14 @@ class StatLogger:
         self.param_n.observe(len(seqs))
         if (max_tokens := getattr(params, "max_tokens", None)) is not None:
             self.param_max_tokens.observe(max_tokens)
-        arrival, finished = seqs[0].arrival_time, last.finished_time or time.monotonic()
+        m = RequestMetrics.of(seqs, seqs[0].arrival_time, finished=True)
+        arrival, finished = m.arrival_time, m.finished_time or time.monotonic()
         self.e2e.observe(finished - arrival)
-        scheduled = min((s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None), default=None)
+        scheduled, first = m.first_scheduled_time, m.first_token_time
         if scheduled is None:  # aborted while waiting
             return
         self.queue.observe(scheduled - arrival)
         self.inference.observe(finished - scheduled)
-        first = min((s.first_token_time for s in seqs if s.first_token_time is not None), default=None)
         if first is None:  # no token (a pooling request, or aborted in its prefill)
             return
         self.prefill.observe(first - scheduled)
