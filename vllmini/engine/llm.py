@@ -161,16 +161,12 @@ class LLM:
                              "runner='pooling' (vLLM: --runner pooling)")  # fmt: skip
         tok, hf_config = self.get_tokenizer(), self.llm_engine.hf_config
         texts_1, texts_2 = scoring.score_texts(data_1, "data_1", tok), scoring.score_texts(data_2, "data_2", tok)
-        scoring.check_pairing(texts_1, texts_2, ("data_1", "data_2"))
-        run = {"use_tqdm": use_tqdm, "lora_request": lora_request, "truncate_prompt_tokens": truncate_prompt_tokens}
-        if "score" in self.supported_tasks:
-            scoring.check_cross_encoder(hf_config)
-            pairs = scoring.cross_encoder_prompts(tok, hf_config, texts_1, texts_2)
-            outs = self.encode(pairs, pooling_params, pooling_task="score", **run)
-        else:
-            embedded = self.encode(texts_1 + texts_2, pooling_params, pooling_task="embed", **run)
-            outs = scoring.cosine_scores(embedded[: len(texts_1)], embedded[len(texts_1) :], tok.pad_token_id)
-        return [ScoringRequestOutput.from_base(out) for out in outs]
+        fields = ("data_1", "data_2")
+        prompts, task = scoring.score_prompts(self.supported_tasks, tok, hf_config, texts_1, texts_2, fields)
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task=task,
+                           truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
+        pairs = scoring.pair_scores(outs, task, len(texts_1), tok.pad_token_id)
+        return [ScoringRequestOutput.from_base(out) for out in pairs]
 
     def _require_task(self, task: str, api: str, needs: str) -> None:
         if self.llm_engine.runner_type != "pooling" or task not in self.supported_tasks:

@@ -66,6 +66,26 @@ def cross_encoder_prompts(tokenizer: Any, hf_config: Any, texts_1: list[str], te
     return [tokenizer(q + d).input_ids for q, d in zip(texts_1, texts_2)]
 
 
+def score_prompts(tasks: tuple[str, ...], tokenizer: Any, hf_config: Any, texts_1: list[str], texts_2: list[str],
+                  fields: tuple[str, str]) -> tuple[list[Any], str]:  # fmt: skip
+    """What to pool for the pairs, and the task to pool it with: a cross-encoder's pair inputs
+    ("score"), else every text once ("embed": text_1's texts, then text_2's)."""
+    check_pairing(texts_1, texts_2, fields)
+    if "score" in tasks:
+        check_cross_encoder(hf_config)
+        return cross_encoder_prompts(tokenizer, hf_config, texts_1, texts_2), "score"
+    return texts_1 + texts_2, "embed"
+
+
+def pair_scores(outs: list[PoolingRequestOutput], task: str, num_texts_1: int,
+                pad_token_id: int | None) -> list[PoolingRequestOutput]:  # fmt: skip
+    """One output per pair from what ``score_prompts``' inputs pooled to: a cross-encoder's as they
+    are, embeddings through their cosine similarity."""
+    if task == "score":
+        return outs
+    return cosine_scores(outs[:num_texts_1], outs[num_texts_1:], pad_token_id)
+
+
 def cosine_scores(outs_1: list[PoolingRequestOutput], outs_2: list[PoolingRequestOutput],
                   pad_token_id: int | None) -> list[PoolingRequestOutput]:  # fmt: skip
     """Each pair's cosine similarity (a 0-d float32 tensor); its prompt is the two prompts joined

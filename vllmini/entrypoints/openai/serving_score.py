@@ -96,13 +96,9 @@ class OpenAIServingScores(OpenAIServingPooling):
                       fields: tuple[str, str], lora_request: LoRARequest | None) -> list[PoolingRequestOutput]:  # fmt: skip
         """One output per pair, its data the score (engine/scoring.py: a cross-encoder's, or cosine)."""
         texts_1, texts_2 = texts
-        scoring.check_pairing(texts_1, texts_2, fields)
-        if "score" in self.tasks:
-            scoring.check_cross_encoder(self.hf_config)
-            pairs = scoring.cross_encoder_prompts(self.tokenizer, self.hf_config, texts_1, texts_2)
-            params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
-                                   use_activation=request.activation_flag(), task="score")  # fmt: skip
-            return await self.pool(request_id, pairs, params, request.priority, lora_request)
-        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, task="embed")
-        embedded = await self.pool(request_id, texts_1 + texts_2, params, request.priority, lora_request)
-        return scoring.cosine_scores(embedded[: len(texts_1)], embedded[len(texts_1) :], self.tokenizer.pad_token_id)
+        prompts, task = scoring.score_prompts(self.tasks, self.tokenizer, self.hf_config, texts_1, texts_2, fields)
+        activation = request.activation_flag() if task == "score" else None  # (an embedder's cosine takes none)
+        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, use_activation=activation,
+                               task=task)  # fmt: skip
+        outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
+        return scoring.pair_scores(outs, task, len(texts_1), self.tokenizer.pad_token_id)
