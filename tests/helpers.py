@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config
+from transformers import (AutoTokenizer, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)  # fmt: skip
 
 from vllmini.models.base import AttentionMetadata
 
@@ -160,6 +161,29 @@ def tiny_smollm3_config(**overrides) -> SmolLM3Config:
     features = dict(num_attention_heads=4, num_hidden_layers=4, tie_word_embeddings=True, rope_theta=2000000.0,
                     pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return _tiny(SmolLM3Config, "SmolLM3ForCausalLM", features, overrides)
+
+
+def tiny_qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
+    """Qwen3's attention; 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers)."""
+    features = dict(num_attention_heads=4, head_dim=24, tie_word_embeddings=False, rope_theta=1000000.0,
+                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                    decoder_sparse_step=1, mlp_only_layers=[1])  # fmt: skip
+    return _tiny(Qwen3MoeConfig, "Qwen3MoeForCausalLM", features, overrides)
+
+
+def tiny_qwen2_moe_config(**overrides) -> Qwen2MoeConfig:
+    """q/k/v biases; 6 experts, top 3 not renormalised, a shared expert; every 2nd layer sparse."""
+    features = dict(num_attention_heads=4, tie_word_embeddings=True, rope_theta=1000000.0, num_experts=6,
+                    num_experts_per_tok=3, moe_intermediate_size=40, shared_expert_intermediate_size=96,
+                    norm_topk_prob=False, decoder_sparse_step=2, use_sliding_window=False)  # fmt: skip
+    return _tiny(Qwen2MoeConfig, "Qwen2MoeForCausalLM", features, overrides)
+
+
+def tiny_mixtral_config(**overrides) -> MixtralConfig:
+    """Mistral's attention; 4 experts, top 2, in every layer."""
+    features = dict(num_attention_heads=8, head_dim=16, tie_word_embeddings=False, rope_theta=1000000.0,
+                    sliding_window=None, num_local_experts=4, num_experts_per_tok=2, intermediate_size=96)  # fmt: skip
+    return _tiny(MixtralConfig, "MixtralForCausalLM", features, overrides)
 
 
 def randomize_biases(hf_model, std: float = 0.5):

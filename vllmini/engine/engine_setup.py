@@ -55,6 +55,9 @@ def build_runtime(
     # the decode graphs capture no LoRA mapping: an engine with enable_lora runs every step eagerly
     # (a pooling engine runs no decode step)
     use_graphs = device.type == "cuda" and not args.enforce_eager and not args.enable_lora and pooler is None
+    if use_graphs and (blocker := model.cuda_graph_blocker(device, dtype)) is not None:
+        logger.warning("CUDA graphs off: %s", blocker)
+        use_graphs = False
     logger.info(
         "attention backend: %s (block size %d, %s, CUDA graphs %s)",
         attention_backend, block_size, dtype, "on" if use_graphs else "off",

@@ -69,9 +69,11 @@ def read_config(folder: Path) -> dict:
         raise ValueError(f"{file}: expected a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{file}: peft_type {config['peft_type']!r} is not supported (only LORA)")
-    refused = {"use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D models)", "lora_bias": "lora_bias",
-               "modules_to_save": "modules_to_save (fully trained modules)", "alpha_pattern": "alpha_pattern",
-               "target_parameters": "target_parameters", "layer_replication": "layer_replication"}  # fmt: skip
+    # target_parameters first: PEFT adds alpha_pattern entries for the parameters it names
+    refused = {"target_parameters": "target_parameters (LoRA on parameters, such as a mixture of experts' stacked "
+               "weights)", "use_dora": "DoRA", "fan_in_fan_out": "fan_in_fan_out (Conv1D models)",
+               "lora_bias": "lora_bias", "modules_to_save": "modules_to_save (fully trained modules)",
+               "alpha_pattern": "alpha_pattern", "layer_replication": "layer_replication"}  # fmt: skip
     for key, what in refused.items():
         if config.get(key):
             raise ValueError(f"{file}: {key}={config[key]!r}: {what} is not supported for LoRA adapters here")

@@ -15,6 +15,7 @@ from torch import nn
 from vllmini.models.attention import Attention, KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+from vllmini.models.moe import FusedMoE, expert_tensor, expert_tensor_name, grouped_mm_supported
 
 logger = logging.getLogger("vllmini")
 
@@ -81,17 +82,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True, window: int | None = None) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
+                 window: int | None = None) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, variant, use_rope, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=variant.bias(variant.mlp_bias, config, "mlp_bias"),
-            act=getattr(config, "hidden_act", "silu"),
-        )
+        self.mlp = mlp  # a GatedMLP, or a mixture of experts (models/moe.py)
 
     def forward(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache: KVCache | None
@@ -114,7 +111,7 @@ def layer_windows(config: Any, sliding: str) -> list[int | None]:
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, build_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # uninitialised (_weight): the checkpoint fills it, and a random init on the meta device
         # (weight_loader) imports torch._dynamo, and with it triton, for nothing
@@ -125,7 +122,7 @@ class DecoderModel(nn.Module):
         rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         windows = layer_windows(config, variant.sliding)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, variant, build_mlp(i), bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -137,15 +134,22 @@ class LlamaForCausalLM(nn.Module):
 
     variant = DecoderVariant()
     fused_checkpoint = False  # True: checkpoints hold qkv_proj / gate_up_proj fused (Phi-3)
+    expert_projections = ("gate_proj", "up_proj", "down_proj")  # a mixture of experts' names (models/moe.py)
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
         self._shards_seen: dict[str, set[int]] = {}  # fused parameter -> shard indices loaded (load_weights)
-        self.model = DecoderModel(config, self.variant)
+        self.model = DecoderModel(config, self.variant, self.build_mlp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def build_mlp(self, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s MLP; the mixture-of-experts models return experts in some layers."""
+        config = self.config
+        bias = self.variant.bias(self.variant.mlp_bias, config, "mlp_bias")
+        return GatedMLP(config.hidden_size, config.intermediate_size, bias, getattr(config, "hidden_act", "silu"))
 
     @property
     def tied(self) -> bool:
@@ -178,17 +182,27 @@ class LlamaForCausalLM(nn.Module):
         (``q_proj``); ours are fused (``qkv_proj``), so each fused shard is adapted on its own."""
         targets = []
         for i, layer in enumerate(self.model.layers):
-            attn, prefix = layer.self_attn, f"model.layers.{i}"
-            fused = [(f"{prefix}.self_attn.qkv_proj", _SHARDS["qkv_proj"], [attn.q_size, attn.kv_size, attn.kv_size]),
-                     (f"{prefix}.mlp.gate_up_proj", _SHARDS["gate_up_proj"], [layer.mlp.intermediate_size] * 2)]  # fmt: skip
+            attn, prefix, dense = layer.self_attn, f"model.layers.{i}", isinstance(layer.mlp, GatedMLP)
+            fused = [(f"{prefix}.self_attn.qkv_proj", _SHARDS["qkv_proj"], [attn.q_size, attn.kv_size, attn.kv_size])]
+            if dense:  # (experts take no adapter: an adapter naming them is refused as an unknown target)
+                fused.append((f"{prefix}.mlp.gate_up_proj", _SHARDS["gate_up_proj"], [layer.mlp.intermediate_size] * 2))
             for path, shards, sizes in fused:
                 if self.fused_checkpoint:  # (Phi-3) adapters target the fused projection itself
                     targets.append((path, [path], [sum(sizes)]))
                 else:
                     targets.append((path, [f"{path.rpartition('.')[0]}.{s}" for s in shards], sizes))
             targets.append((f"{prefix}.self_attn.o_proj", [f"{prefix}.self_attn.o_proj"], [attn.o_proj.out_features]))
-            targets.append((f"{prefix}.mlp.down_proj", [f"{prefix}.mlp.down_proj"], [layer.mlp.down_proj.out_features]))
+            if dense:
+                targets.append((f"{prefix}.mlp.down_proj", [f"{prefix}.mlp.down_proj"], [layer.mlp.down_proj.out_features]))
         return targets
+
+    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this model's decode steps cannot be captured in a CUDA graph (None: they can)."""
+        experts = any(isinstance(m, FusedMoE) for m in self.modules())
+        if experts and not grouped_mm_supported(device, dtype):
+            return (f"a mixture of experts runs without host syncs only in bfloat16 with torch >= 2.10 "
+                    f"(F.grouped_mm); this engine runs {dtype}")
+        return None
 
     def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
         for layer in self.model.layers:
@@ -236,7 +250,14 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, _, leaf = name.rpartition(".")
             parent, _, proj = module_path.rpartition(".")
-            if proj in _STACKED:
+            if (expert := expert_tensor(name, self.expert_projections)) is not None:
+                path, stacked, index, shard = expert  # e.g. model.layers.0.mlp.experts, w13, 5, 1
+                experts, target = self.get_submodule(path), f"{path}.{stacked}"
+                _copy(experts.slot(stacked, index, shard), tensor, name)
+                shards_seen.setdefault(target, set()).add((index, shard))
+                if len(shards_seen[target]) == len(experts.shards(stacked)):
+                    loaded.add(target)
+            elif proj in _STACKED:
                 fused, shard = _STACKED[proj]
                 target = f"{parent}.{fused}.{leaf}"
                 param = self._param(params, target, name)
@@ -258,6 +279,10 @@ class LlamaForCausalLM(nn.Module):
         the missing q/k/v or gate/up shards of a fused parameter, else the parameter's own name."""
         module_path, _, leaf = param.rpartition(".")
         parent, _, fused = module_path.rpartition(".")
+        if fused == "experts":
+            seen = self._shards_seen.get(param, set())
+            missing = [s for s in self.get_submodule(module_path).shards(leaf) if s not in seen]
+            return [expert_tensor_name(param, e, shard, self.expert_projections) for e, shard in missing]
         if fused not in _SHARDS or self.fused_checkpoint:
             return [param]
         seen = self._shards_seen.get(param, set())

@@ -13,6 +13,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("vllmini.models.qwen2", "Qwen2ForCausalLM"),
     "SmolLM3ForCausalLM": ("vllmini.models.llama", "SmolLM3ForCausalLM"),
     "Qwen3ForCausalLM": ("vllmini.models.qwen3", "Qwen3ForCausalLM"),
+    "MixtralForCausalLM": ("vllmini.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("vllmini.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("vllmini.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

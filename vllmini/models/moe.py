@@ -1,0 +1,144 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top-k
+experts, and every expert runs once per step on the rows routed to it.
+
+The experts' weights are stacked (``w13 [E, 2I, H]``: gate then up; ``w2 [E, H, I]``) so that
+one grouped matmul runs every expert over its own slice of the token rows, sorted by expert:
+no loop over experts in Python and no host sync, so a decode step stays capturable in a CUDA
+graph. Where torch has no grouped matmul for the device and dtype (CUDA only has it for
+bfloat16; torch before 2.10 not at all), the experts hit run one after another instead.
+Routing follows transformers: softmax in fp32 over the router logits, top-k, then the k
+weights renormalised to sum to one where the model says so (``norm_topk_prob``; Mixtral always).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllmini.models.layers import GatedMLP
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """``F.grouped_mm`` (torch >= 2.10) runs any float dtype on CPU, bfloat16 on CUDA (SM80+)."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and dtype == torch.bfloat16)
+
+
+class ExpertWeights(nn.Module):
+    """The experts' stacked weights; checkpoints hold one tensor per expert and projection
+    (``experts.<e>.gate_proj``...), copied in by :meth:`load` and counted until all are in."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def slot(self, param: str, expert: int, shard: int) -> torch.Tensor:
+        """Where checkpoint tensor ``(expert, shard)`` of ``param`` ("w13": 0 gate, 1 up; "w2") goes."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert} but config.json says num_experts={self.num_experts}")
+        if param == "w2":
+            return self.w2.data[expert]
+        size = self.intermediate_size
+        return self.w13.data[expert, shard * size : (shard + 1) * size]
+
+    def shards(self, param: str) -> list[tuple[int, int]]:
+        """Every ``(expert, shard)`` that fills ``param``."""
+        return [(e, s) for e in range(self.num_experts) for s in range(2 if param == "w13" else 1)]
+
+
+class FusedMoE(nn.Module):
+    """``num_experts`` gated SiLU MLPs of width ``intermediate_size`` and a linear router ``gate``
+    (the checkpoints' names: ``mlp.gate``, ``mlp.experts.<e>.*``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 renormalize: bool, act: str = "silu") -> None:  # fmt: skip
+        super().__init__()
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({num_experts}), got {top_k}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = ExpertWeights(num_experts, hidden_size, intermediate_size)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top-k expert ids ``[T, k]`` and their weights ``[T, k]`` (in ``x``'s dtype)."""
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        rows = order // self.top_k  # the token of each sorted pair
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        xs = x.index_select(0, rows)
+        w13, w2 = self.experts.w13, self.experts.w2
+        if grouped_mm_supported(x.device, x.dtype):
+            ends = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+            ys = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    gate, up = F.linear(xs[start : start + count], w13[expert]).chunk(2, dim=-1)
+                    ys[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
+                    start += count
+        ys = ys * weights.flatten().index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
+
+class SharedExpertMoE(FusedMoE):
+    """Qwen2-MoE's block: the routed experts plus one always-on expert, gated per token by a sigmoid."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 shared_size: int, act: str = "silu") -> None:  # fmt: skip
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, renormalize, act)
+        self.shared_expert = GatedMLP(hidden_size, shared_size, act=act)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+def is_sparse_layer(config: Any, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` has experts: Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``
+    (Mixtral's configs have neither: every layer)."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+
+
+def num_experts(config: Any) -> int:
+    """Qwen's configs say ``num_experts``, Mixtral's ``num_local_experts``."""
+    return int(getattr(config, "num_experts", None) or config.num_local_experts)
+
+
+_EXPERT_TENSOR = re.compile(r"^(?P<parent>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def expert_tensor(name: str, projections: tuple[str, str, str]) -> tuple[str, str, int, int] | None:
+    """``(ExpertWeights' path, "w13" or "w2", expert, shard)`` for a per-expert checkpoint tensor,
+    else None. ``projections``: the checkpoint's names of gate, up and down (Mixtral: w1, w3, w2)."""
+    hit = _EXPERT_TENSOR.match(name)
+    if hit is None or hit["proj"] not in projections:
+        return None
+    shard = projections.index(hit["proj"])
+    return hit["parent"], "w2" if shard == 2 else "w13", int(hit["expert"]), shard % 2
+
+
+def expert_tensor_name(param: str, expert: int, shard: int, projections: tuple[str, str, str]) -> str:
+    """The checkpoint's name of one expert's shard of ``param`` (the inverse of :func:`expert_tensor`)."""
+    parent, _, leaf = param.rpartition(".")
+    return f"{parent}.{expert}.{projections[2 if leaf == 'w2' else shard]}.weight"
