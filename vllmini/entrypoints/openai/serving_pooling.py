@@ -3,10 +3,10 @@
 The request is the embeddings route's (``input``, or ``messages`` through the chat template;
 ``encoding_format``, ``dimensions``, ``normalize``, ...) with vLLM's ``task``: one of the model's
 pooling tasks but ``score`` (pairs go to ``/score``); left out, the model's token task
-(``token_embed`` for an embedding model, ``token_classify`` for a classifier), the classic
-``/pooling`` output. Each answer's ``data`` is what ``LLM.encode`` pools: a list for a sequence
-task, a list per prompt token for a token task (or the base64 of their float32 bytes, row after
-row). A generating server answers 404, as vLLM registers no such route.
+(``token_embed`` for an embedding model, ``token_classify`` for a classifier), as vLLM's. Each
+answer's ``data`` is what ``LLM.encode`` pools: a list for a sequence task, a list per prompt token
+for a token task (or the base64 of their float32 bytes, row after row). A generating server
+answers 404, as vLLM registers no such route.
 """
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from vllmini.entrypoints.openai.serving_classification import PoolingRequestFiel
 from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding, encode_embedding,
                                                           pooling_usage)  # fmt: skip
 
-# the task /pooling runs when none is given: the model's token task, as vLLM's route did before
-# it asked for one
+# the task /pooling runs when none is given: the model's token task, as vLLM's route picks it
 _DEFAULT_TASKS = ("token_embed", "token_classify")
 
 
@@ -48,7 +47,7 @@ class OpenAIServingPoolingRoute(OpenAIServingEmbedding):
         self.require_pooling("Pooling API", "pooling models")
         lora_request = self.check_model(request.model)
         if request.task is None:
-            request.task = next(t for t in _DEFAULT_TASKS if t in self.tasks)
+            request.task = next((t for t in _DEFAULT_TASKS if t in self.tasks), self.tasks[0])
         if request.task == "score" or request.task not in self.tasks:
             raise ValueError(f"task={request.task!r} is not supported by /pooling for this model; supported: "
                              f"{[t for t in self.tasks if t != 'score']} (pairs are scored by /score)")  # fmt: skip
