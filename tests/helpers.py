@@ -202,16 +202,18 @@ def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
     return out_dir
 
 
-def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labels: int, seed: int = 0, **config):
-    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3}ForSequenceClassification`` (the default model's
-    vocabulary and tokenizer) saved by transformers; the ``score`` head is drawn wide (std 1) so that
-    the probabilities are far apart. Returns (folder, the transformers model)."""
+def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labels: int, seed: int = 0,
+                         head: str = "Sequence", **config):  # fmt: skip
+    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3}ForSequenceClassification`` (``head="Token"``: the
+    ``*ForTokenClassification``, its head's bias random too) with the default model's vocabulary and
+    tokenizer, saved by transformers; the ``score`` head is drawn wide (std 1) so that the
+    probabilities are far apart. Returns (folder, the transformers model)."""
     import transformers
 
     torch.manual_seed(seed)
     name, make = {"llama": ("Llama", tiny_llama_config), "mistral": ("Mistral", tiny_mistral_config),
                   "qwen2": ("Qwen2", tiny_qwen2_config), "qwen3": ("Qwen3", tiny_qwen3_config)}[kind]  # fmt: skip
-    cls = getattr(transformers, f"{name}ForSequenceClassification")
+    cls = getattr(transformers, f"{name}For{head}Classification")
     hf = cls(make(vocab_size=49152, initializer_range=0.05, num_labels=num_labels, **config)).eval()
     randomize_biases(hf, 0.05)
     with torch.no_grad():

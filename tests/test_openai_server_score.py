@@ -6,6 +6,7 @@ and a generating server answers these routes 404."""
 from __future__ import annotations
 
 import re
+from typing import Iterator
 
 import httpx
 import pytest
@@ -37,12 +38,17 @@ def models(tmp_path_factory, default_model_dir, tiny_dir):
     return {"reranker": reranker, "classifier": classifier, "embed": (tiny_dir, AutoModel.from_pretrained(tiny_dir).eval())}
 
 
-@pytest.fixture(scope="module")
-def engines(models):
+def start_engines(models: dict) -> Iterator[dict[str, AsyncLLMEngine]]:
+    """A pooling engine per model (name -> (folder, ...)), shut down after the module's tests."""
     engs = {name: AsyncLLMEngine.from_engine_args(EngineArgs(model=str(d), **ARGS)) for name, (d, _) in models.items()}
     yield engs
     for eng in engs.values():
         eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(models):
+    yield from start_engines(models)
 
 
 def client_of(engine) -> httpx.AsyncClient:
@@ -156,7 +162,7 @@ async def test_classify_equals_transformers_with_the_models_labels(models, engin
     # a model without the task
     ("classifier", "/score", {"text_1": QUERY, "text_2": DOCS}, "Score API is only enabled for num_labels == 1"),
     ("classifier", "/v1/embeddings", {"input": "Hi"}, r"pooling_task='embed' is not supported by this model"),
-    ("embed", "/classify", {"input": "Hi"}, r"does not support the Classification API \(its pooling tasks: \['embed'\]"),
+    ("embed", "/classify", {"input": "Hi"}, r"does not support the Classification API \(its pooling tasks: \['embed', 'token_embed'\]"),
 ])  # fmt: skip
 async def test_bad_requests_are_400s_naming_the_field(engines, model, path, body, field):
     engine = engines[model]

@@ -187,12 +187,10 @@ def test_last_pooling_reuses_the_prefix_cache(llm):
     assert_no_leaks(llm)
 
 
-def test_a_recomputed_prompt_pools_from_its_start(tiny_dir, monkeypatch):
+def preempt_once(llm: LLM, monkeypatch) -> list:
     """A pooling engine's prompts never outgrow the cache together (one token budget leaves at most
-    one prompt half-computed between steps), so the recompute path is forced here: the scheduler
-    preempts the half-pooled MEAN sequence once, and its sum must start again."""
-    llm = LLM(model=str(tiny_dir), runner="pooling", pooler_config=PoolerConfig(pooling_type="MEAN"),
-              kv_cache_memory=KV, max_num_batched_tokens=8)  # fmt: skip
+    one prompt half-computed between steps), so the recompute path is forced: the scheduler preempts
+    the first half-computed sequence once. Returns the list the preempted sequence lands in."""
     scheduler = llm.llm_engine.scheduler
     schedule, preempted = scheduler.schedule, []
 
@@ -205,6 +203,15 @@ def test_a_recomputed_prompt_pools_from_its_start(tiny_dir, monkeypatch):
         return schedule()
 
     monkeypatch.setattr(scheduler, "schedule", schedule_with_a_preemption)
+    return preempted
+
+
+def test_a_recomputed_prompt_pools_from_its_start(tiny_dir, monkeypatch):
+    """The half-pooled MEAN sequence is preempted once (preempt_once): its sum must start again."""
+    llm = LLM(model=str(tiny_dir), runner="pooling", pooler_config=PoolerConfig(pooling_type="MEAN"),
+              kv_cache_memory=KV, max_num_batched_tokens=8)  # fmt: skip
+    scheduler = llm.llm_engine.scheduler
+    preempted = preempt_once(llm, monkeypatch)
     out = llm.embed([PROMPTS[0]], use_tqdm=False)[0]
     assert preempted and preempted[0].num_preemptions == 1 and scheduler.stats.num_preemptions == 1
     assert_close(out.outputs.embedding, hf_embedding(tiny_dir, out.prompt_token_ids, "MEAN"), "after a recompute")

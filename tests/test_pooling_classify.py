@@ -46,7 +46,7 @@ def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
 def test_classify_equals_transformers_through_chunked_prefill(classifiers, arch):
     model_dir, hf = classifiers[arch]
     llm = LLM(model=str(model_dir), runner="pooling", kv_cache_memory=KV, max_num_batched_tokens=8)
-    assert llm.llm_engine.runner_type == "pooling" and llm.supported_tasks == ("classify", "score")
+    assert llm.llm_engine.runner_type == "pooling" and llm.supported_tasks == ("classify", "score", "token_classify")
     outs = llm.classify(PROMPTS, use_tqdm=False)
     logits = llm.classify(PROMPTS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False)
     encoded = llm.encode(PROMPTS[:2], pooling_task="classify", use_tqdm=False)
@@ -88,7 +88,7 @@ def test_a_one_label_cross_encoder_scores_pairs_as_transformers(classifiers):
 
 def test_an_embedding_model_scores_by_cosine_similarity(tiny_dir):
     llm = LLM(model=str(tiny_dir), runner="pooling", kv_cache_memory=KV)
-    assert llm.supported_tasks == ("embed",)
+    assert llm.supported_tasks == ("embed", "token_embed")
     tok, base = llm.get_tokenizer(), AutoModel.from_pretrained(tiny_dir).eval()
 
     def embedding(text: str) -> torch.Tensor:

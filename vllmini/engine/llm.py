@@ -1,7 +1,8 @@
 """Offline batch API (``LLM.generate`` / ``LLM.chat`` / ``LLM.beam_search``; with the pooling
-runner ``LLM.embed`` / ``classify`` / ``score`` / ``encode``), as in vLLM."""
+runner ``LLM.embed`` / ``classify`` / ``score`` / ``encode`` / ``reward``), as in vLLM."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Sequence
 
 import msgspec
@@ -38,7 +39,8 @@ class LLM:
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
-        """("generate",), or the pooling model's tasks: ("embed",) or ("classify", "score")."""
+        """("generate",), or the pooling model's tasks: ("embed", "token_embed"), a sequence
+        classifier's ("classify", "score", "token_classify") or a token classifier's ("token_classify",)."""
         return self.llm_engine.supported_tasks
 
     def reset_prefix_cache(self) -> bool:
@@ -93,14 +95,16 @@ class LLM:
         """vLLM's ``LLM.encode``: each prompt's pooled hidden state (``.outputs.data``, a float32
         tensor), in input order, on an LLM with ``runner="pooling"``. ``pooling_task`` must be given,
         as in vLLM: one of ``supported_tasks`` ("embed"; a classifier's "classify" and "score": the
-        head's probabilities). ``pooling_params``: one for every prompt or one per prompt (None: the
-        engine's PoolerConfig); ``truncate_prompt_tokens`` sets theirs."""
+        head's probabilities; the token tasks "token_embed" and "token_classify": one row per prompt
+        token, ``data`` [num_tokens, hidden or num_labels]). ``pooling_params``: one for every prompt
+        or one per prompt (None: the engine's PoolerConfig); ``truncate_prompt_tokens`` sets theirs."""
         if self.llm_engine.runner_type != "pooling":
             raise ValueError("LLM.encode() is only supported for pooling models; start the LLM with "
                              "runner='pooling' (vLLM: --runner pooling)")  # fmt: skip
         if pooling_task is None:
             raise ValueError("pooling_task is required for LLM.encode: use LLM.embed(...) / LLM.classify(...) / "
-                             'LLM.score(...), or pooling_task="embed" / "classify" / "score"')  # fmt: skip
+                             'LLM.score(...), or pooling_task="embed" / "classify" / "score" / "token_embed" / '
+                             '"token_classify"')  # fmt: skip
         if pooling_task not in self.supported_tasks:
             raise ValueError(f"pooling_task={pooling_task!r} is not supported by this model; supported: "
                              f"{list(self.supported_tasks)}")  # fmt: skip
@@ -141,6 +145,23 @@ class LLM:
         outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                            pooling_task="classify")  # fmt: skip
         return [ClassificationRequestOutput.from_base(out) for out in outs]
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's ``LLM.reward``, deprecated there as here: ``encode(..., pooling_task="token_classify")``
+        (each token's reward); a sequence reward is ``pooling_task="classify"``."""
+        warnings.warn('LLM.reward is deprecated (as in vLLM): use LLM.encode(..., pooling_task="token_classify") '
+                      'or pooling_task="classify"', DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.encode(prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="token_classify", truncate_prompt_tokens=truncate_prompt_tokens)  # fmt: skip
 
     def score(
         self,

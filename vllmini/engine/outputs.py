@@ -104,7 +104,8 @@ class RequestOutput:
 @dataclass
 class PoolingOutput:
     """A prompt's pooled vector (vLLM's name): ``data``, a float32 CPU tensor ``[hidden]``
-    (``[dimensions]`` for a matryoshka cut)."""
+    (``[dimensions]`` for a matryoshka cut, ``[num_labels]`` for a classifier); the token tasks'
+    ``[num_prompt_tokens, hidden | dimensions | num_labels]``."""
 
     data: torch.Tensor
 

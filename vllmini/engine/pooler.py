@@ -1,16 +1,21 @@
 """The pooling runner (vLLM's ``runner="pooling"``): from a prompt's hidden states to one embedding,
-or, for a ``*ForSequenceClassification`` checkpoint, to its classifier head's probabilities.
+or, for a ``*ForSequenceClassification`` checkpoint, to its classifier head's probabilities; vLLM's
+token-level tasks give one row per prompt token instead: ``token_embed`` (each token's hidden state,
+normalized) and ``token_classify`` (each token's head logits through the activation).
 
 A pooling request is prefill-only. The scheduler runs its prompt like any other (chunked prefill,
 batching, paged KV, preemption); for each scheduled chunk the model runner asks the model for the
 final-normed hidden states of only the rows the pooling type needs (``Pooler.wanted_rows``): LAST
 the prompt's last position (in the chunk that completes it), CLS its first, MEAN every position
-(summed chunk by chunk in float32; a recompute after a preemption starts the sum again). Once the
-last chunk is computed, the vector is cut to ``dimensions`` (matryoshka), L2-normalized when asked,
-and the request finishes (its blocks freed); a classifier's pooled state goes through its ``score``
-head and the task's activation instead (engine/classifier_activation.py). The model knows nothing
+(summed chunk by chunk in float32; a recompute after a preemption starts the sum again), and ALL
+(the token tasks', whatever the engine's pooling type) every position. Once the last chunk is
+computed, the vector is cut to ``dimensions`` (matryoshka), L2-normalized when asked, and the
+request finishes (its blocks freed); a classifier's pooled state goes through its ``score`` head and
+the task's activation instead (engine/classifier_activation.py). ALL does the same to each chunk's
+rows at once (row by row) and keeps them on the CPU until the last one. The model knows nothing
 of requests: it returns the hidden states of the rows it is given. MEAN and CLS read positions a prefix-cache hit would skip,
-so the engine runs them without prefix caching, as vLLM does.
+so the engine runs them without prefix caching, as vLLM does; a token task's request, as vLLM's
+``skip_reading_prefix_cache``, reads no cached prefix (it still leaves its blocks for others).
 
 The defaults, as vLLM reads them: ``PoolerConfig`` fields the user leaves None come from the
 model's sentence-transformers files (``modules.json`` and its Pooling module's ``config.json``),
@@ -19,7 +24,7 @@ else LAST and normalized.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +35,15 @@ from vllmini.config import PoolerConfig
 from vllmini.engine.classifier_activation import Activation, classifier_activation
 from vllmini.engine.outputs import PoolingOutput, PoolingRequestOutput
 from vllmini.engine.pooling_params import PoolingParams
-from vllmini.models.registry import is_classifier_architecture
+from vllmini.models.registry import is_classifier_architecture, is_token_classifier_architecture
 from vllmini.scheduler.sequence import Sequence
 
 # sentence-transformers' pooling modes -> vLLM's pooling types (the others have no equivalent here)
 _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN", "pooling_mode_cls_token": "CLS"}
 _ST = "sentence_transformers.models."
+# vLLM's token-level tasks: one output row per prompt token (ALL pooling)
+TOKEN_TASKS = ("token_embed", "token_classify")
+_EMBED_TASKS = ("embed", "token_embed")
 
 
 def _read_json(path: Path) -> Any:
@@ -117,7 +125,8 @@ class PoolingRequestState:
     params: PoolingParams  # resolved: normalize set, dimensions checked
     seqs: list[Sequence]
     total: torch.Tensor | None = None  # float32: the pooled row, or (MEAN) the sum of the rows so far
-    count: int = 0  # positions summed (MEAN)
+    count: int = 0  # positions summed (MEAN) or kept (ALL)
+    rows: list[torch.Tensor] = field(default_factory=list)  # ALL: each chunk's output rows (on the CPU)
     result: torch.Tensor | None = None
     grammar: None = None
 
@@ -134,15 +143,23 @@ class PoolingRequestState:
 class Pooler:
     """One engine's pooling type and tasks, and how each chunk's hidden states feed it. ``head``: a
     classifier's ``score`` layer (models/score_head.py); the engine then classifies and scores
-    (cross-encoder) instead of embedding, as vLLM's ``*ForSequenceClassification`` models do."""
+    (cross-encoder) instead of embedding, as vLLM's ``*ForSequenceClassification`` models do, or
+    (``*ForTokenClassification``) classifies each token. The token tasks pool ALL positions."""
 
     def __init__(self, config: PoolerConfig, head: torch.nn.Module | None = None, hf_config: Any = None) -> None:
         self.config = config
         self.pooling_type = config.pooling_type
         self.head = head
-        self.tasks: tuple[str, ...] = ("embed",) if head is None else ("classify", "score")
-        self.activations: dict[str, Activation] = {} if head is None else {
-            task: classifier_activation(hf_config, task) for task in self.tasks}  # fmt: skip
+        if head is None:
+            self.tasks: tuple[str, ...] = _EMBED_TASKS
+        elif is_token_classifier_architecture(getattr(hf_config, "architectures", None)):
+            self.tasks = ("token_classify",)
+        else:  # (as vLLM's classify models: the sequence's head over each token too)
+            self.tasks = ("classify", "score", "token_classify")
+        # token_classify's activation is classify's (vLLM: softmax by default)
+        self.activations: dict[str, Activation] = {
+            task: classifier_activation(hf_config, "score" if task == "score" else "classify")
+            for task in self.tasks if task not in _EMBED_TASKS}  # fmt: skip
 
     def resolve(self, params: PoolingParams, hf_config: Any) -> PoolingParams:
         """The request's own params with the engine's defaults filled in (``task``, ``normalize`` /
@@ -150,26 +167,31 @@ class Pooler:
         task = params.task if params.task is not None else self.tasks[0]
         if task not in self.tasks:
             raise ValueError(f"pooling_task={task!r} is not supported by this model; supported: {list(self.tasks)}")
-        if task != "embed":  # (vLLM: classify and score take use_activation only)
+        if task not in _EMBED_TASKS:  # (vLLM: classify, score and token_classify take use_activation only)
             for name in ("dimensions", "normalize"):
                 if getattr(params, name) is not None:
-                    raise ValueError(f"{name}: the {task} task does not take it (only embed does); use_activation "
-                                     "turns the softmax / sigmoid off")  # fmt: skip
+                    raise ValueError(f"{name}: the {task} task does not take it (only embed and token_embed do); "
+                                     "use_activation turns the softmax / sigmoid off")  # fmt: skip
         activate = params.wants_normalize
         activate = self.config.normalize if activate is None else activate
         dimensions = params.dimensions if params.dimensions is not None else self.config.dimensions
         if params.dimensions is not None:
             check_dimensions(params.dimensions, hf_config)
-        if task != "embed":
+        if task not in _EMBED_TASKS:
             return params.clone(task=task, use_activation=activate)
         return params.clone(task=task, normalize=activate, use_activation=activate, dimensions=dimensions)
 
-    def wanted_rows(self, start: int, num_new: int, num_prompt: int) -> tuple[int, int]:
+    def pooling_type_of(self, task: str | None) -> str:
+        """ALL for a token task, else the engine's pooling type."""
+        return "ALL" if task in TOKEN_TASKS else self.pooling_type
+
+    def wanted_rows(self, task: str | None, start: int, num_new: int, num_prompt: int) -> tuple[int, int]:
         """(first row in the chunk, count): the rows of a chunk of ``num_new`` prompt positions from
-        ``start`` whose hidden states are pooled."""
-        if self.pooling_type == "MEAN":
+        ``start`` whose hidden states a request of ``task`` pools."""
+        kind = self.pooling_type_of(task)
+        if kind in ("MEAN", "ALL"):
             return 0, num_new
-        if self.pooling_type == "CLS":
+        if kind == "CLS":
             return 0, int(start == 0)
         return num_new - 1, int(start + num_new == num_prompt)
 
@@ -177,28 +199,38 @@ class Pooler:
         """Take a chunk's wanted rows (``hidden``, from ``wanted_rows``)."""
         if hidden.shape[0] == 0:
             return
-        if self.pooling_type != "MEAN":
+        kind = self.pooling_type_of(state.params.task)
+        if kind in ("LAST", "CLS"):
             state.total = hidden[0].float()
             return
         if start == 0:  # (again, after a preemption: the prompt is recomputed from its start)
-            state.total, state.count = None, 0
+            state.total, state.rows, state.count = None, [], 0
         if start != state.count:
-            raise RuntimeError(f"MEAN pooling of request {state.request_id!r} skipped positions {state.count}..{start}")
-        rows = hidden.float().sum(0)
-        state.total = rows if state.total is None else state.total + rows
+            raise RuntimeError(f"{kind} pooling of request {state.request_id!r} skipped positions {state.count}..{start}")
+        if kind == "ALL":  # each row's output at once, to the CPU: a long prompt's rows wait in no device memory
+            state.rows.append(self._output(state.params, hidden.float()).to("cpu", copy=True))
+        else:
+            rows = hidden.float().sum(0)
+            state.total = rows if state.total is None else state.total + rows
         state.count += hidden.shape[0]
 
     def finish(self, state: PoolingRequestState) -> torch.Tensor:
-        """The request's embedding (float32, on the CPU): pooled, cut to ``dimensions``, normalized;
-        or (classify, score) the head's logits over the pooled state, through the task's activation."""
+        """The request's output (float32, on the CPU): its pooled state's (``_output``), or a token
+        task's rows, one per prompt token: [num_tokens, hidden or dimensions or num_labels]."""
+        kind = self.pooling_type_of(state.params.task)
+        if kind == "ALL":
+            rows, state.rows = torch.cat(state.rows), []
+            return rows
         assert state.total is not None
-        vector = state.total / state.count if self.pooling_type == "MEAN" else state.total
-        if state.params.task in ("classify", "score"):
+        return self._output(state.params, state.total / state.count if kind == "MEAN" else state.total).cpu()
+
+    def _output(self, params: PoolingParams, vector: torch.Tensor) -> torch.Tensor:
+        """An embedding ([..., hidden], float32) cut to ``dimensions`` and normalized; or (classify,
+        score, token_classify) the head's logits over it, through the task's activation."""
+        if params.task not in _EMBED_TASKS:
             assert self.head is not None
             logits = self.head(vector)
-            return (self.activations[state.params.task](logits) if state.params.use_activation else logits).cpu()
-        if state.params.dimensions is not None:
-            vector = vector[: state.params.dimensions]
-        if state.params.normalize:
-            vector = F.normalize(vector, p=2, dim=-1)
-        return vector.cpu()
+            return self.activations[params.task](logits) if params.use_activation else logits
+        if params.dimensions is not None:
+            vector = vector[..., : params.dimensions]
+        return F.normalize(vector, p=2, dim=-1) if params.normalize else vector

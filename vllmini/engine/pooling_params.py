@@ -1,6 +1,7 @@
-"""PoolingParams: vLLM's per-request options of the pooling runner (embed, classify, score),
-validated at construction. What the value of a field must also fit (the model's tasks and hidden
-size, whether it is matryoshka) is checked when the request is added (engine/pooler.py)."""
+"""PoolingParams: vLLM's per-request options of the pooling runner (embed, classify, score,
+token_embed, token_classify), validated at construction. What the value of a field must also fit
+(the model's tasks and hidden size, whether it is matryoshka) is checked when the request is added
+(engine/pooler.py)."""
 from __future__ import annotations
 
 import msgspec
@@ -14,8 +15,9 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
     ``normalize``: L2-normalize the embedding; ``use_activation`` is vLLM's newer name for it, and
     for classify / score the only one: the softmax (or sigmoid) over the head's logits.
     None: the engine's ``PoolerConfig`` decides (by default: normalized / activated, full size).
-    ``task``: "embed", "classify" or "score" (``LLM.encode``'s pooling_task sets it; None: the
-    model's first task)."""
+    ``task``: "embed", "classify", "score", "token_embed" or "token_classify" (``LLM.encode``'s
+    pooling_task sets it; None: the model's first task). ``dimensions`` and ``normalize`` are
+    embed's and token_embed's only."""
 
     truncate_prompt_tokens: int | None = None
     dimensions: int | None = None

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from vllmini.engine.errors import StepError
 from vllmini.engine.input_processor import PromptType
 from vllmini.engine.outputs import PoolingRequestOutput
-from vllmini.engine.pooler import PoolingRequestState
+from vllmini.engine.pooler import TOKEN_TASKS, PoolingRequestState
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.lora.request import LoRARequest
 from vllmini.scheduler.scheduler import ScheduledSeq
@@ -36,6 +36,8 @@ def prepare_pooling(
     request_id, now = engine._id_and_arrival(request_id, arrival_time)
     seq = Sequence(next(engine._seq_ids), request_id, ids, params, 0, arrival_time=now, priority=priority,
                    lora=adapter)  # fmt: skip
+    # a token task pools every position: a prefix-cache hit would skip some (vLLM's skip_reading_prefix_cache)
+    seq.skip_reading_prefix_cache = params.task in TOKEN_TASKS
     return PoolingRequestState(request_id, list(ids), params, [seq])
 
 
@@ -49,7 +51,8 @@ def pool_step(engine: LLMEngine) -> list[PoolingRequestOutput]:
     assert pooler is not None
 
     def wanted(s: ScheduledSeq) -> tuple[int, int]:
-        return pooler.wanted_rows(s.seq.num_computed_tokens, s.num_new_tokens, s.seq.num_prompt_tokens)
+        return pooler.wanted_rows(s.seq.params.task, s.seq.num_computed_tokens, s.num_new_tokens,
+                                  s.seq.num_prompt_tokens)  # fmt: skip
 
     try:
         hidden, spans = engine.runner.execute_pooling(sched, engine.block_manager, wanted)

@@ -29,32 +29,45 @@ _CLASSIFIERS: dict[str, str] = {"LlamaForSequenceClassification": "LlamaForCausa
                                 "MistralForSequenceClassification": "MistralForCausalLM",
                                 "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
                                 "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}  # fmt: skip
+# token classifiers: the same body and ``score`` head (with transformers' bias, ``token_classification_bias``)
+# over every token; they only pool (token_classify)
+_TOKEN_CLASSIFIERS: dict[str, str] = {"LlamaForTokenClassification": "LlamaForCausalLM",
+                                      "MistralForTokenClassification": "MistralForCausalLM",
+                                      "Qwen2ForTokenClassification": "Qwen2ForCausalLM",
+                                      "Qwen3ForTokenClassification": "Qwen3ForCausalLM"}  # fmt: skip
+_POOLING_ONLY = {**_HEADLESS, **_CLASSIFIERS, **_TOKEN_CLASSIFIERS}
 
 
 def supported_architectures() -> list[str]:
     """The generating architectures, then those that only pool."""
-    return sorted(_MODELS) + sorted(_HEADLESS) + sorted(_CLASSIFIERS)
+    return sorted(_MODELS) + sorted(_HEADLESS) + sorted(_CLASSIFIERS) + sorted(_TOKEN_CLASSIFIERS)
 
 
 def _first_supported(architectures: list[str] | None) -> str | None:
-    return next((a for a in architectures or [] if a in _MODELS or a in _HEADLESS or a in _CLASSIFIERS), None)
+    return next((a for a in architectures or [] if a in _MODELS or a in _POOLING_ONLY), None)
 
 
 def is_pooling_architecture(architectures: list[str] | None) -> bool:
     """Whether the first supported entry of ``architectures`` has no language-model head."""
-    arch = _first_supported(architectures)
-    return arch in _HEADLESS or arch in _CLASSIFIERS
+    return _first_supported(architectures) in _POOLING_ONLY
 
 
 def is_classifier_architecture(architectures: list[str] | None) -> bool:
-    """Whether the first supported entry of ``architectures`` is a ``*ForSequenceClassification``."""
-    return _first_supported(architectures) in _CLASSIFIERS
+    """Whether the first supported entry of ``architectures`` has a ``score`` head: a
+    ``*ForSequenceClassification`` or a ``*ForTokenClassification``."""
+    arch = _first_supported(architectures)
+    return arch in _CLASSIFIERS or arch in _TOKEN_CLASSIFIERS
+
+
+def is_token_classifier_architecture(architectures: list[str] | None) -> bool:
+    """Whether the first supported entry of ``architectures`` is a ``*ForTokenClassification``."""
+    return _first_supported(architectures) in _TOKEN_CLASSIFIERS
 
 
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """The first supported entry of ``architectures``; a clear error when none is."""
     for arch in architectures or []:
-        arch = _HEADLESS.get(arch, _CLASSIFIERS.get(arch, arch))
+        arch = _POOLING_ONLY.get(arch, arch)
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(module), name)

@@ -283,8 +283,8 @@ def load_model(
     (mmap) and copied straight into its parameter. ``config``: ``load_config(model_dir)``, when
     the caller read it already. ``pooling``: for the pooling runner, which never projects to
     logits: the model gets no lm_head (as vLLM's embedding models), see ``_body_weights``; a
-    ``*ForSequenceClassification`` checkpoint's ``score.weight`` fills ``model.score`` instead
-    (models/score_head.py).
+    ``*ForSequenceClassification`` (or ``*ForTokenClassification``) checkpoint's ``score.`` head fills
+    ``model.score`` instead (models/score_head.py).
     """
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
@@ -299,7 +299,9 @@ def load_model(
     model.to(dtype)
     if registry.is_classifier_architecture(config.architectures):
         with torch.device("meta"):  # (after .to(dtype): the head stays float32)
-            model.score = ScoreHead(config.hidden_size, config.num_labels)
+            bias = registry.is_token_classifier_architecture(config.architectures) and \
+                getattr(config, "token_classification_bias", True)  # (transformers' token head has one)
+            model.score = ScoreHead(config.hidden_size, config.num_labels, bias)
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage

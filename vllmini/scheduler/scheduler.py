@@ -165,7 +165,8 @@ class Scheduler:
                 w += 1
                 continue
             root = prefix_root(seq.lora_key)
-            cached_blocks, num_cached = self.block_manager.find_cached_prefix(seq.token_ids, root)
+            cached_blocks, num_cached = ([], 0) if seq.skip_reading_prefix_cache else \
+                self.block_manager.find_cached_prefix(seq.token_ids, root)  # fmt: skip
             if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:
                 # a cache hit computes no logits: keep the hit below the positions still wanted
                 keep = seq.prompt_logits_from // self.block_manager.block_size

@@ -44,6 +44,8 @@ class Sequence:
     # prompt_logprobs: the first prompt position whose logits are still wanted (None: none are).
     # Positions before it are recorded; the scheduler takes no prefix-cache hit past it.
     prompt_logits_from: int | None = None
+    # a pooling request that needs every prompt position computed (vLLM's name): no prefix-cache hit
+    skip_reading_prefix_cache: bool = False
     # speculative decoding: the tokens guessed to follow (spec_decode/), verified at its next decode
     spec_token_ids: list[int] = field(default_factory=list)
     stop_reason: int | str | None = None

@@ -3,7 +3,7 @@
 
 Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``
 (with ``GET /v1/responses/{id}`` and its ``/cancel``), ``POST /v1/embeddings``, ``/score``,
-``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too; with ``--runner
+``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too), ``/pooling`` (with ``--runner
 pooling``, which answers the generating routes 404), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
 ``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
@@ -45,6 +45,7 @@ from vllmini.entrypoints.openai.serving_engine import error_body
 from vllmini.entrypoints.openai.serving_models import (LoRAModulePath, ModelNotFoundError, OpenAIServingModels,
                                                        runtime_lora_updating)  # fmt: skip
 from vllmini.entrypoints.openai.serving_responses import OpenAIServingResponses
+from vllmini.entrypoints.openai.serving_pooling import OpenAIServingPoolingRoute
 from vllmini.entrypoints.openai.serving_score import OpenAIServingScores
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
@@ -178,7 +179,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     ]
     routes.append(Route("/v1/embeddings", handler(EmbeddingRequest, embedding.create_embedding), methods=["POST"]))
     routes += [*OpenAIServingScores(engine, served_model_name, models).routes(handler),  # score, rerank
-               *OpenAIServingClassification(engine, served_model_name, models).routes(handler)]
+               *OpenAIServingClassification(engine, served_model_name, models).routes(handler),
+               *OpenAIServingPoolingRoute(engine, served_model_name, chat, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
     if runtime_lora_updating():
