@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 
 import httpx
 import openai
@@ -23,8 +24,10 @@ from vllmini.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from vllmini.entrypoints.openai.tool_parsers import get_tool_parser
 from vllmini.entrypoints.openai.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
 from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonStream
+from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
 
 NAME = "m"
+VLLM_ID, MISTRAL_ID = r"chatcmpl-tool-[0-9a-f]{32}", r"[A-Za-z0-9]{9}"  # vLLM's call ids; Mistral's
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- the parsers, whole and streamed
@@ -50,6 +53,7 @@ def streamed(parser: ChatOutputParser, deltas: list[str]) -> dict:
     """What a client puts together from the streamed deltas; checks each call's first delta
     carries its index, id, type and name and the later ones only arguments."""
     got: dict = {"content": "", "reasoning": "", "calls": {}}
+    ids = MISTRAL_ID if isinstance(parser.tools, MistralToolParser) else VLLM_ID
     messages = [parser.delta(d) for d in deltas[:-1]] + [parser.delta(deltas[-1], final=True)]
     for m in messages:
         if m is None:
@@ -59,7 +63,7 @@ def streamed(parser: ChatOutputParser, deltas: list[str]) -> dict:
         got["reasoning"] += m.reasoning or ""
         for call in m.tool_calls:
             if call.index not in got["calls"]:
-                assert call.id.startswith("chatcmpl-tool-") and call.type == "function" and call.function.name
+                assert re.fullmatch(ids, call.id) and call.type == "function" and call.function.name
                 got["calls"][call.index] = [call.function.name, call.function.arguments]
             else:
                 assert call.id is None and call.function.name is None
@@ -276,8 +280,9 @@ def forced(text: str) -> dict:
     return {"structured_outputs": {"choice": [text]}, "temperature": 0}
 
 
-def streamed_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
-    """(content, [(name, arguments)], last finish_reason) of an OpenAI client's stream."""
+def streamed_calls(chunks, ids: str = VLLM_ID) -> tuple[str, list[tuple[str, str]], str | None]:
+    """(content, [(name, arguments)], last finish_reason) of an OpenAI client's stream (``ids``:
+    the calls' id format)."""
     content, calls, finish = "", {}, None
     for chunk in chunks:
         delta = chunk.choices[0].delta
@@ -285,7 +290,7 @@ def streamed_calls(chunks) -> tuple[str, list[tuple[str, str]], str | None]:
         assert "<tool_call>" not in (delta.content or "")
         for call in delta.tool_calls or []:
             if call.index not in calls:
-                assert call.id.startswith("chatcmpl-tool-") and call.type == "function"
+                assert re.fullmatch(ids, call.id) and call.type == "function"
                 calls[call.index] = [call.function.name, call.function.arguments or ""]
             else:
                 assert call.id is None and call.function.name is None

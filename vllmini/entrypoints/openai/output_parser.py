@@ -5,8 +5,7 @@ up to it.
 """
 from __future__ import annotations
 
-from vllmini.entrypoints.openai.protocol import (DeltaFunctionCall, DeltaMessage, DeltaToolCall, ToolCall,
-                                                 make_tool_call_id)  # fmt: skip
+from vllmini.entrypoints.openai.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall, ToolCall
 from vllmini.entrypoints.openai.reasoning_parsers import ReasoningParser
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser
 
@@ -57,7 +56,8 @@ class ChatOutputParser:
                 continue
             if kind == "call":
                 self.tools_called = True
-                calls[index] = DeltaToolCall(index=index, id=make_tool_call_id(), type="function",
+                assert self.tools is not None
+                calls[index] = DeltaToolCall(index=index, id=self.tools.tool_call_id(), type="function",
                                              function=DeltaFunctionCall(name=text, arguments=""))  # fmt: skip
             elif index in calls:
                 calls[index].function.arguments += text

@@ -99,7 +99,7 @@ class OpenAIServingChat(OpenAIServing):
             named = choice.mode == "named"
             tools = NamedToolParser(self.tokenizer, choice.name) if named else RequiredToolParser(self.tokenizer)
         elif choice.mode == "auto" and self.tool_parser is not None:
-            tools = self.tool_parser(self.tokenizer)
+            tools = self.tool_parser(self.tokenizer, request.tools)
             params = tools.adjust_request(params)
         reasoning = self.reasoning_parser if choice.mode in ("none", "auto") else None  # (a forced output is the call)
         if tools is None and reasoning is None:

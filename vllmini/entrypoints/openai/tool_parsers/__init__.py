@@ -4,11 +4,17 @@ from __future__ import annotations
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from vllmini.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from vllmini.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
+from vllmini.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": Hermes2ProToolParser,
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,  # (vLLM's name for the same format on Llama 4)
+    "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
 }
 
 
@@ -19,4 +25,5 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     return TOOL_PARSERS[name]
 
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "get_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser",
+           "PythonicToolParser", "Qwen3CoderToolParser", "get_tool_parser"]

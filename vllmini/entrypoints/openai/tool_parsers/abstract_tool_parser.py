@@ -10,16 +10,21 @@ answers agree however the text was split; where vLLM's ``extract_tool_calls`` re
 output as content (a call it cannot read), so does this (``error`` is set), and a stream whose
 broken call had written nothing yet falls back to content from that call's start.
 
+The JSON of calls is read here: one call's object, or an array of them (Mistral's, a "required"
+tool choice's). Formats whose argument values are read whole (pythonic's Python literals,
+Qwen3-Coder's XML parameters) write a call's arguments a member at a time (``Arguments``).
+
 The method names are vLLM's; the streaming one takes only the new text (the parser keeps the rest).
 """
 from __future__ import annotations
 
+import ast
 import json
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.entrypoints.openai.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
-from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonError, JsonStream, Path
+from vllmini.entrypoints.openai.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall, make_tool_call_id
+from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonError, JsonStream, Path, json_text
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3.x writes "parameters"; the first one given is used
 
@@ -51,16 +56,20 @@ class _Call:
 class ToolParser:
     """The base of the tool parsers: the text waits in ``_buf``; a call's JSON (after
     ``_begin_call``) is read here, the rest by the subclass's ``_step`` (which writes content,
-    begins calls, and returns False to wait for more text), ``_call_ended`` and ``_finish_text``."""
+    begins calls, and returns False to wait for more text), ``_call_ended`` and ``_finish_text``.
+    ``tools``: the request's tools (a parser that reads arguments as text types them by their schema)."""
 
-    def __init__(self, tokenizer: Any = None) -> None:
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tools = tools
         self.error: str | None = None  # why a call could not be read (the whole output is then content)
         self._out: list[Piece] = []
         self._buf = ""  # text not read yet (e.g. what may be the start of a tag)
         self._started = 0  # calls whose name was written
         self._json: JsonStream | None = None
-        self._call: _Call | None = None
+        self._array = False  # the JSON being read is an array of calls (else one call's object)
+        self._calls: dict[int, _Call] = {}  # the calls of that JSON, by their place in it
+        self._call_written = False  # a call of the text being read was written (its name)
         self._raw = ""  # the text of the call being read (and of the whitespace before it), for a fallback
         self._fallen_back = False
 
@@ -73,7 +82,7 @@ class ToolParser:
         """The calls in a whole output (read by a fresh parser of this kind) and the text outside them."""
         parser = self.fresh()
         pieces = parser.extract_tool_calls_streaming(model_output) + parser.finish_streaming()
-        calls = collect_tool_calls(pieces)
+        calls = collect_tool_calls(pieces, self.tool_call_id)
         if parser.error is not None or not calls:
             return ExtractedToolCallInformation(tools_called=False, tool_calls=[], content=model_output)
         content = "".join(p[1] for p in pieces if p[0] == "content")
@@ -81,7 +90,11 @@ class ToolParser:
 
     def fresh(self) -> ToolParser:
         """A parser of this kind with nothing read yet."""
-        return type(self)(self.tokenizer)
+        return type(self)(self.tokenizer, self.tools)
+
+    def tool_call_id(self) -> str:
+        """A new call's id (vLLM's, or the format a model family needs)."""
+        return make_tool_call_id()
 
     def extract_tool_calls_streaming(self, delta_text: str) -> list[Piece]:
         """The pieces of the output's next text."""
@@ -136,10 +149,11 @@ class ToolParser:
         if text:
             self._out.append(("content", text))
 
-    def _begin_call(self, raw: str) -> None:
-        """A call starts; ``raw``: its text so far (a tag, the whitespace before it), which
-        becomes content again if the call cannot be read."""
-        self._json, self._call, self._raw = JsonStream(), _Call(), raw
+    def _begin_call(self, raw: str, array: bool = False) -> None:
+        """A call's JSON object starts (``array``: a JSON array of call objects); ``raw``: its text
+        so far (a tag, the whitespace before it), which becomes content again if the call cannot be read."""
+        self._json, self._array, self._raw, self._call_written = JsonStream(), array, raw, False
+        self._calls = {} if array else {0: _Call()}
 
     @property
     def _in_call(self) -> bool:
@@ -147,14 +161,23 @@ class ToolParser:
 
     def _read_call(self, text: str) -> int:
         """Read the call's JSON in ``text``: the characters read (all of them after a fallback)."""
-        assert self._json is not None and self._call is not None
+        assert self._json is not None
         try:
             n, pieces = self._json.feed(text)
             for path, piece in pieces:
-                self._call.take(path, piece)
-            self._advance(self._call)
+                if not self._array:
+                    self._calls[0].take(path, piece)
+                elif path:  # (the array's own brackets and commas are not a call's)
+                    self._calls.setdefault(path[0], _Call()).take(path[1:], piece)
+                elif piece == "{":
+                    raise JsonError("expected a JSON array of tool calls, got an object")
+            for i in sorted(self._calls):
+                self._advance(self._calls[i])
             if self._json.done:
-                self._end_call(self._call)
+                if not self._calls:
+                    raise JsonError("an empty array of tool calls")
+                for i in sorted(self._calls):
+                    self._end_call(self._calls[i])
         except JsonError as exc:
             self._fall_back(str(exc), text)
             return len(text)
@@ -174,12 +197,16 @@ class ToolParser:
                 return  # not complete yet
             if not isinstance(name, str):
                 raise JsonError(f"a tool call's name must be a string, got {call.name_json}")
-            call.name, call.index = name, self._started
-            self._started += 1
-            self._out.append(("call", call.index, name))
+            call.name, call.index = name, self._write_call(name)
         if call.index is not None and len(call.args) > call.sent:
             self._out.append(("args", call.index, call.args[call.sent :]))
             call.sent = len(call.args)
+
+    def _write_call(self, name: str) -> int:
+        """A call's name is known: it is written, with its index."""
+        index, self._started, self._call_written = self._started, self._started + 1, True
+        self._out.append(("call", index, name))
+        return index
 
     def _end_call(self, call: _Call) -> None:
         if call.name_json == "":
@@ -195,16 +222,16 @@ class ToolParser:
         self._fallen_back = True
         self._json = None
         if started is None:
-            started = self._call is not None and self._call.index is not None
+            started = self._call_written
         self._content(rest if started else self._raw + rest)
 
 
-def collect_tool_calls(pieces: list[Piece]) -> list[ToolCall]:
+def collect_tool_calls(pieces: list[Piece], make_id: Callable[[], str] = make_tool_call_id) -> list[ToolCall]:
     """The whole calls that pieces describe."""
     calls: dict[int, ToolCall] = {}
     for piece in pieces:
         if piece[0] == "call":
-            calls[piece[1]] = ToolCall(function=FunctionCall(name=piece[2], arguments=""))
+            calls[piece[1]] = ToolCall(id=make_id(), function=FunctionCall(name=piece[2], arguments=""))
         elif piece[0] == "args":
             calls[piece[1]].function.arguments += piece[2]
     return [calls[i] for i in sorted(calls)]
@@ -217,3 +244,34 @@ def partial_tag(text: str, tag: str) -> int:
         if text.endswith(tag[:k]):
             return k
     return 0
+
+
+class Arguments:
+    """A call's arguments written a member at a time, for the formats whose values are read
+    whole (Python literals, XML parameters): the pieces add up to ``json.dumps(arguments,
+    ensure_ascii=False)``. A name given twice is refused (the pieces already written could not
+    take it back)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def member(self, name: str, value: Any) -> str:
+        """The next member's text; ValueError for a repeated name or a value JSON cannot write."""
+        if name in self.names:
+            raise ValueError(f"the argument {name!r} is given twice")
+        text = json_text(value)  # (first: a value that cannot be written leaves no name behind)
+        self.names.add(name)
+        return ("{" if len(self.names) == 1 else ", ") + json_text(name) + ": " + text
+
+    def close(self) -> str:
+        return "}" if self.names else "{}"
+
+
+def python_literal(text: str) -> Any:
+    """The value of a Python literal (strings, numbers, tuples, lists, dicts, sets, booleans,
+    None), never running code: the text is parsed to a syntax tree whose node ast.literal_eval
+    reads; ValueError when it is anything else (or too deep to parse)."""
+    try:
+        return ast.literal_eval(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError) as exc:
+        raise ValueError(f"not a Python literal: {text[:40]!r} ({exc})") from None

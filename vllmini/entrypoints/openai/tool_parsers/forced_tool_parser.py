@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, _Call
-from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonError, JsonStream
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 
 
 class NamedToolParser(ToolParser):
@@ -34,29 +33,12 @@ class NamedToolParser(ToolParser):
 
 
 class RequiredToolParser(ToolParser):
-    def __init__(self, tokenizer: Any = None) -> None:
-        super().__init__(tokenizer)
-        self._json = JsonStream()
-        self._calls: dict[int, _Call] = {}
+    """The output is one JSON array of calls (the base's array reading); nothing may follow it."""
 
-    def _read(self, text: str) -> None:
-        if self._json is None or self._json.done:
-            return  # (nothing may follow the array)
-        try:
-            n, pieces = self._json.feed(text)
-            for path, piece in pieces:
-                if path:  # (the array's own brackets and commas are not a call's)
-                    self._calls.setdefault(path[0], _Call()).take(path[1:], piece)
-            for i in sorted(self._calls):
-                self._advance(self._calls[i])
-            if self._json.done:
-                for i in sorted(self._calls):
-                    self._end_call(self._calls[i])
-        except JsonError as exc:
-            self._fall_back(str(exc), text, started=self._started > 0)
-            return
-        self._raw += text[:n]
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
+        self._begin_call("", array=True)
 
-    def _finish(self) -> None:
-        if self._json is not None and not self._json.done:
-            self._fall_back("the output ends inside the tool calls", "", started=self._started > 0)
+    def _step(self) -> bool:
+        self._buf = ""  # (after the array)
+        return False

@@ -12,15 +12,18 @@ block's JSON cannot be read (then, as vLLM, the output from there is content).
 """
 from __future__ import annotations
 
+from typing import Any
+
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, partial_tag
 
 
 class Hermes2ProToolParser(ToolParser):
-    START, END = "<tool_call>", "</tool_call>"
+    START, END = "<tool_call>", "</tool_call>"  # (END "": the calls end with their JSON)
+    ARRAY = False  # each block holds one call's JSON object (True: a JSON array of calls)
 
-    def __init__(self, tokenizer: object = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         self._closing = False  # after a block's JSON: its closing tag may come
         self._ws = ""  # whitespace after the content written: held, as it is dropped before a block
         self._lead = False  # text right after a block: its leading whitespace is dropped
@@ -44,7 +47,7 @@ class Hermes2ProToolParser(ToolParser):
             self._buf = self._buf[keep:]
             return False
         self._text(self._buf[:i])
-        self._begin_call(self._ws + self.START)
+        self._begin_call(self._ws + self.START, array=self.ARRAY)
         self._buf, self._ws = self._buf[i + len(self.START) :], ""
         return True
 

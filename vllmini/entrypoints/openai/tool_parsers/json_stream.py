@@ -25,6 +25,7 @@ _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
 _WHITESPACE = frozenset(" \t\n\r")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class JsonError(ValueError):
@@ -37,6 +38,16 @@ def dump_char(ch: str) -> str:
     if 0xD800 <= ord(ch) <= 0xDFFF:
         return f"\\u{ord(ch):04x}"
     return json.dumps(ch, ensure_ascii=False)[1:-1]
+
+
+def json_text(value: object) -> str:
+    """``json.dumps(value, ensure_ascii=False)``, lone surrogates kept as escapes (as dump_char);
+    ValueError for what JSON cannot hold (NaN, infinities, sets, bytes...)."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"not a JSON value: {exc}") from None
+    return _SURROGATE.sub(lambda m: dump_char(m.group()), text)
 
 
 class _Frame:

@@ -9,14 +9,16 @@ plain content, as vLLM's streaming parser decides; text after the calls is conte
 """
 from __future__ import annotations
 
+from typing import Any
+
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 
 
 class Llama3JsonToolParser(ToolParser):
     BOT = "<|python_tag|>"
 
-    def __init__(self, tokenizer: object = None) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tokenizer, tools)
         # start (deciding: calls or plain text), after (a call ended), separator (after a ";"),
         # text (content, to the end)
         self._state = "start"
