@@ -33,6 +33,22 @@ def tiny_qwen3_bench_config(**overrides) -> Qwen3Config:
     )  # fmt: skip
 
 
+def qwen3_moe_small_config(**overrides) -> PretrainedConfig:
+    """Qwen3-30B-A3B's layout (64 experts of which 8 per token, narrow experts, GQA) at a size a
+    CPU benchmark loads twice: 8 layers, hidden 1024, about 0.5B parameters, 1/8 of the experts active."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=256,
+        num_experts=64, num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False,
+        rope_theta=1000000.0, max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.02,
+        architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
 def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -61,3 +77,16 @@ def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtyp
     model.save_pretrained(out_dir)
     save_word_level_tokenizer(config.vocab_size, out_dir)
     return out_dir
+
+
+CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config}
+
+if __name__ == "__main__":  # python -m bench.random_model qwen3-moe-small OUT_DIR [--dtype float32]
+    import argparse
+
+    ap = argparse.ArgumentParser(description="save a random-weight model of a named shape")
+    ap.add_argument("shape", choices=sorted(CONFIGS))
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    cli = ap.parse_args()
+    print(save_random_model(CONFIGS[cli.shape](), Path(cli.out_dir), getattr(torch, cli.dtype)))
