@@ -45,8 +45,7 @@ from vllmini.metrics.reader import Metric, get_metrics_snapshot
 from vllmini.metrics.stat_logger import StatLogger
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
-from vllmini.spec_decode import NgramProposer, SpecDecodingStats, SpeculativeConfig
-from vllmini.spec_decode.draft_model import DraftModelProposer, DraftRequest
+from vllmini.spec_decode import DraftModelProposer, DraftRequest, NgramProposer, SpecDecodingStats, SpeculativeConfig
 
 logger = logging.getLogger("vllmini")
 # a draft model's drafts are made after scheduling: until then the scheduler counts these
