@@ -171,3 +171,23 @@ def test_structured_outputs_keep_the_drafts_the_grammar_takes(tiny_dir, default_
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
         assert_no_leaks(llm)
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 20
+
+
+def test_lora_requests_draft_with_the_base_draft_model(tiny, tmp_path):
+    """The draft model has no adapters: a LoRA request's drafts are the base model's guesses, and
+    its outputs still equal the same engine's without speculation; base rows accept them all."""
+    pytest.importorskip("peft")
+    from helpers import save_tiny_lora
+    from vllmini import LoRARequest
+
+    target, _, _ = tiny
+    lora = LoRARequest("a", 1, save_tiny_lora(target, tmp_path / "a", seed=3, r=4))
+    ps, loras = prompts(4, seed=8), [lora, None, lora, None]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outs = {}
+    for name, extra in (("plain", {}), ("draft", {"speculative_config": draft(target)})):
+        llm = LLM(model=str(target), enable_lora=True, max_loras=1, max_lora_rank=8, **extra)
+        outs[name] = llm.generate([{"prompt_token_ids": p} for p in ps], params, lora_request=loras, use_tqdm=False)
+        assert_no_leaks(llm)
+    assert [o.outputs[0].token_ids for o in outs["draft"]] == [o.outputs[0].token_ids for o in outs["plain"]]
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 20
