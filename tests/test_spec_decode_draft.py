@@ -4,6 +4,8 @@ only has when its own KV cache, on the target's blocks, holds the right K/V at t
 positions through chunked prefill, preemption, forks and rollbacks), and no KV block leaks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM, Qwen3ForCausalLM
@@ -64,6 +66,14 @@ def test_drafts_that_cannot_work_are_refused_at_start_up(tiny, tmp_path, default
     small_vocab = save_tiny_model(LlamaForCausalLM(tiny_llama_config(vocab_size=256)), tmp_path / "v", default_model_dir)
     with pytest.raises(ValueError, match=r"speculative_config.model=.*vocabulary has 256 tokens, the target's 512"):
         LLM(model=str(target), speculative_config=draft(small_vocab))
+    swapped = save_tiny_model(LlamaForCausalLM(tiny_llama_config()), tmp_path / "t", default_model_dir)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    (a, i), (b, j) = list(vocab.items())[1000:1002]
+    vocab[a], vocab[b] = j, i  # same size, two tokens' ids swapped
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"speculative_config.model=.*tokenizer's vocabulary differs"):
+        LLM(model=str(target), speculative_config=draft(swapped))
     short = save_tiny_model(LlamaForCausalLM(tiny_llama_config(max_position_embeddings=64)), tmp_path / "s", default_model_dir)
     with pytest.raises(ValueError, match=r"speculative_config.model=.*context \(64 tokens\).*max_model_len=1024"):
         LLM(model=str(target), speculative_config=draft(short))
