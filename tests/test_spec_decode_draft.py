@@ -150,9 +150,10 @@ def test_seeded_sampling_with_the_target_as_draft(tiny):
 
 def test_prefix_cache_hits_carry_the_drafts_kv(tiny):
     """A prompt that extends a finished output reuses its cached blocks (the draft's K/V for
-    them was written when they were computed): drafts stay accepted, output unchanged."""
+    them was written when they were computed): drafts stay accepted, output unchanged; the
+    metrics count the drafts."""
     target, _, _ = tiny
-    llm = LLM(model=str(target), speculative_config=draft(target))
+    llm = LLM(model=str(target), speculative_config=draft(target), disable_log_stats=False)
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     p = prompts(1, seed=6)[0] * 3
     first = run(llm, params, [p])[0][0]
@@ -163,6 +164,9 @@ def test_prefix_cache_hits_carry_the_drafts_kv(tiny):
     assert llm.llm_engine.block_manager.prefix_cache_hits - hits >= 48
     assert got == run(LLM(model=str(target)), params, [follow])[0][0]
     assert (stats.num_accepted_tokens - before[1]) / (stats.num_draft_tokens - before[0]) > 0.9
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    assert metrics["vllm:spec_decode_num_draft_tokens"] == stats.num_draft_tokens > 0  # the server's counters
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] == stats.num_accepted_tokens
     assert_no_leaks(llm)
 
 
