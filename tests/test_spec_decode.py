@@ -74,7 +74,7 @@ def test_speculative_config_defaults_and_errors():
     for bad, field in [
         ({}, "num_speculative_tokens"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"num_speculative_tokens": True}, "num_speculative_tokens"), ({"num_speculative_tokens": 2, "method": "eagle"}, "method"),
-        ({"num_speculative_tokens": 2, "model": "x"}, "unknown"), ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown"), ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3}, "prompt_lookup_min"),
         ("{not json", "JSON"), ([1], "dict"), ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
     ]:  # fmt: skip

@@ -242,7 +242,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     # speculative decoding, vLLM's dict (or its JSON text): {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": 5, "prompt_lookup_min": 5} (spec_decode/)
+    # "prompt_lookup_max": 5, "prompt_lookup_min": 5}, or a draft model: {"model": path, "num_speculative_tokens": k}
+    # (method "draft_model") (spec_decode/)
     speculative_config: dict[str, Any] | str | None = None
     # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
     # "auto" (vLLM's default: pooling for a *Model or *ForSequenceClassification architecture, else

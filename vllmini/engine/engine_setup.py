@@ -20,6 +20,7 @@ from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budg
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
+from vllmini.spec_decode.draft_model import DraftModelProposer
 
 logger = logging.getLogger("vllmini")
 
@@ -32,14 +33,17 @@ class EngineRuntime:
     block_manager: BlockManager
     scheduler: Scheduler
     runner: ModelRunner
+    drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
 
 
 def build_runtime(
     args: EngineArgs, model: Any, hf_config: Any, device: torch.device, dtype: torch.dtype, max_model_len: int,
-    pooler: Pooler | None,
+    pooler: Pooler | None, draft_model: Any = None,
 ) -> EngineRuntime:  # fmt: skip
     """Everything between the loaded model and the first step, in the order memory needs:
-    adapter slots and the warm-up peak first, then the KV cache takes what is left."""
+    adapter slots and the warm-up peak first, then the KV cache takes what is left.
+    ``draft_model`` (speculative decoding, loaded already): it gets a KV cache of its own on the
+    same block ids, so each block costs both caches' bytes."""
     kv_window = model.kv_window  # every layer's window, if they share one: blocks behind it are released
     block_size = args.block_size or (256 if device.type == "cuda" else 16)
     attention_backend, backend = start_backend(
@@ -66,7 +70,16 @@ def build_runtime(
     max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
     budget = kv_cache_budget(model, spec, args, max_model_len, device, use_graphs, max_prompt_rows,
                              pooling=pooler is not None)  # fmt: skip
-    num_blocks = num_blocks_for_budget(spec, budget)
+    draft_spec = None
+    if draft_model is not None:
+        draft_backend = start_backend(
+            args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
+            draft_model.num_kv_heads, draft_model.head_dim,
+        )[1]  # fmt: skip
+        draft_model.set_attention_backend(draft_backend)
+        draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
+                                 block_size, dtype)  # fmt: skip
+    num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
     # then, with a window to release blocks behind, a zeroed null block for released entries
     pad = PAD_BLOCKS if use_graphs else 0
@@ -84,4 +97,8 @@ def build_runtime(
     if use_graphs:
         graphs = capture_decode_graphs(model, kv_caches, block_size, args.max_num_seqs, max_model_len, num_blocks, device)
     runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager)
-    return EngineRuntime(attention_backend, lora_manager, num_blocks, block_manager, scheduler, runner)
+    drafter = None
+    if draft_model is not None and draft_spec is not None:
+        runner.draft_kv_caches = allocate_kv_cache(draft_spec, num_blocks + pad + null, device)
+        drafter = DraftModelProposer(draft_model, runner.draft_kv_caches, block_size, device)
+    return EngineRuntime(attention_backend, lora_manager, num_blocks, block_manager, scheduler, runner, drafter)

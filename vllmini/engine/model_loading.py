@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, resolve_dtype, resolve_runner
+from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, resolve_runner
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
 
@@ -51,3 +51,37 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
     return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner)
+
+
+def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target: LoadedModel, max_model_len: int) -> Any:
+    """The draft model of ``speculative_config`` (method "draft_model"), loaded as the target is
+    (same dtype and device), after checking that it can draft for it: a generating model of the
+    target's vocabulary (and tokenizer, where the draft folder has one), with no sliding window
+    (the shared blocks behind a window are released), covering ``max_model_len``. A ValueError
+    names ``speculative_config.model`` and what differs."""
+    field = f"speculative_config.model={draft!r}"
+    model_dir = resolve_model_dir(draft, args.cache_dir)
+    config = load_config(model_dir)
+    if resolve_runner(EngineArgs(model=draft), config.architectures) != "generate":
+        raise ValueError(f"{field}: {config.architectures} has no language-model head to draft tokens with")
+    if config.vocab_size != target.hf_config.vocab_size:
+        raise ValueError(f"{field}: its vocabulary has {config.vocab_size} tokens, the target's "
+                         f"{target.hf_config.vocab_size}; a draft model must share the target's tokenizer")  # fmt: skip
+    if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        if load_tokenizer(model_dir).get_vocab() != target.tokenizer.get_vocab():
+            raise ValueError(f"{field}: its tokenizer's vocabulary differs from the target's (same size, other "
+                             "tokens); a draft model must share the target's tokenizer")  # fmt: skip
+    if resolve_max_model_len(None, config) < max_model_len:
+        raise ValueError(f"{field}: its context ({resolve_max_model_len(None, config)} tokens) is shorter than "
+                         f"max_model_len={max_model_len}; pass a smaller max_model_len")  # fmt: skip
+    unsupported = ("has sliding-window attention, which speculative decoding with a draft model does not support "
+                   "here (the KV blocks behind a window are released, and the two caches share them)")  # fmt: skip
+    if target.model.sliding_window is not None:
+        raise ValueError(f"{field}: the target model {unsupported}")
+    model, _ = load_model(model_dir, target.dtype, device, config)
+    if model.sliding_window is not None:
+        raise ValueError(f"{field}: the draft model {unsupported}")
+    if packing_available(device, target.dtype):
+        prepack_linears(model)
+    logger.info("draft model %s loaded (%d layers)", model_dir, config.num_hidden_layers)
+    return model

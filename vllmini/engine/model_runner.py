@@ -135,6 +135,8 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs  # None: every step runs eagerly (CPU, enforce_eager)
         self.lora = lora  # enable_lora: puts each step's adapters in the model's slots
+        # speculative decoding with a draft model: its KV cache, on the same block ids (copied on fork too)
+        self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     @torch.inference_mode()
@@ -154,12 +156,13 @@ class ModelRunner:
         return (model.hidden_states if hidden else model)(ids, positions, meta)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences."""
+        """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences (in the draft
+        model's cache too, which shares the block ids)."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
+        for k_cache, v_cache in [*self.kv_caches, *self.draft_kv_caches]:
             k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
             v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 

@@ -30,12 +30,15 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
-    num_blocks = budget_bytes // spec.bytes_per_block
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, draft: KVCacheSpec | None = None) -> int:
+    """``draft``: a draft model's cache (speculative decoding), whose blocks share the ids of
+    ``spec``'s: a block id costs both."""
+    per_block = spec.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+    num_blocks = budget_bytes // per_block
     if num_blocks < 1:
         raise ValueError(
             f"KV cache budget of {budget_bytes} bytes is smaller than one block "
-            f"({spec.bytes_per_block} bytes for block_size={spec.block_size}); raise kv_cache_memory"
+            f"({per_block} bytes for block_size={spec.block_size}); raise kv_cache_memory"
         )
     return num_blocks
 

@@ -138,7 +138,7 @@ class _EngineCollector:
                         bm.prefix_cache_hits)  # fmt: skip
         if core.lora_manager is not None:
             yield self._lora_info(core.args.max_loras, list(sched.running), list(sched.waiting))
-        if core.proposer is not None:
+        if core.spec_config is not None:  # (n-gram or draft model)
             yield from self._spec_decode(core.spec_stats)
 
     def _spec_decode(self, stats: SpecDecodingStats) -> Iterator[Metric]:
