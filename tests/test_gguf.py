@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,10 +30,20 @@ _GGUF_NAMES = {
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
 }  # fmt: skip
+_EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, stacked: bool = True) -> str:
+    """llama.cpp's name of an HF tensor; an expert's goes into its layer's stacked ``ffn_*_exps``
+    tensor, or (``stacked=False``, files before April 2024) a tensor of its own ``ffn_*.<e>``."""
+    if m := _EXPERT_RE.match(hf):
+        layer, expert, proj = m[1], m[2], _EXPERT_PROJ[m[3]]
+        return f"blk.{layer}.ffn_{proj}_exps.weight" if stacked else f"blk.{layer}.ffn_{proj}.{expert}.weight"
     stem, _, leaf = hf.rpartition(".")
     if stem.startswith("model.layers."):
         _, _, layer, sub = stem.split(".", 3)
@@ -66,11 +77,19 @@ def write_tiny_gguf(
     extra_tensors: dict[str, np.ndarray] | None = None,
     seed: int = 0,
     rope_dims: int | None = None,
+    experts: int = 0,
+    experts_used: int = 2,
+    stacked: bool = True,
+    skip_tensors: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model; returns the HF-layout fp32 tensors the converter must reproduce.
 
-    2-D tensors with 32-multiple rows are stored Q8_0 (so expected = quantize round-trip), the rest F32."""
+    2-D tensors with 32-multiple rows are stored Q8_0 (so expected = quantize round-trip), the rest F32.
+    ``experts``: a mixture of experts in every layer as llama.cpp writes it (qwen2moe, qwen3moe, or
+    ``llama`` for Mixtral), stacked per projection unless ``stacked=False``; ``skip_tensors``: GGUF
+    names left out."""
     hidden, heads, kv_heads, inter, layers = 64, 4, 2, 128, 2
+    moe_width, shared_width = (inter, 0) if arch == "llama" else (32, 96)
     hd = head_dim or hidden // heads
     tokens, types, merges = _tiny_tokenizer()
     vocab = len(tokens)
@@ -88,18 +107,33 @@ def write_tiny_gguf(
                 p + "self_attn.q_proj.weight": (heads * hd, hidden),
                 p + "self_attn.k_proj.weight": (kv_heads * hd, hidden),
                 p + "self_attn.v_proj.weight": (kv_heads * hd, hidden),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
             }
         shapes |= {
             p + "self_attn.o_proj.weight": (hidden, heads * hd),
-            p + "mlp.down_proj.weight": (hidden, inter),
             p + "input_layernorm.weight": (hidden,),
             p + "post_attention_layernorm.weight": (hidden,),
         }
-        if arch == "qwen3":
+        if experts:
+            block, projs = ("block_sparse_moe", ("w1", "w3", "w2")) if arch == "llama" else (
+                "mlp", ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+            shapes[p + f"{block}.gate.weight"] = (experts, hidden)
+            for e in range(experts):
+                shapes |= {p + f"{block}.experts.{e}.{projs[0]}.weight": (moe_width, hidden),
+                           p + f"{block}.experts.{e}.{projs[1]}.weight": (moe_width, hidden),
+                           p + f"{block}.experts.{e}.{projs[2]}.weight": (hidden, moe_width)}  # fmt: skip
+            if arch == "qwen2moe":
+                shapes |= {p + "mlp.shared_expert.gate_proj.weight": (shared_width, hidden),
+                           p + "mlp.shared_expert.up_proj.weight": (shared_width, hidden),
+                           p + "mlp.shared_expert.down_proj.weight": (hidden, shared_width),
+                           p + "mlp.shared_expert_gate.weight": (1, hidden)}  # fmt: skip
+        elif arch != "phi3":
+            shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                       p + "mlp.down_proj.weight": (hidden, inter)}  # fmt: skip
+        else:
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        if arch in ("qwen3", "qwen3moe"):
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2moe"):
             shapes |= {p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv_heads * hd,),
                        p + "self_attn.v_proj.bias": (kv_heads * hd,)}  # fmt: skip
 
@@ -117,6 +151,13 @@ def write_tiny_gguf(
         w.add_sliding_window(200)
         w.add_rope_dimension_count(rope_dims or hd)
         w.add_pad_token_id(vocab - 1)  # else Phi3Config's default (32000) lies outside this vocabulary
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        if arch != "llama":  # llama (Mixtral): the experts' width is feed_forward_length
+            w.add_expert_feed_forward_length(moe_width)
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(shared_width)
     if head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -129,9 +170,11 @@ def write_tiny_gguf(
     w.add_eos_token_id(vocab - 1)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra_kv or {}).items():
-        (w.add_float32 if isinstance(value, float) else w.add_string)(key, value)
+        add = {float: w.add_float32, int: w.add_uint32, str: w.add_string}[type(value)]
+        add(key, value)  # a key written above is overwritten
 
     expected: dict[str, np.ndarray] = {}
+    stored_tensors: dict[str, list[np.ndarray]] = {}  # GGUF name -> its array (a stacked one: each expert's)
     for name, shape in shapes.items():
         hf = rng.standard_normal(shape).astype(np.float32)
         stored = hf
@@ -139,13 +182,20 @@ def write_tiny_gguf(
             stored = _llama_cpp_permute(hf, heads)
         elif arch == "llama" and ".k_proj." in name:
             stored = _llama_cpp_permute(hf, kv_heads)
-        if hf.ndim == 2 and shape[1] % 32 == 0:
-            q = quantize(stored, GGMLQuantizationType.Q8_0)
-            w.add_tensor(_gguf_name(name), q, raw_dtype=GGMLQuantizationType.Q8_0)
+        elif name.endswith(".shared_expert_gate.weight"):
+            stored = hf.reshape(-1)  # llama.cpp keeps it as a vector
+        if stored.ndim == 2 and shape[1] % 32 == 0:
             hf = dequantize(quantize(hf, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(_gguf_name(name), stored)
         expected[name] = hf
+        stored_tensors.setdefault(_gguf_name(name, stacked), []).append(stored)
+    for name, arrays in stored_tensors.items():
+        array = np.stack(arrays) if "_exps." in name else arrays[0]
+        if name in skip_tensors:
+            continue
+        if array.ndim >= 2 and array.shape[-1] % 32 == 0:  # Q8_0 blocks run along rows: stacking is per expert
+            w.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, array)
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()

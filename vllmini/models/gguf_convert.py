@@ -22,14 +22,18 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from vllmini.models import gguf_moe
+
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
 CONVERTER_VERSION = 4  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling
 
-# GGUF ``general.architecture`` -> HF architecture name (see registry.py).
+# GGUF ``general.architecture`` -> HF architecture name (see registry.py); a ``llama`` file
+# with ``llama.expert_count`` is Mixtral (gguf_moe.py).
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    **gguf_moe.MOE_ARCHITECTURES,
 }  # fmt: skip
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -47,16 +51,19 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up
-_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}
+# where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up; MoE routers
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, **gguf_moe.MOE_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama", expert: int | None = None) -> str | None:
+    """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
+    of a stacked experts tensor (``blk.3.ffn_up_exps.weight``), that of its expert ``expert``."""
+    if (name := gguf_moe.expert_hf_name(gguf_name, arch, expert)) is not None:
+        return name
     if m := _BLOCK_RE.match(gguf_name):
         layer, kind, leaf = m.groups()
         names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
@@ -175,6 +182,7 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
     from gguf.quants import dequantize
 
     _rope_scaling(reader, gguf_path, arch)
+    gguf_moe.check_experts(reader, gguf_path, arch)
     if any(t.name.startswith("rope_factors_") for t in reader.tensors):
         raise ValueError(f"{gguf_path}: LongRoPE scaling (rope_factors_long/short: Phi-3-128k, Phi-3.5, Phi-4-mini) "
                          "is not supported")  # fmt: skip
@@ -195,7 +203,7 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
                 f"{gguf_path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling factors) is not supported "
                 "by the GGUF conversion; use the model's HF safetensors checkpoint instead"
             )
-        if hf_tensor_name(t.name, arch) is None:
+        if hf_tensor_name(t.name, arch, expert=0) is None:
             raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} has no known HF name for architecture {arch!r}")
         if t.tensor_type in probed:
             continue
@@ -214,6 +222,7 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path):
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
+    config = gguf_moe.moe_config(config, reader, gguf_path, arch)
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers ignores it for qwen3 and falls back to Qwen3Config's default 128
         config.head_dim = int(key_length.contents())
@@ -269,10 +278,11 @@ def _pin_special_tokens(tok, reader) -> None:
 
 
 def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -> None:
-    """Dequantize to fp32 shard by shard (memory ~ one shard), then name files like HF does."""
+    """Dequantize to fp32 shard by shard (memory ~ one shard; a stacked experts tensor is read one
+    expert at a time, so its experts may land in different shards), then name files like HF does."""
     from safetensors.torch import save_file
 
-    shards = _plan_shards(reader.tensors, max_shard_bytes)
+    shards = _plan_shards(_weight_items(reader.tensors), max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -289,27 +299,39 @@ def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _plan_shards(tensors: list, max_shard_bytes: int) -> list[list]:
+def _weight_items(tensors: list) -> list[tuple[object, int | None]]:
+    """``(GGUF tensor, expert)`` per HF tensor to write: one per expert of a stacked experts tensor."""
+    items: list[tuple[object, int | None]] = []
+    for t in tensors:
+        items += [(t, e) for e in range(int(t.shape[-1]))] if gguf_moe.is_stacked(t.name) else [(t, None)]
+    return items
+
+
+def _plan_shards(items: list[tuple[object, int | None]], max_shard_bytes: int) -> list[list]:
     shards: list[list] = [[]]
     size = 0
-    for t in tensors:
-        nbytes = int(t.n_elements) * 4
+    for item in items:
+        t, expert = item
+        nbytes = int(t.n_elements) * 4 // (1 if expert is None else int(t.shape[-1]))
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append(t)
+        shards[-1].append(item)
         size += nbytes
     return shards
 
 
-def _dequantized(tensors: list, config, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
-    for t in tensors:
-        name = hf_tensor_name(t.name, arch)
+    for t, expert in items:
+        name = hf_tensor_name(t.name, arch, expert)
         assert name is not None  # checked in _check_supported
         shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        data = t.data
+        if expert is not None:  # one expert's rows of the stacked tensor (quantized blocks never span experts)
+            data, shape = data[expert], shape[1:]
+        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(gguf_moe.hf_shape(name, shape))
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = unpermute_rotary(w, config.num_attention_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
