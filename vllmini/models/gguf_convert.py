@@ -152,19 +152,14 @@ def _architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
-def _field(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
-
-
 def _rope_scaling(reader, gguf_path: Path, arch: str) -> dict | None:
     """The GGUF's rope scaling as HF ``rope_parameters`` (None: none), read as llama.cpp does:
     a factor without a type (``rope.scaling.factor``, or the old ``rope.scale_linear``) means
     linear scaling. transformers' GGUF config reader drops these keys; other types are refused."""
-    kind = _field(reader, f"{arch}.rope.scaling.type")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    kind = gguf_moe.field_value(reader, f"{arch}.rope.scaling.type")
+    factor = gguf_moe.field_value(reader, f"{arch}.rope.scaling.factor")
     if factor is None:
-        factor = _field(reader, f"{arch}.rope.scale_linear")
+        factor = gguf_moe.field_value(reader, f"{arch}.rope.scale_linear")
     if kind not in (None, "", "none", "linear"):
         raise ValueError(
             f"{gguf_path}: rope scaling {kind!r} is not supported by the GGUF conversion; "
@@ -327,7 +322,7 @@ def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Te
     for t, expert in items:
         name = hf_tensor_name(t.name, arch, expert)
         assert name is not None  # checked in _check_supported
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest-first
+        shape = gguf_moe.numpy_shape(t)
         data = t.data
         if expert is not None:  # one expert's rows of the stacked tensor (quantized blocks never span experts)
             data, shape = data[expert], shape[1:]

@@ -66,18 +66,19 @@ def hf_shape(hf_name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (1, shape[-1]) if hf_name.endswith(".shared_expert_gate.weight") else shape
 
 
-def _field(reader, key: str):
+def field_value(reader, key: str):
+    """A metadata key's value, None when the file lacks it."""
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 
 
-def _numpy_shape(tensor) -> tuple[int, ...]:
+def numpy_shape(tensor) -> tuple[int, ...]:
     return tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
 
 
 def _expert_counts(reader, gguf_path: Path, arch: str) -> tuple[int, int] | None:
     """``(expert_count, expert_used_count)``; None for a dense file."""
-    count, used = _field(reader, f"{arch}.expert_count"), _field(reader, f"{arch}.expert_used_count")
+    count, used = field_value(reader, f"{arch}.expert_count"), field_value(reader, f"{arch}.expert_used_count")
     if not count:
         if arch in MOE_ARCHITECTURES:
             raise ValueError(f"{gguf_path}: {arch}.expert_count is missing")
@@ -97,17 +98,17 @@ def _expert_width(reader, arch: str, tensors: dict) -> int:
     """The experts' intermediate size: the key llama.cpp writes (``llama``: feed_forward_length),
     else the first layer's gate tensor (qwen2moe files from before June 2024 lack the key)."""
     key = "feed_forward_length" if arch == "llama" else "expert_feed_forward_length"
-    if (width := _field(reader, f"{arch}.{key}")) is not None:
+    if (width := field_value(reader, f"{arch}.{key}")) is not None:
         return int(width)
     gate = tensors.get("blk.0.ffn_gate_exps.weight") or tensors.get("blk.0.ffn_gate.0.weight")
-    return _numpy_shape(gate)[-2] if gate is not None else 0
+    return numpy_shape(gate)[-2] if gate is not None else 0
 
 
 def _shared_width(reader, tensors: dict) -> int:
-    if (width := _field(reader, "qwen2moe.expert_shared_feed_forward_length")) is not None:
+    if (width := field_value(reader, "qwen2moe.expert_shared_feed_forward_length")) is not None:
         return int(width)
     gate = tensors.get("blk.0.ffn_gate_shexp.weight")
-    return _numpy_shape(gate)[0] if gate is not None else 0
+    return numpy_shape(gate)[0] if gate is not None else 0
 
 
 def check_experts(reader, gguf_path: Path, arch: str) -> None:
@@ -118,12 +119,12 @@ def check_experts(reader, gguf_path: Path, arch: str) -> None:
         return
     count = counts[0]
     tensors = {t.name: t for t in reader.tensors}
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    hidden = int(field_value(reader, f"{arch}.embedding_length"))
     width = _expert_width(reader, arch, tensors)
     for name in tensors:
         if (m := _SPLIT_RE.match(name)) and int(m[3]) >= count:
             raise ValueError(f"{gguf_path}: tensor {name!r} is expert {m[3]}, but {arch}.expert_count is {count}")
-    for layer in range(int(_field(reader, f"{arch}.block_count"))):
+    for layer in range(int(field_value(reader, f"{arch}.block_count"))):
         need = {f"blk.{layer}.ffn_gate_inp.weight": (count, hidden)}
         for proj in _PROJECTIONS:
             shape = (hidden, width) if proj == "down" else (width, hidden)
@@ -139,7 +140,7 @@ def check_experts(reader, gguf_path: Path, arch: str) -> None:
         for name, shape in need.items():
             if name not in tensors:
                 raise ValueError(f"{gguf_path}: expert tensor {name!r} is missing ({arch}.expert_count={count})")
-            got = _numpy_shape(tensors[name])
+            got = numpy_shape(tensors[name])
             if got != shape and not (name.endswith(".ffn_gate_inp_shexp.weight") and got == (1, hidden)):
                 raise ValueError(f"{gguf_path}: tensor {name!r} has shape {list(got)}, expected {list(shape)} "
                                  f"({arch}.expert_count={count}, expert width {width}, hidden size {hidden})")  # fmt: skip
