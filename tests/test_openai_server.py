@@ -497,6 +497,12 @@ async def test_metrics_in_prometheus_format_with_vllms_names(engine, http):
     assert _delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
     assert after[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
+    # every token of the steps, prompt and generated, in vllm:iteration_tokens_total (as vLLM's)
+    assert _delta(after, before, "vllm:iteration_tokens_total_sum") == _delta(
+        after, before, "vllm:prompt_tokens_total") + _delta(after, before, "vllm:generation_tokens_total") > 0
+    assert after[("vllm:iteration_tokens_total_count", None)] >= 5  # (the chat stream's decodes at least)
+    info = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True"'
+    assert info in (await http.get("/metrics")).text
 
 
 @pytest.mark.parametrize("stream", [False, True])
