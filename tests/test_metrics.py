@@ -87,6 +87,31 @@ def test_an_aborted_request_counts_as_abort(tiny_dir):
     assert not engine.has_unfinished_requests()
 
 
+def test_each_step_observes_its_tokens_and_the_cache_config_is_a_labelled_gauge(tiny_dir):
+    """vllm:iteration_tokens_total: one observation per step that ran (a prefill chunk, with the
+    first token of the last chunk; one token per decode), its sum the prompt and generation
+    counters' (as vLLM's). vllm:cache_config_info: value 1, the cache's settings in its labels."""
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_batched_tokens=8,
+                                                   enable_prefix_caching=False, served_model_name="tiny"))  # fmt: skip
+    ids = list(range(10, 23))  # 13 prompt tokens: two chunks of at most 8
+    engine.step()  # (nothing to run: not observed)
+    engine.add_request("a", {"prompt_token_ids": ids}, SamplingParams(max_tokens=3, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    m = by_name(engine.get_metrics(), model_name="tiny")
+    steps = m["vllm:iteration_tokens_total"]  # observed: 8, 5 + 1, 1, 1
+    assert isinstance(steps, Histogram) and steps.count == 4 and steps.sum == 13 + 3
+    assert steps.sum == m["vllm:prompt_tokens"].value + m["vllm:generation_tokens"].value
+    assert steps.buckets["1.0"] == 2 and steps.buckets["8.0"] == 4 and list(steps.buckets)[:3] == ["1.0", "8.0", "16.0"]
+    assert list(steps.buckets)[-2:] == ["16384.0", "+Inf"]  # vLLM's buckets
+    info = by_name(engine.get_metrics())["vllm:cache_config_info"]
+    assert isinstance(info, Gauge) and info.value == 1
+    assert info.labels == {"block_size": "16", "cache_dtype": "auto", "enable_prefix_caching": "False",
+                           "gpu_memory_utilization": "0.9", "kv_cache_memory_bytes": str(KV), "num_cpu_blocks": "None",
+                           "num_gpu_blocks": str(engine.num_blocks), "sliding_window": "None"}  # fmt: skip
+
+
 def test_speculative_decoding_reports_acceptance_by_position(default_model_dir):
     llm = LLM(model=str(default_model_dir), disable_log_stats=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,

@@ -4,6 +4,7 @@ hang up aborted, and ``vllmini serve`` as a user starts it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -126,7 +127,8 @@ async def test_completion_logprobs_and_echo(client, engine, offline):
 async def test_a_streamed_echo_has_the_prompt_logprobs_in_every_choice(tiny_dir):
     """Delta outputs carry the prompt's logprobs once; each of the n choices echoes them, also
     one that starts in a later output (here: max_num_seqs=2 runs the third one later)."""
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_seqs=2))
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, max_num_seqs=2,
+                                                           served_model_name=NAME))
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(eng, NAME)), base_url="http://test")
     body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4, "n": 3, "temperature": 1, "top_k": 1, "logprobs": 1,
             "echo": True, "ignore_eos": True}  # fmt: skip
@@ -360,20 +362,95 @@ async def test_the_api_key_guards_the_v1_routes_under_a_root_path(engine):
         assert (await c.get("/api/health")).status_code == 200
 
 
-@pytest.fixture
-async def served(engine):
-    """The app on a real socket (uvicorn), for clients that hang up."""
+@contextlib.asynccontextmanager
+async def on_a_socket(app):
+    """The app on a real socket (uvicorn); yields its URL."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=0, log_level="warning",
-                                           lifespan="off"))  # fmt: skip
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    await task
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@pytest.fixture
+async def served(engine):
+    """The app on a real socket, for clients that hang up (the engine's served name)."""
+    async with on_a_socket(build_app(engine)) as url:
+        yield url
+
+
+def test_the_served_name_is_the_engines(engine, tiny_dir):
+    """One source: the engine's EngineArgs.served_model_name (its metrics' label too); build_app's
+    argument may repeat it, never contradict it. A bad body limit is refused naming it."""
+    assert build_app(engine) is not None
+    with pytest.raises(ValueError, match="served_model_name 'other' differs from the engine's 'tiny'"):
+        build_app(engine, "other")
+    with pytest.raises(ValueError, match="max_request_body_size must be a number of bytes >= 0"):
+        build_app(engine, max_request_body_size=-1)
+    assert EngineArgs(model=str(tiny_dir)).get_served_model_name() == str(tiny_dir)
+
+
+async def test_the_app_serves_and_labels_the_engines_name(engine):
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t") as http:
+        assert [m["id"] for m in (await http.get("/v1/models")).json()["data"]] == [NAME]
+        r = await http.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == NAME
+        assert f'vllm:generation_tokens_total{{model_name="{NAME}"}}' in (await http.get("/metrics")).text
+    await wait_idle(engine)
+
+
+def refused_for_size(r: httpx.Response, limit: int) -> bool:
+    error = r.json()["error"]
+    return r.status_code == 413 and error["code"] == 413 and f"limit of {limit} bytes" in error["message"]
+
+
+async def test_a_body_over_the_limit_is_refused_413_unread_and_others_go_on(engine):
+    """A declared Content-Length over the limit is refused before any byte is read; a chunked
+    body (no length) once its chunks pass the limit, the rest of it never pulled."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, max_request_body_size=1000)),
+                                 base_url="http://t") as http:  # fmt: skip
+        small = {"model": NAME, "prompt": "Hi", "max_tokens": 2}
+        assert refused_for_size(await http.post("/v1/completions", json={**small, "prompt": "x" * 1000}), 1000)
+        pulled = 0
+
+        async def chunks(n: int, size: int):
+            nonlocal pulled
+            for _ in range(n):
+                pulled += 1
+                yield b" " * size
+
+        assert refused_for_size(await http.post("/v1/completions", content=chunks(10_000, 300)), 1000)
+        assert pulled <= 5  # (4 chunks pass 1000 bytes)
+        assert (await http.post("/v1/completions", json=small)).status_code == 200
+    # the default limit, 32 MiB, read off the header alone
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t") as http:
+        pulled = 0
+        huge = await http.post("/v1/completions", content=chunks(1, 10), headers={"content-length": str((32 << 20) + 1)})
+        assert refused_for_size(huge, 32 << 20) and pulled == 0
+    await wait_idle(engine)
+
+
+async def test_a_chunked_upload_over_the_limit_on_a_socket_is_refused_and_the_connection_serves_on(engine):
+    """uvicorn reads and drops the rest of a refused body: the client gets its 413 and the same
+    keep-alive connection answers the next request."""
+    async with on_a_socket(build_app(engine, max_request_body_size=1 << 20)) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30, limits=httpx.Limits(max_connections=1)) as c:
+
+            async def chunks():
+                for _ in range(64):
+                    yield b" " * (64 << 10)  # 4 MiB in all
+
+            assert refused_for_size(await c.post("/v1/completions", content=chunks()), 1 << 20)
+            r = await c.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    await wait_idle(engine)
 
 
 async def hang_up_after_first_event(c: httpx.AsyncClient, path: str, body: dict) -> None:
@@ -497,6 +574,12 @@ async def test_metrics_in_prometheus_format_with_vllms_names(engine, http):
     assert _delta(after, before, "vllm:e2e_request_latency_seconds_sum") > 0
     assert after[("vllm:num_requests_running", None)] == 0 and after[("vllm:kv_cache_usage_perc", None)] == 0
     assert after[("vllm:generation_tokens_total", None)] == engine.engine.num_generated_tokens
+    # every token of the steps, prompt and generated, in vllm:iteration_tokens_total (as vLLM's)
+    assert _delta(after, before, "vllm:iteration_tokens_total_sum") == _delta(
+        after, before, "vllm:prompt_tokens_total") + _delta(after, before, "vllm:generation_tokens_total") > 0
+    assert after[("vllm:iteration_tokens_total_count", None)] >= 5  # (the chat stream's decodes at least)
+    info = 'vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True"'
+    assert info in (await http.get("/metrics")).text
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -19,7 +19,7 @@ from vllmini.entrypoints.openai.api_server import build_app
 
 KV = 16 << 20
 NAME = "tiny-embed"
-ARGS = dict(runner="pooling", kv_cache_memory=KV, max_model_len=64, max_num_batched_tokens=32)
+ARGS = dict(runner="pooling", kv_cache_memory=KV, max_model_len=64, max_num_batched_tokens=32, served_model_name=NAME)
 TEXTS = ["The capital of France is Paris.", "Hi", "def add(a, b):\n    return a + b"]
 
 
@@ -138,7 +138,7 @@ async def test_each_runner_refuses_the_other_runners_routes(http, engine, tiny_d
         response = await http.post(path, json=body)
         assert response.status_code == 404 and f"does not support the {api}" in response.json()["error"]["message"]
     assert (await http.post("/tokenize", json={"prompt": "Hi"})).json()["count"] > 0  # (still served)
-    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, served_model_name=NAME))
     try:
         async with client_of(generating) as gen_http:
             response = await gen_http.post("/v1/embeddings", json={"input": "Hi"})

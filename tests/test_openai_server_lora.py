@@ -30,7 +30,7 @@ def paths(tiny_dir, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, dtype="float32",
-                                                     enable_lora=True, max_loras=2))  # fmt: skip
+                                                     enable_lora=True, max_loras=2, served_model_name=NAME))  # fmt: skip
     yield eng
     eng.shutdown()
 

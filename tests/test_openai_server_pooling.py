@@ -106,7 +106,7 @@ async def test_bad_pooling_requests_are_400s_naming_the_field(engines, model, bo
 
 
 async def test_a_generating_server_answers_pooling_404(tiny_dir):
-    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, served_model_name=NAME))
     try:
         async with client_of(generating) as http:
             response = await http.post("/pooling", json={"input": "a"})

@@ -139,11 +139,11 @@ async def test_store_get_previous_response_id_and_cancel(engine):
     await wait_idle(engine)
 
 
-served = test_openai_server.served  # (the app on a real socket, with this module's engine, as model "tiny")
+served = test_openai_server.served  # (the app on a real socket, with this module's engine)
 
 
 async def test_clients_that_hang_up_are_aborted(served, engine):
-    body = {"model": test_openai_server.NAME, "input": "Count:", "max_output_tokens": 400, "ignore_eos": True}
+    body = {"model": NAME, "input": "Count:", "max_output_tokens": 400, "ignore_eos": True}
     generated = engine.engine.num_generated_tokens
     async with httpx.AsyncClient(base_url=served, timeout=30) as c:
         await hang_up_after_first_event(c, "/v1/responses", {**body, "stream": True})

@@ -21,7 +21,7 @@ from vllmini.entrypoints.openai.api_server import build_app
 
 KV = 16 << 20
 NAME = "tiny-pooling"
-ARGS = dict(runner="pooling", kv_cache_memory=KV, max_model_len=64, max_num_batched_tokens=32)
+ARGS = dict(runner="pooling", kv_cache_memory=KV, max_model_len=64, max_num_batched_tokens=32, served_model_name=NAME)
 QUERY = "What is the capital of France?"
 DOCS = ["Bananas are yellow.", "Paris is the capital of France.", "The Eiffel Tower is in Paris, France's capital."]
 TEXTS = ["The capital of France is Paris.", "Hi", "def add(a, b):\n    return a + b"]
@@ -179,7 +179,7 @@ async def test_bad_requests_are_400s_naming_the_field(engines, model, path, body
 
 
 async def test_a_generating_server_answers_the_pooling_routes_404(tiny_dir):
-    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV))
+    generating = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, served_model_name=NAME))
     try:
         async with client_of(generating) as http:
             for path, body in [("/score", {"text_1": "a", "text_2": "b"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),

@@ -241,7 +241,7 @@ PARIS = {"city": "Paris", "unit": "celsius"}
 
 @contextlib.contextmanager
 def serving(model_dir):
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory=KV))
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), kv_cache_memory=KV, served_model_name=NAME))
     try:
         yield eng
     finally:
@@ -527,4 +527,9 @@ def test_the_serve_flags(tiny_dir, engine, capsys, monkeypatch):
     monkeypatch.setattr("vllmini.entrypoints.openai.api_server.run_server", run_server)
     flags = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json", "--reasoning-parser", "qwen3"]
     assert main(["serve", str(tiny_dir), "--kv-cache-memory", str(KV), *flags]) == 0
-    assert seen == {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3"}
+    assert seen == {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
+                    "max_request_body_size": 32 << 20}  # (the default)
+    assert main(["serve", str(tiny_dir), "--max-request-body-size", "1000", "--kv-cache-memory", str(KV)]) == 0
+    assert seen["max_request_body_size"] == 1000
+    assert main(["serve", str(tiny_dir), "--max-request-body-size", "-1"]) == 2  # (before the model loads)
+    assert "--max-request-body-size must be >= 0" in capsys.readouterr().err

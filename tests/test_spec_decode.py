@@ -318,7 +318,8 @@ async def test_server_answers_as_plain_decoding_and_reports_acceptance(default_m
     from vllmini.entrypoints.openai.api_server import build_app
 
     base, _ = engines
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM))
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM,
+                                                        served_model_name="m"))
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "m")), base_url="http://t") as http:
             body = {"model": "m", "messages": [{"role": "user", "content": REPEAT[1]}], "max_tokens": 60, "temperature": 0}

@@ -294,16 +294,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from vllmini.entrypoints.openai.api_server import run_server
     from vllmini.entrypoints.openai.serving_models import check_lora_modules, parse_lora_module
 
-    served_name = ns.served_model_name or ns.model
+    served_name = _engine_args(ns).get_served_model_name()
     lora_modules = [parse_lora_module(item) for item in ns.lora_modules or []]
     check_lora_modules(lora_modules, ns.enable_lora, served_name)  # (before the model loads)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    if ns.max_request_body_size < 0:
+        raise ValueError(f"--max-request-body-size must be >= 0 bytes (0: no limit), got {ns.max_request_body_size}")
     engine = AsyncLLMEngine.from_engine_args(_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
     run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules,
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-               reasoning_parser=ns.reasoning_parser)  # fmt: skip
+               reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size)  # fmt: skip
     return 0
 
 
@@ -321,6 +323,8 @@ def _add_parser_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllmini.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
+
     parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
     gen = sub.add_parser("generate", help="generate for prompts (arguments or --file), streamed live")
@@ -343,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help='LoRA adapters served under their own names (needs --enable-lora): NAME=PATH or '
                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
+    serve.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE, metavar="BYTES",
+                       help="larger request bodies are answered 413 (default: 32 MiB; 0: no limit)")
     _add_parser_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

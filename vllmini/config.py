@@ -258,6 +258,11 @@ class EngineArgs:
     # LLM.get_metrics()) unless this is set; LLM sets it unless told otherwise, as vLLM's does
     disable_log_stats: bool = False
 
+    def get_served_model_name(self) -> str:
+        """The name the server answers to and the metrics' model_name label (vLLM's rule: the
+        served_model_name, else the model as given): the one source both read."""
+        return self.served_model_name or self.model
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}

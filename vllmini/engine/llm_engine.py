@@ -109,7 +109,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
         self.num_generated_tokens = 0  # every token sampled and kept since start (for throughput stats)
-        self.stat_logger = None if args.disable_log_stats else StatLogger(self, args.served_model_name or args.model)
+        self.stat_logger = None if args.disable_log_stats else StatLogger(self, args.get_served_model_name())
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
 
@@ -310,6 +310,13 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        try:
+            return self._step()
+        finally:  # (a failed step's prefill counts too: the scheduler counted it)
+            if self.stat_logger is not None:
+                self.stat_logger.record_step(self.scheduler.stats, self.num_generated_tokens)
+
+    def _step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
         if self.structured.waiting:
             self._admit_compiled()
         if self.pooler is not None:

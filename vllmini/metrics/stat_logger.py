@@ -5,9 +5,10 @@ that a dashboard made for vLLM reads them: the server's ``GET /metrics`` renders
 The engine's state and counters (requests running and waiting, KV-cache usage, tokens,
 preemptions, prefix-cache queries and hits; with LoRA, the adapters of the running and waiting
 requests; with speculative decoding, its draft and acceptance counts) are read when the metrics
-are collected. The engine records the rest as it goes: the time to first token and the gaps
-between tokens after each step, a request's latencies and lengths when it finishes. The registry
-belongs to the engine (no process-wide state), so two engines never share counts.
+are collected. The engine records the rest as it goes: the tokens of each step, the time to first
+token and the gaps between tokens after each step, a request's latencies and lengths when it
+finishes. ``vllm:cache_config_info`` (value 1) carries the KV cache's settings in its labels. The
+registry belongs to the engine (no process-wide state), so two engines never share counts.
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vllmini.engine.outputs import RequestMetrics
+from vllmini.scheduler.scheduler import SchedulerStats
 from vllmini.scheduler.sequence import Sequence
 from vllmini.spec_decode.stats import SpecDecodingStats
 
@@ -31,6 +33,24 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.
 _TOKEN_TIME = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _LENGTHS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 _N = (1, 2, 5, 10, 20)
+_STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def prompt_tokens(stats: SchedulerStats) -> int:
+    """``vllm:prompt_tokens``: prompt tokens prefilled, computed or found in the prefix cache."""
+    return stats.num_prefill_tokens + stats.num_cached_prompt_tokens
+
+
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info``: vLLM's CacheConfig field names for the settings
+    vllmini has, each value as ``str()`` writes it (as vLLM's). The KV cache is in the model's
+    dtype (vLLM's cache_dtype "auto"); there is no CPU swap space (num_cpu_blocks None)."""
+    args = engine.args
+    info = {"block_size": engine.block_manager.block_size, "cache_dtype": "auto",
+            "enable_prefix_caching": args.enable_prefix_caching, "gpu_memory_utilization": args.gpu_memory_utilization,
+            "kv_cache_memory_bytes": args.kv_cache_memory, "num_cpu_blocks": None, "num_gpu_blocks": engine.num_blocks,
+            "sliding_window": getattr(engine.model, "sliding_window", None)}  # fmt: skip
+    return {name: str(value) for name, value in info.items()}
 
 
 class StatLogger:
@@ -41,6 +61,10 @@ class StatLogger:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.model_name = model_name
+        info = cache_config_info(engine)
+        Gauge("vllm:cache_config_info", "The engine's KV-cache settings (in the labels).", list(info),
+              registry=self.registry).labels(**info).set(1)  # fmt: skip
+        self._step_total = 0  # prompt and generated tokens counted until the last step
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry).labels(model_name)
@@ -63,6 +87,16 @@ class StatLogger:
                                         "Tokens of a request's longest sequence.", _LENGTHS)  # fmt: skip
         self.param_n = histogram("vllm:request_params_n", "The n of each request.", _N)
         self.param_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens of each request.", _LENGTHS)
+        self.step_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step (prompt and generated).",
+                                     _STEP_TOKENS)  # fmt: skip
+
+    def record_step(self, stats: SchedulerStats, num_generated_tokens: int) -> None:
+        """After a step: the tokens it added to ``vllm:prompt_tokens`` and ``vllm:generation_tokens``
+        (as vLLM's, so the histogram's sum is theirs); a step that ran nothing is not observed."""
+        total = prompt_tokens(stats) + num_generated_tokens
+        if total != self._step_total:
+            self.step_tokens.observe(total - self._step_total)
+            self._step_total = total
 
     def record_tokens(self, seq: Sequence, before: float | None) -> None:
         """After a step gave ``seq`` tokens (``before``: its last token's time until then): the
@@ -129,8 +163,8 @@ class _EngineCollector:
         yield self._one(gauge, "vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(sched.waiting))
         yield self._one(gauge, "vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", bm.usage)
         yield self._one(counter, "vllm:generation_tokens", "Tokens generated.", core.num_generated_tokens)
-        prompt = sched.stats.num_prefill_tokens + sched.stats.num_cached_prompt_tokens
-        yield self._one(counter, "vllm:prompt_tokens", "Prompt tokens prefilled (computed or cached).", prompt)
+        yield self._one(counter, "vllm:prompt_tokens", "Prompt tokens prefilled (computed or cached).",
+                        prompt_tokens(sched.stats))  # fmt: skip
         yield self._one(counter, "vllm:num_preemptions", "Sequences preempted.", sched.stats.num_preemptions)
         yield self._one(counter, "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                         bm.prefix_cache_queries)  # fmt: skip

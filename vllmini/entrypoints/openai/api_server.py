@@ -10,7 +10,10 @@ pooling``, which answers the generating routes 404), ``GET /v1/models``,
 and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
 (serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
 hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
-step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``.
+step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``. A request body over
+``max_request_body_size`` bytes (32 MiB unless told) is answered 413 without being read whole.
+The served model name is the engine's (``EngineArgs.served_model_name``, else its model), the name
+its metrics carry too.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import vllmini
+from vllmini.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
@@ -57,7 +61,8 @@ def json_response(body: dict[str, Any], status: int = 200) -> Response:
 
 
 def error_response(status: int, message: str) -> Response:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+            413: "RequestTooLargeError"}.get(status, "InternalServerError")  # fmt: skip
     return json_response(error_body(message, kind, status), status)
 
 
@@ -79,6 +84,73 @@ class RequireApiKey:
         await self.app(scope, receive, send)
 
 
+class _BodyTooLarge(Exception):
+    """Raised by LimitRequestBody's receive into the handler reading the body, caught above it."""
+
+
+class LimitRequestBody:
+    """Bodies over ``max_size`` bytes are answered 413 (OpenAI's error shape, naming the limit):
+    at once when the Content-Length says so, else (chunked, or a short Content-Length) when the
+    chunks received pass it, so at most the limit and one chunk are ever held. The server goes on
+    (uvicorn reads and drops the rest of a refused body)."""
+
+    def __init__(self, app: ASGIApp, max_size: int) -> None:
+        self.app, self.max_size = app, max_size
+
+    def _refusal(self) -> Response:
+        message = (f"the request body is larger than the server's limit of {self.max_size} bytes "
+                   "(max_request_body_size, `vllmini serve --max-request-body-size`)")  # fmt: skip
+        return error_response(413, message)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_size:
+            await self._refusal()(scope, receive, send)
+            return
+        received, started = 0, False
+
+        async def counting_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_size:
+                    raise _BodyTooLarge
+            return message
+
+        async def watching_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except _BodyTooLarge:
+            if started:  # (no route reads its body after answering)
+                raise
+            await self._refusal()(scope, receive, send)
+
+
+def _check_body_limit(value: int | None) -> int | None:
+    """``max_request_body_size``: bytes, 0 or None for no limit."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"max_request_body_size must be a number of bytes >= 0 (0: no limit), got {value!r}")
+    return value or None
+
+
+def _served_name(engine: AsyncLLMEngine, given: str | None) -> str:
+    """The engine's served name (its metrics' model_name label too); build_app's argument, kept
+    for callers that pass it, must be the same."""
+    name = engine.engine.args.get_served_model_name()
+    if given is not None and given != name:
+        raise ValueError(f"served_model_name {given!r} differs from the engine's {name!r}, which its metrics carry: "
+                         f"build the engine with EngineArgs(served_model_name={given!r}) and leave build_app's out")
+    return name
+
+
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     """``work``'s result, or None once the client has hung up (``work`` is cancelled then,
     which aborts its engine requests)."""
@@ -98,13 +170,17 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if not task.cancelled() else None
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
+def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat_template: str | None = None,
               api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None, *,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> Starlette:  # fmt: skip
+              reasoning_parser: str | None = None,
+              max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
-    parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags)."""
+    parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
+    ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``."""
+    served_model_name = _served_name(engine, served_model_name)
+    body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
     models.load_static(lora_modules or [])
     completion = OpenAIServingCompletion(engine, served_model_name, models)
@@ -188,19 +264,21 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
                        "client can make the server read a folder; for local development only")  # fmt: skip
         routes += [Route("/v1/load_lora_adapter", handler(LoadLoRAAdapterRequest, models.load), methods=["POST"]),
                    Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
-    middleware = [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
+    middleware = [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
+    middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
 
-def run_server(engine: AsyncLLMEngine, served_model_name: str, host: str, port: int,
+def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str, port: int,
                chat_template: str | None = None, api_key: str | None = None,
-               lora_modules: list[LoRAModulePath] | None = None, **parsers: Any) -> None:  # fmt: skip
-    """Serve until interrupted (Ctrl-C), then shut the engine down. ``parsers``: build_app's
-    enable_auto_tool_choice, tool_call_parser and reasoning_parser."""
+               lora_modules: list[LoRAModulePath] | None = None, **options: Any) -> None:  # fmt: skip
+    """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
+    keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size)."""
     import uvicorn
 
     try:
-        app = build_app(engine, served_model_name, chat_template, api_key, lora_modules, **parsers)
+        app = build_app(engine, served_model_name, chat_template, api_key, lora_modules, **options)
+        served_model_name = engine.engine.args.get_served_model_name()
     except BaseException:  # (a bad --chat-template or adapter): stop the engine's thread before exiting
         engine.shutdown()
         raise
