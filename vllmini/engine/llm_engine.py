@@ -6,7 +6,7 @@ request that changed. The async engine drives this same loop from a worker threa
 With ``EngineArgs.async_scheduling``, a step first launches the next decode step (when it
 does not depend on the tokens just sampled) and then processes those tokens, so that host
 and device work overlap (engine/async_scheduling.py); the outputs are the same. With
-``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/). A
+``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/speculator.py). A
 pooling engine's step pools hidden states instead of sampling (engine/pooling_step.py);
 engine/engine_setup.py builds the KV cache, scheduler and runner around the model.
 """
