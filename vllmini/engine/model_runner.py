@@ -13,7 +13,7 @@ import torch
 from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.kv.block_manager import BlockManager
 from vllmini.lora.manager import LoRAManager
-from vllmini.models.base import AttentionMetadata
+from vllmini.models.base import AttentionMetadata, slot_of
 from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -86,7 +86,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
             flat.sample_indices.append(i)
             flat.ids.append(seq.token_ids[start])
             flat.positions.append(start)
-            flat.slots.append(table[start // block_size] * block_size + start % block_size)
+            flat.slots.append(slot_of(table, start, block_size))
             flat.query_lens.append(1)
             flat.seq_lens.append(end)
             flat.block_tables.append(table)
@@ -106,7 +106,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         else:
             flat.ids.extend(seq.token_ids[start:end])
         flat.positions.extend(range(start, end))
-        flat.slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        flat.slots.extend(slot_of(table, p, block_size) for p in range(start, end))
         flat.query_lens.append(s.num_new_tokens)
         flat.seq_lens.append(end)
         flat.block_tables.append(table)

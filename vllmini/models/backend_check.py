@@ -17,7 +17,7 @@ import torch
 
 from vllmini.models.attention import torch_attention
 from vllmini.models.backend_select import get_backend, select_backend
-from vllmini.models.base import AttentionMetadata
+from vllmini.models.base import AttentionMetadata, slot_of
 
 logger = logging.getLogger("vllmini")
 AttentionFn = Callable[..., torch.Tensor]
@@ -86,8 +86,7 @@ def check_backend(
             tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(blocks))]
             cache = [torch.randn(sum(blocks), block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
                      for _ in range(2)]  # fmt: skip
-            slots = [t[p // block_size] * block_size + p % block_size
-                     for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]  # fmt: skip
+            slots = [slot_of(t, p, block_size) for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]
             q, k, v = qkv(sum(q_lens))
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),

@@ -15,6 +15,12 @@ import numpy as np
 import torch
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The flat KV-cache slot of token ``position`` of a sequence with ``block_table``: the
+    paged layout every writer of ``slot_mapping`` uses."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def block_table_tensor(tables: list[list[int]], width: int, rows: int | None = None, pad_block: int = 0) -> torch.Tensor:
     """Host ``[rows, width]`` int32 block tables, each row zero-padded; rows past ``tables``
     (graph padding) get ``pad_block`` first. Built through one flat NumPy copy: 3-4x faster

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllmini.models.base import AttentionMetadata
+from vllmini.models.base import AttentionMetadata, slot_of
 
 if TYPE_CHECKING:
     from vllmini.engine.model_runner import FlatBatch
@@ -49,9 +49,6 @@ class DraftModelProposer:
         self.block_size = block_size
         self.device = device
 
-    def _slot(self, table: list[int], position: int) -> int:
-        return table[position // self.block_size] * self.block_size + position % self.block_size
-
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Each request's drafts (argmax), ``num_drafts`` long: forward j feeds every request
@@ -64,7 +61,7 @@ class DraftModelProposer:
             positions = [requests[i].position + j for i in live]
             tables = [requests[i].block_table for i in live]
             meta = AttentionMetadata.paged(
-                [1] * len(live), [p + 1 for p in positions], [self._slot(t, p) for t, p in zip(tables, positions)],
+                [1] * len(live), [p + 1 for p in positions], [slot_of(t, p, self.block_size) for t, p in zip(tables, positions)],
                 tables, None, self.device,
             )  # fmt: skip
             ids = torch.tensor([inputs[i] for i in live], dtype=torch.long, device=self.device)
