@@ -30,7 +30,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class ExpertWeights(nn.Module):
     """The experts' stacked weights; checkpoints hold one tensor per expert and projection
-    (``experts.<e>.gate_proj``...), copied in by :meth:`load` and counted until all are in."""
+    (``experts.<e>.gate_proj``...), each copied into its :meth:`slot` (the loader counts them
+    against :meth:`shards` until all are in)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -118,6 +119,18 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     (Mixtral's configs have neither: every layer)."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (layer_idx + 1) % step == 0
+
+
+def qwen_moe_block(config: Any, shared_expert: bool) -> FusedMoE:
+    """A Qwen-MoE sparse layer's block as its config describes it: ``moe_intermediate_size`` wide
+    experts, top ``num_experts_per_tok`` renormalised per ``norm_topk_prob``; Qwen2-MoE adds its
+    shared expert (``shared_expert_intermediate_size``)."""
+    args = (config.hidden_size, config.moe_intermediate_size, num_experts(config), config.num_experts_per_tok,
+            bool(getattr(config, "norm_topk_prob", False)))  # fmt: skip
+    act = getattr(config, "hidden_act", "silu")
+    if shared_expert:
+        return SharedExpertMoE(*args, config.shared_expert_intermediate_size, act)
+    return FusedMoE(*args, act)
 
 
 def num_experts(config: Any) -> int:
