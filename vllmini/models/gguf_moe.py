@@ -121,19 +121,22 @@ def check_experts(reader, gguf_path: Path, arch: str) -> None:
     tensors = {t.name: t for t in reader.tensors}
     hidden = int(field_value(reader, f"{arch}.embedding_length"))
     width = _expert_width(reader, arch, tensors)
+    split: set[tuple[str, str]] = set()  # (layer, projection) held as one tensor per expert
     for name in tensors:
-        if (m := _SPLIT_RE.match(name)) and int(m[3]) >= count:
-            raise ValueError(f"{gguf_path}: tensor {name!r} is expert {m[3]}, but {arch}.expert_count is {count}")
+        if m := _SPLIT_RE.match(name):
+            if int(m[3]) >= count:
+                raise ValueError(f"{gguf_path}: tensor {name!r} is expert {m[3]}, but {arch}.expert_count is {count}")
+            split.add((m[1], m[2]))
+    shared = _shared_width(reader, tensors) if arch == "qwen2moe" else 0
     for layer in range(int(field_value(reader, f"{arch}.block_count"))):
         need = {f"blk.{layer}.ffn_gate_inp.weight": (count, hidden)}
         for proj in _PROJECTIONS:
             shape = (hidden, width) if proj == "down" else (width, hidden)
-            if any(name.startswith(f"blk.{layer}.ffn_{proj}.") and _SPLIT_RE.match(name) for name in tensors):
+            if (str(layer), proj) in split:
                 need |= {f"blk.{layer}.ffn_{proj}.{e}.weight": shape for e in range(count)}
             else:
                 need[f"blk.{layer}.ffn_{proj}_exps.weight"] = (count, *shape)
         if arch == "qwen2moe":
-            shared = _shared_width(reader, tensors)
             need |= {f"blk.{layer}.ffn_gate_inp_shexp.weight": (hidden,), f"blk.{layer}.ffn_gate_shexp.weight":
                      (shared, hidden), f"blk.{layer}.ffn_up_shexp.weight": (shared, hidden),
                      f"blk.{layer}.ffn_down_shexp.weight": (hidden, shared)}  # fmt: skip
