@@ -326,7 +326,10 @@ def test_padded_static_decode_equals_eager(arch, backend, monkeypatch):
     ``triton-split``: the static step splits each row's keys (as it would on a GPU with idle
     SMs; a graph does not know the contexts, so most shares are empty here), the eager one not."""
     block_size, max_model_len = 4, 40
-    batches = (3, 5, 17)  # padded to 4, 8 and 32 rows
+    # padded to 4, 8 and 32 rows; the Triton kernel runs in its interpreter here, whose time grows
+    # with the rows: it takes the two smaller sizes (its programs are per row; the torch backends
+    # cover padding past 16 rows)
+    batches = (3, 5, 17) if not backend.startswith("triton") else (3, 5)
     if arch == "mistral-window":  # sliding-window attention (7 keys) in every layer
         config = tiny_mistral_config(max_position_embeddings=64, sliding_window=7)
     else:
@@ -334,9 +337,8 @@ def test_padded_static_decode_equals_eager(arch, backend, monkeypatch):
     if backend == "triton-split":
         import vllmini.models.triton_attention as ta
 
-        # > rows x KV heads at every padded size, so every static launch splits. The split does not
-        # depend on the batch size, and the interpreter's time grows with programs: 2 sizes, few SMs.
-        batches = (3, 5)
+        # > rows x KV heads at every padded size, so every static launch splits (few SMs: the
+        # interpreter's time grows with programs)
         monkeypatch.setattr(ta, "_num_sms", lambda device: 32)
         splits, real_run_launch = [], ta.run_launch
 

@@ -306,11 +306,15 @@ async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
     fits = [{"prompt": ids, "max_tokens": max_len - 100},
             {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": 10},
             {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": -1}]  # (-1: what max_tokens leaves)
-    for body in fits:  # (exactly at the end of the context)
-        r = await http.post("/v1/completions", json={**body, "ignore_eos": True, "temperature": 0})
+    # (all at once: they decode in the same steps, to the end of the context)
+    replies = await asyncio.gather(
+        *[http.post("/v1/completions", json={**body, "ignore_eos": True, "temperature": 0}) for body in fits],
+        http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": None, "ignore_eos": True}),
+    )  # fmt: skip
+    for r in replies[:-1]:  # (exactly at the end of the context)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["total_tokens"] == max_len
-    r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": None, "ignore_eos": True})
+    r = replies[-1]
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # to the end of the context
 
 

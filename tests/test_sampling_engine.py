@@ -164,16 +164,19 @@ def test_eos_ignore_eos_and_min_tokens_on_the_default_model(smol):
     natural = gen(smol, prompt, temperature=0, max_tokens=64).outputs[0]
     assert natural.finish_reason == "stop" and natural.stop_reason is None and natural.token_ids[-1] == eos
     # EOS's text stays out even when special tokens are shown (as vLLM), unless asked for
-    shown = gen(smol, prompt, temperature=0, max_tokens=64, skip_special_tokens=False).outputs[0]
+    n = len(natural.token_ids)
+    variants = [  # (one batch: they decode in the same steps)
+        SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False),
+        SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True),
+        SamplingParams(temperature=0, max_tokens=n + 6, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=n + 3),
+    ]
+    shown, kept, ignored, delayed = (o.outputs[0] for o in smol.generate([prompt] * 4, variants, use_tqdm=False))
     eos_text = smol.get_tokenizer().decode([eos])
     assert shown.text == natural.text and eos_text not in shown.text
-    kept = gen(smol, prompt, temperature=0, max_tokens=64, skip_special_tokens=False, include_stop_str_in_output=True)
-    assert kept.outputs[0].text == natural.text + eos_text
-    n = len(natural.token_ids)
-    ignored = gen(smol, prompt, temperature=0, max_tokens=n + 6, ignore_eos=True).outputs[0]
+    assert kept.text == natural.text + eos_text
     assert ignored.finish_reason == "length" and len(ignored.token_ids) == n + 6
     assert ignored.token_ids[:n] == natural.token_ids  # EOS generated, then decoding went on
-    delayed = gen(smol, prompt, temperature=0, max_tokens=64, min_tokens=n + 3).outputs[0]
     assert len(delayed.token_ids) >= n + 3 and eos not in delayed.token_ids[: n + 3]
     assert_no_leaks(smol)
 

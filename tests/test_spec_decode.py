@@ -175,12 +175,14 @@ def test_seeded_sampling_penalties_and_stops_equal_plain_decoding(engines):
         SamplingParams(max_tokens=80, temperature=0, stop=["cherry", "15"], include_stop_str_in_output=True),
         SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11, n=2),
     ]
-    for params in cases:
-        for w, g in zip(chats(base, params), chats(spec, params)):
-            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], params
-            assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
-            assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
-            assert [c.stop_reason for c in g.outputs] == [c.stop_reason for c in w.outputs]
+    # every case on every prompt in one batch: one pass of decode steps per engine, not one per case
+    params = [case for case in cases for _ in REPEAT]
+    prompts = REPEAT * len(cases)
+    for w, g, p in zip(chats(base, params, prompts), chats(spec, params, prompts), params):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], p
+        assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
+        assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
+        assert [c.stop_reason for c in g.outputs] == [c.stop_reason for c in w.outputs]
     assert_no_leaks(spec)
 
 
@@ -229,9 +231,10 @@ def test_structured_outputs_verify_drafts_the_grammar_takes(engines):
         (REPEAT[1], StructuredOutputsParams(regex=r"(\d+, ){5,40}\d+")),
     ]
     before = spec.llm_engine.spec_stats.num_accepted_tokens
-    for prompt, so in cases:
-        params = SamplingParams(max_tokens=60, temperature=0, structured_outputs=so)
-        w, g = (chats(llm, params, [prompt])[0].outputs[0] for llm in (base, spec))
+    prompts = [prompt for prompt, _ in cases]
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_outputs=so) for _, so in cases]
+    for prompt, want, got in zip(prompts, chats(base, params, prompts), chats(spec, params, prompts)):  # one batch
+        w, g = want.outputs[0], got.outputs[0]
         assert g.token_ids == w.token_ids and g.text == w.text and g.finish_reason == w.finish_reason, prompt
     assert spec.llm_engine.spec_stats.num_accepted_tokens - before > 20
     assert_no_leaks(spec)
@@ -291,7 +294,7 @@ def test_lora_requests_speculate_as_base_ones(tiny_qwen3, tmp_path):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_async_engine_streams_several_tokens_a_step(default_model_dir):
+def test_async_engine_streams_several_tokens_a_step(default_model_dir, engines):
     async def main():
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM))
         params = SamplingParams(max_tokens=60, temperature=0, output_kind="delta")
@@ -301,7 +304,7 @@ def test_async_engine_streams_several_tokens_a_step(default_model_dir):
         return deltas, engine.engine
 
     deltas, eng = asyncio.run(main())
-    whole = LLM(model=str(default_model_dir)).generate(
+    whole = engines[0].generate(
         ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"],
         SamplingParams(max_tokens=60, temperature=0), use_tqdm=False,
     )[0].outputs[0]  # fmt: skip

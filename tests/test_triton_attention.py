@@ -202,7 +202,7 @@ def test_engine_with_the_kernel_equals_torch_backend(ta, tmp_path, monkeypatch, 
     the static graph path) with the kernel swapped in: the same greedy tokens. ``split``: every
     decode launch splits its rows' keys (as on a GPU with idle SMs)."""
     if split:
-        monkeypatch.setattr(ta, "_num_sms", lambda device: 256)
+        monkeypatch.setattr(ta, "_num_sms", lambda device: 32)  # > rows x KV heads: every decode splits
         monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 4)
     from bench.random_model import save_random_model, tiny_qwen3_bench_config
     from test_cuda_path import route_decodes_through_graph_runner
