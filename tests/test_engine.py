@@ -76,8 +76,8 @@ def test_continuous_batching_exact_tiny_qwen3(tiny_qwen3):
 @pytest.mark.slow
 def test_continuous_batching_exact_default_model(default_model_dir):
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
-    # A third of the tiny model's workload (real weights cost ~10x per token on 2 cores, and both
-    # engines here are compute-bound on the prompts' tokens); the smaller pool keeps the pressure:
+    # A sixth of the tiny model's prompt tokens (real weights cost ~10x per token on 2 cores, and
+    # both engines here are compute-bound on them); the smaller pool keeps the pressure:
     # chunks and preemptions are still asserted (24 and 7 of them).
     check_exact_under_pressure(default_model_dir, hf, kv_blocks=30, n=16, max_len=300)
 
