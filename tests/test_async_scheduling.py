@@ -12,6 +12,7 @@ from transformers import LlamaForCausalLM as HFLlama
 from helpers import save_tiny_model, tiny_llama_config
 from test_engine import assert_no_leaks, kv_bytes
 from vllmini import LLM, SamplingParams
+from vllmini.engine import sample_step
 
 CONFIG = tiny_llama_config(vocab_size=49152, initializer_range=0.05)
 
@@ -200,7 +201,7 @@ def test_through_the_graph_runner(tiny_dir):
     assert outs[True] == outs[False]
 
 
-def test_a_token_stop_while_others_wait(tiny_dir):
+def test_a_token_stop_while_others_wait(tiny_dir, monkeypatch):
     """With every slot taken and a queue, a sequence that stops on a token was continued once
     (that token is discarded) and the queued request is admitted one step later than the
     synchronous engine would. Batches then differ from the synchronous run (so fp32 rounding
@@ -212,9 +213,10 @@ def test_a_token_stop_while_others_wait(tiny_dir):
     stop = torch.bincount(produced).topk(3).indices.tolist()
     params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=stop, ignore_eos=True)
     llm = make(tiny_dir, True, max_num_seqs=3)
-    eng, discarded = llm.llm_engine, []
-    real = eng._complete
-    eng._complete = lambda launched: discarded.extend(s for s in launched.seqs if s.status.finished) or real(launched)
+    discarded = []
+    real = sample_step.complete
+    monkeypatch.setattr(sample_step, "complete", lambda engine, launched: discarded.extend(
+        s for s in launched.seqs if s.status.finished) or real(engine, launched))  # fmt: skip
     outs = llm.generate(batch, params, use_tqdm=False)
     assert len(outs) == 10 and discarded
     for o in outs:

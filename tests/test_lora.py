@@ -14,7 +14,8 @@ from helpers import save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwe
 from safetensors.torch import load_file, save_file
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
-from vllmini.kv.block_manager import BlockManager, prefix_root
+from vllmini.kv.block_hash import prefix_root
+from vllmini.kv.block_manager import BlockManager
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
 from vllmini.scheduler.sequence import Sequence
 

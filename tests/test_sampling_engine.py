@@ -60,8 +60,8 @@ def test_n_completions_count_toward_max_num_seqs(tiny_llm, monkeypatch):
     eng = tiny_llm.llm_engine
     monkeypatch.setattr(eng.args, "max_num_seqs", 2)
     monkeypatch.setattr(eng.scheduler, "config", dataclasses.replace(eng.scheduler.config, max_num_seqs=2))
-    rows, real_sample = [], eng._sample
-    monkeypatch.setattr(eng, "_sample", lambda logits, seqs, *a, **kw: rows.append(len(seqs)) or real_sample(logits, seqs, *a, **kw))
+    rows, real_sampler = [], eng.sampler
+    monkeypatch.setattr(eng, "sampler", lambda logits, *a, **kw: rows.append(logits.shape[0]) or real_sampler(logits, *a, **kw))
     got = tiny_llm.generate(PROMPT, params, use_tqdm=False)[0]
     assert max(rows) == 2 and len(rows) > 6
     assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]

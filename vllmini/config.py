@@ -257,6 +257,9 @@ class EngineArgs:
     # the engine keeps Prometheus metrics (metrics/stat_logger.py: the server's /metrics,
     # LLM.get_metrics()) unless this is set; LLM sets it unless told otherwise, as vLLM's does
     disable_log_stats: bool = False
+    # custom logits processors (engine/logits_processor.py): LogitsProcessor subclasses or their
+    # qualified names ("package.module.Class"; the CLI's one string may list several, comma-separated)
+    logits_processors: list[str | type] | str | None = None
 
     def get_served_model_name(self) -> str:
         """The name the server answers to and the metrics' model_name label (vLLM's rule: the
@@ -312,6 +315,11 @@ class EngineArgs:
             if self.async_scheduling:
                 raise ValueError("async_scheduling cannot be combined with speculative_config (a step's drafts "
                                  "come from the tokens the previous step sampled)")  # fmt: skip
+            if self.logits_processors:  # (as vLLM: a draft's row would need the processors' state after it)
+                raise ValueError("logits_processors cannot be combined with speculative_config")
+        from vllmini.engine.logits_processor_state import load_logits_processors
+
+        load_logits_processors(self.logits_processors)
         from vllmini.models.backend_select import BACKEND_NAMES
 
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:

@@ -18,7 +18,7 @@ that reuses them runs after the continuation on the same stream. Sequences that 
 by length are left out. Penalties count the token in flight without the host reading it: the
 engine writes it into the sampler's output-token tensor on the device. Anything that needs
 the host to see the tokens first (bad words of several tokens, which match them on the host;
-a free slot and a queue to admit from; n > 1 forks; a sequence mid-prompt; no free block for
+a free slot and a queue to admit from; n > 1 forks; custom logits processors; a sequence mid-prompt; no free block for
 a new slot) makes the step synchronous instead. A sequence stopping on a
 token while others wait delays their admission by one step.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,60 +34,14 @@ import torch
 from vllmini.engine.errors import StepError
 from vllmini.engine.model_runner import FlatBatch
 from vllmini.engine.outputs import RequestOutput
-from vllmini.engine.sampler import SamplerOutput
+from vllmini.engine import sample_step
+from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.kv.block_manager import BlockManager
 from vllmini.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
     from vllmini.engine.llm_engine import LLMEngine
-
-
-class SampledTokens:
-    """A step's sampled token ids (and logprobs) on their way to the host. On CUDA the copies go
-    into pinned memory without blocking, and ``wait`` waits for that step only (an event), not
-    for work launched after it; elsewhere the tensors are already computed. ``out`` stays on
-    the device (the next step's input ids); ``host`` holds the host copies of its logprobs,
-    which the engine reads row by row (on the device each read would be a sync)."""
-
-    def __init__(self, out: SamplerOutput) -> None:
-        self.out = self.host = out
-        self.event: torch.cuda.Event | None = None
-        if out.token_ids.is_cuda:
-            self.tokens, self.invalid = _to_host(out.token_ids), _to_host(out.invalid)
-            if out.logprobs is not None:
-                top = out.top_logprobs
-                self.host = SamplerOutput(
-                    out.token_ids, _to_host(out.logprobs), None if top is None else (_to_host(top[0]), _to_host(top[1])),
-                    out.invalid, None if out.ranks is None else _to_host(out.ranks),
-                )  # fmt: skip
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.tokens, self.invalid = out.token_ids, out.invalid
-
-    def wait(self) -> tuple[list[int], list[bool]]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens.tolist(), self.invalid.tolist()
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of ``t``, filled without blocking (valid once the step's event is done)."""
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and sampler are launched: ``seqs`` in logits-row order."""
-
-    seqs: list[Sequence]
-    sampled: SampledTokens
-    forked: bool = False  # n > 1 siblings were forked in this step
-    # speculative decoding: first row of a sequence verifying drafts -> its drafts (its rows are
-    # that one and the next len(drafts), all holding the same sequence)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,13 +110,15 @@ def step_async(engine: LLMEngine) -> list[RequestOutput]:
         if prev is None:
             return []
     nxt = engine._launch_continuation(prev)  # (a method: tests spy on it)
-    outputs = engine._complete(prev)
+    outputs = sample_step.complete(engine, prev)
     engine._in_flight = nxt
     return outputs
 
 
 def launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep | None:
     """The decode step after ``prev`` launched now (plan_continuation), or None."""
+    if engine.logits_processors is not None:  # custom processors read the output token lists on the host
+        return None
 
     def matches_output(seq: Sequence) -> bool:
         """Whether sampling this sequence reads its last tokens' values (a bad word of several
@@ -188,7 +144,7 @@ def launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep |
         token_ids = tokens[to_device(torch.tensor(plan.source_rows), tokens.device)]
     try:
         logits = engine.runner.run_flat(plan.flat, token_ids)
-        return LaunchedStep(plan.seqs, engine._sample(logits, plan.seqs, in_flight=token_ids))
+        return LaunchedStep(plan.seqs, sample_step.sample(engine, logits, plan.seqs, in_flight=token_ids))
     except Exception as exc:  # these requests fail (reported through ``failed``); the others go on
         for rid in dict.fromkeys(s.request_id for s in plan.seqs):
             engine.abort_request(rid)

@@ -2,7 +2,8 @@
 
 One ``step()`` = schedule, one batched forward, sample, append tokens, check stop
 conditions, free finished sequences, and report a ``RequestOutput`` for every
-request that changed. The async engine drives this same loop from a worker thread.
+request that changed (the forward is ``_launch`` here; sampling and what follows it are in
+engine/sample_step.py). The async engine drives this same loop from a worker thread.
 With ``EngineArgs.async_scheduling``, a step first launches the next decode step (when it
 does not depend on the tokens just sampled) and then processes those tokens, so that host
 and device work overlap (engine/async_scheduling.py); the outputs are the same. With
@@ -23,19 +24,22 @@ import torch
 
 from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs
-from vllmini.engine.async_scheduling import LaunchedStep, SampledTokens, launch_continuation, step_async
+from vllmini.engine.async_scheduling import launch_continuation, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.engine_setup import build_runtime
 from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
+from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.pooling_step import pool_step, prepare_pooling
-from vllmini.engine.sampler import Sampler, SamplerOutput, SamplingRow, SamplingTensors
+from vllmini.engine import sample_step
+from vllmini.engine.sample_step import LaunchedStep
+from vllmini.engine.sampler import Sampler
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
@@ -46,7 +50,7 @@ from vllmini.metrics.stat_logger import StatLogger
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 from vllmini.spec_decode import SpecDecodingStats, SpeculativeConfig, Speculator
-from vllmini.spec_decode.speculator import outputs_with_drafts, rows_with_drafts
+from vllmini.spec_decode.speculator import rows_with_drafts
 
 logger = logging.getLogger("vllmini")
 
@@ -94,6 +98,11 @@ class LLMEngine:
             self.speculator = Speculator(self.spec_config, rt.drafter, self.block_manager, self.max_model_len)
         self.spec_stats = SpecDecodingStats() if self.speculator is None else self.speculator.stats
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.logits_processors: LogitsProcessors | None = None  # custom ones (engine/logits_processor.py)
+        if processor_classes := load_logits_processors(args.logits_processors):
+            if self.pooler is not None:
+                raise ValueError("logits_processors: pooling models do not support custom logits processors")
+            self.logits_processors = LogitsProcessors(processor_classes, args, self.device)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
@@ -177,6 +186,8 @@ class LLMEngine:
         if isinstance(params, PoolingParams) or self.pooler is not None:
             return prepare_pooling(self, request_id, prompt, params, arrival_time, priority, lora_request)
         inp = self.input_processor.process(prompt, params, default_output_kind)
+        if self.logits_processors is not None:
+            self.logits_processors.validate(inp.params)
         # (after the cheap checks: loading an adapter may read its files)
         adapter = None if lora_request is None else self._lora_adapter(lora_request)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens
@@ -317,7 +328,7 @@ class LLMEngine:
         if sched.is_empty:
             return []
         launched = self._launch(sched)
-        return [] if launched is None else self._complete(launched)
+        return [] if launched is None else sample_step.complete(self, launched)
 
     def _launch_continuation(self, prev: LaunchedStep) -> LaunchedStep | None:
         return launch_continuation(self, prev)
@@ -354,84 +365,7 @@ class LLMEngine:
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
             logits = logits[to_device(torch.tensor(logit_rows), logits.device)]
-        return LaunchedStep(seqs, self._sample(logits, seqs, drafts=drafts), forked=len(seqs) > num_rows, drafts=drafts)
-
-    def _sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], in_flight: torch.Tensor | None = None,
-        drafts: dict[int, list[int]] | None = None,
-    ) -> SampledTokens:  # fmt: skip
-        """Launch the sampler over ``logits`` (row i = ``seqs[i]``). ``in_flight`` (async
-        scheduling): each sequence's token still on the device, one more than it holds; it counts
-        for min_tokens and seeds, and penalties read it on the device (the host never does).
-        ``drafts`` (speculative decoding): a draft's row samples after the drafts before it
-        (spec_decode/speculator.py's ``outputs_with_drafts``)."""
-        if in_flight is not None:
-            outputs = [[*s.output_token_ids, -1] for s in seqs]
-        else:
-            outputs = outputs_with_drafts([s.output_token_ids for s in seqs], drafts or {})
-        states = [self.requests[s.request_id] for s in seqs]
-        rows = [SamplingRow(s.params, s.prompt_token_ids, out, self.eos_token_ids, s.index, state.bad_words_token_ids)
-                for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
-        matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
-        if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
-            logits = self.structured.mask(logits, matchers, drafts)
-        tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
-        if in_flight is not None and tensors.output_token_ids is not None:  # only penalties read it
-            tensors.put_in_flight(in_flight, [len(s.output_token_ids) for s in seqs])
-        # async on a GPU: no host sync inside the sampler, so the next step can be launched first
-        sync_free = self.args.async_scheduling and logits.is_cuda
-        return SampledTokens(self.sampler(logits, tensors, sync_free=sync_free))
-
-    def _complete(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Wait for the step's tokens, append them, check stops and report the requests."""
-        touched: dict[str, RequestState] = {}
-        seqs = launched.seqs
-        tokens, invalid = launched.sampled.wait()
-        row = 0
-        while row < len(seqs):
-            seq, drafts = seqs[row], launched.drafts.get(row, [])
-            first, row = row, row + 1 + len(drafts)
-            state = self.requests.get(seq.request_id)
-            if state is None or seq.status.finished:  # failed earlier in this loop, or (async) stopped already
-                continue
-            touched[seq.request_id] = state
-            before = seq.last_token_time
-            self._append_tokens(state, seq, first, tokens, invalid, launched.sampled.host, drafts)
-            if self.stat_logger is not None:
-                self.stat_logger.record_tokens(seq, before)
-            if self.speculator is not None:  # count the accepted drafts, roll back the rest, propose anew
-                self.speculator.update(state, seq, drafts, tokens[first:row], len(self.requests))
-            if seq.status.finished and seq.request_id not in self.requests:  # aborted (e.g. a detokenizer
-                touched.pop(seq.request_id, None)  # failure): not reported
-        return [out for state in touched.values() if (out := self._report(state)) is not None]
-
-    def _append_tokens(
-        self, state: RequestState, seq: Sequence, first: int, tokens: list[int], invalid: list[bool],
-        out: SamplerOutput, drafts: list[int],
-    ) -> None:  # fmt: skip
-        """Append the sequence's token of row ``first`` and, while each agrees with the draft it
-        was sampled after, the next rows' (speculative decoding), until one stops it."""
-        for j in range(len(drafts) + 1):
-            row, token = first + j, tokens[first + j]
-            if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
-                return
-            grammar_ended = False
-            if state.matchers is not None:  # structured outputs: the grammar takes the token
-                matcher = state.matchers[seq.index]
-                if not self.structured.accept(matcher, token):
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "token refused by the structured output grammar")
-                    return
-                grammar_ended = matcher.is_terminated()
-            self.num_generated_tokens += 1
-            try:
-                self.output_processor.append_token(state, seq, row, token, out, grammar_ended)
-            except Exception as exc:  # e.g. a detokenizer failure: only this request fails
-                self.abort_request(seq.request_id)
-                self.failed[seq.request_id] = exc
-                return
-            if seq.status.finished or j == len(drafts) or token != drafts[j]:
-                return
+        return LaunchedStep(seqs, sample_step.sample(self, logits, seqs, drafts=drafts), forked=len(seqs) > num_rows, drafts=drafts)
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);

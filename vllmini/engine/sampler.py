@@ -12,7 +12,8 @@ Every row may use different parameters; the whole batch goes through tensor
 ops, the only Python loop being the one-number draw of each seeded row.
 
 Order of operations (as vLLM): logit_bias, then allowed_token_ids and the
-bans (bad_words, min_tokens) set to -inf, then penalties (repetition
+bans (bad_words, min_tokens) set to -inf, then the custom logits processors if the engine has
+any (engine/logits_processor.py), then penalties (repetition
 over prompt + output tokens, presence/frequency over output tokens), then
 greedy rows take the argmax; random rows go
 through temperature, then min-p and top-k, then top-p over what those leave (vLLM
@@ -30,6 +31,7 @@ Cost of the fp32 CDF: a token's probability is off by at most ~1e-7 absolute.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -173,10 +175,16 @@ class Sampler:
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
 
-    def __call__(self, logits: Tensor, t: SamplingTensors, sync_free: bool = False) -> SamplerOutput:
+    def __call__(
+        self, logits: Tensor, t: SamplingTensors, sync_free: bool = False,
+        processors: Callable[[Tensor, bool], Tensor] | None = None,
+    ) -> SamplerOutput:  # fmt: skip
         """``sync_free``: never wait for the device to decide whether to mask (NaN rows, rows
         with every token masked): mask unconditionally instead, so that on a GPU the host can
-        return before the logits exist (async scheduling). Same result either way."""
+        return before the logits exist (async scheduling). Same result either way.
+        ``processors``: custom logits processors (engine/logits_processor_state.py), called
+        with the logits after the bias and bans (a copy they may change) and whether every row
+        is greedy; they run before the penalties, as vLLM's non-argmax-invariant ones."""
         if logits.dim() != 2 or logits.shape != (t.batch_size, t.vocab_size):
             raise ValueError(
                 f"logits must be [{t.batch_size}, {t.vocab_size}] to match the SamplingTensors, "
@@ -197,6 +205,8 @@ class Sampler:
         if t.ban_rows is not None:
             x, owned = (x if owned else x.clone()), True
             x.index_put_((t.ban_rows, t.ban_ids), torch.full((), _NEG_INF, device=x.device))
+        if processors is not None:
+            x, owned = processors(x if owned else x.clone(), not t.random_rows), True
         if t.do_penalties:
             x, owned = apply_penalties(x, t), True
         if owned:

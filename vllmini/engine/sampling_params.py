@@ -11,7 +11,7 @@ import copy
 import enum
 import logging
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -200,6 +200,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     detokenize: bool = True  # False: token ids only, text stays "" (saves the per-step decode)
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema, regex, ...
+    extra_args: dict[str, Any] | None = None  # for custom logits processors (engine/logits_processor.py), as vLLM's
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -210,6 +211,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         after construction is checked here). The engine keeps a clone of each request's params, as
         vLLM does, so that a caller may reuse and change its object while the request runs."""
         own = {name: copy.copy(value) for name in _CONTAINERS if (value := getattr(self, name)) is not None}
+        if self.extra_args is not None:  # (its values may be containers too)
+            own["extra_args"] = copy.deepcopy(self.extra_args)
         return msgspec.structs.replace(self, **{**own, **changes})
 
     def _normalize(self) -> None:
@@ -275,6 +278,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             setattr(self, name, self._real(name, "in [-2, 2]", lambda v: -2 <= v <= 2))
         if self.output_kind not in _OUTPUT_KINDS:
             raise bad_value("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
+        if self.extra_args is not None and not (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)):
+            raise bad_value("extra_args", "a dict with string keys or None", self.extra_args)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             accepted = "a StructuredOutputsParams (or a dict of its fields) or None"
             raise bad_value("structured_outputs", accepted, self.structured_outputs)

@@ -22,7 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from vllmini.kv.block_manager import BlockManager, prefix_root
+from vllmini.kv.block_hash import prefix_root
+from vllmini.kv.block_manager import BlockManager
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 

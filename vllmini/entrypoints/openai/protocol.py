@@ -82,6 +82,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     structured_outputs: StructuredOutputsParams | None = None
     priority: int = 0
     request_id: str | None = None
+    # vLLM's: arguments for custom logits processors (SamplingParams.extra_args)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
@@ -96,7 +98,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         structured = self._structured_outputs()
         return SamplingParams(
             **given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
-            output_kind="delta" if self.stream else "final",
+            output_kind="delta" if self.stream else "final", extra_args=self.vllm_xargs,
         )  # fmt: skip
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:

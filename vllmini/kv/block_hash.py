@@ -1,0 +1,27 @@
+"""Prefix-cache block hashes: a full block's key chains the hash of every block before it.
+
+Two sequences share a block's KV only when their tokens agree up to the end of that block
+and the K/V were computed the same way (the same LoRA adapter, or none), so the key is a
+SHA-256 over the parent block's digest and the block's token ids, rooted per adapter.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+# Parent "hash" of a sequence's first block.
+ROOT_HASH = hashlib.sha256(b"vllmini/prefix-cache/v1").digest()
+
+
+def prefix_root(lora_key: int = 0) -> bytes:
+    """The parent hash of a sequence's first block. The same tokens give different K/V under a
+    LoRA adapter (its q/k/v deltas), so each adapter's blocks (``Sequence.lora_key``) hash apart
+    from the base model's and from each other's."""
+    return ROOT_HASH if not lora_key else hashlib.sha256(ROOT_HASH + struct.pack("<q", lora_key)).digest()
+
+
+def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    """Chained hash of one full block: a block's KV depends on every token before it, so the
+    key covers the whole prefix (through the parent's digest), not just the block's tokens."""
+    return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
