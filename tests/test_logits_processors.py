@@ -17,6 +17,7 @@ from test_engine import assert_no_leaks, kv_bytes
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 from vllmini.engine.logits_processor import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                                              process_dict_updates)  # fmt: skip
+from vllmini.engine.errors import StepError
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
 from vllmini.entrypoints.openai.api_server import build_app
 
@@ -93,6 +94,24 @@ class NoRepeatAdapter(AdapterLogitsProcessor):
         if args.get("no_prompt_tokens"):
             return lambda prompt_ids, output_ids, row: row.index_fill_(0, torch.tensor(prompt_ids), float("-inf"))
         return None
+
+
+class FailingProcessor(LogitsProcessor):
+    """Raises in ``apply`` while a request with ``extra_args={"boom": True}`` is in the batch."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.booms: dict[int, bool] = {}
+
+    def is_argmax_invariant(self):
+        return False
+
+    def update_state(self, batch_update):
+        process_dict_updates(self.booms, batch_update, lambda params, *_: (params.extra_args or {}).get("boom"))
+
+    def apply(self, logits):
+        if self.booms:
+            raise RuntimeError("boom")
+        return logits
 
 
 def prompts(n: int) -> list[dict]:
@@ -278,6 +297,30 @@ async def test_server_passes_vllm_xargs_and_answers_400_for_bad_ones(tiny_dir):
             out = await http.post("/v1/chat/completions", content=json.dumps(chat))
             assert out.status_code == 200 and out.json()["usage"]["completion_tokens"] == 3
             assert out.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode([77] * 3)
+    finally:
+        await engine.shutdown()
+    assert_no_leaks(engine)
+
+
+def test_a_failing_processor_fails_its_step_and_the_engine_goes_on(tiny_dir, plain):
+    """A processor's exception fails the requests sampled in that step (their blocks freed, as for
+    a failed forward); the engine then serves the next requests as before."""
+    llm = LLM(str(tiny_dir), max_num_seqs=4, max_num_batched_tokens=64, logits_processors=[FailingProcessor])
+    with pytest.raises(StepError, match="boom"):
+        llm.generate(prompts(2), [greedy(3), greedy(3, extra_args={"boom": True})], use_tqdm=False)
+    assert_no_leaks(llm)
+    want = token_ids(plain.generate(prompts(2), greedy(5), use_tqdm=False))
+    assert token_ids(llm.generate(prompts(2), greedy(5), use_tqdm=False)) == want
+
+
+async def test_a_failing_processor_fails_only_its_streams_in_the_async_engine(tiny_dir, plain):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), logits_processors=[FailingProcessor]))
+    try:
+        with pytest.raises(StepError, match="boom"):
+            async for _ in engine.generate(prompts(1)[0], greedy(4, extra_args={"boom": True}), "bad"):
+                pass
+        outs = [out async for out in engine.generate(prompts(1)[0], greedy(4), "good")]
+        assert list(outs[-1].outputs[0].token_ids) == token_ids(plain.generate(prompts(1), greedy(4), use_tqdm=False))[0]
     finally:
         await engine.shutdown()
     assert_no_leaks(engine)

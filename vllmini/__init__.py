@@ -30,6 +30,7 @@ from vllmini.engine.outputs import (ClassificationOutput, ClassificationRequestO
                                     EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
                                     RequestOutput, ScoringOutput, ScoringRequestOutput)  # fmt: skip
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.engine.repetition_detection import RepetitionDetectionParams
 from vllmini.engine.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from vllmini.lora.request import LoRARequest
 
@@ -40,6 +41,7 @@ __all__ = [
     "EngineArgs",
     "SamplingParams",
     "StructuredOutputsParams",
+    "RepetitionDetectionParams",
     "LoRARequest",
     "BeamSearchParams",
     "BeamSearchOutput",

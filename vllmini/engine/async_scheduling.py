@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllmini.engine import sample_step
 from vllmini.engine.errors import StepError
 from vllmini.engine.model_runner import FlatBatch
 from vllmini.engine.outputs import RequestOutput
-from vllmini.engine import sample_step
 from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.kv.block_manager import BlockManager

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
-from vllmini.engine import prompt_logprobs
+from vllmini.engine import prompt_logprobs, sample_step
 from vllmini.engine.async_scheduling import launch_continuation, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
 from vllmini.engine.engine_setup import build_runtime
@@ -37,7 +37,6 @@ from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.pooling_step import pool_step, prepare_pooling
-from vllmini.engine import sample_step
 from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampler import Sampler
 from vllmini.engine.sampling_params import SamplingParams
@@ -365,7 +364,13 @@ class LLMEngine:
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:
             logits = logits[to_device(torch.tensor(logit_rows), logits.device)]
-        return LaunchedStep(seqs, sample_step.sample(self, logits, seqs, drafts=drafts), forked=len(seqs) > num_rows, drafts=drafts)
+        try:
+            sampled = sample_step.sample(self, logits, seqs, drafts=drafts)
+        except Exception as exc:  # e.g. a custom logits processor's: the step's sampled requests fail alone
+            failed = list(dict.fromkeys(seq.request_id for seq in seqs))
+            self.abort_request(failed)
+            raise StepError(failed, exc) from exc
+        return LaunchedStep(seqs, sampled, forked=len(seqs) > num_rows, drafts=drafts)
 
     def _report(self, state: RequestState) -> RequestOutput | None:
         """The request's output for this step (None: nothing to report per its output_kind);

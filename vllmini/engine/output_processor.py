@@ -160,6 +160,8 @@ class OutputProcessor:
             self.finish(state, seq, SequenceStatus.FINISHED_STOPPED, stop)
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             self.finish(state, seq, SequenceStatus.FINISHED_LENGTH, None)
+        elif past_min and (rd := params.repetition_detection) is not None and rd.detects(seq.output_token_ids):
+            self.finish(state, seq, SequenceStatus.FINISHED_REPETITION, "repetition_detected")  # (vLLM's reason)
 
     @staticmethod
     def _find_stop_string(detok: IncrementalDetokenizer, params: SamplingParams, old_len: int) -> str | None:

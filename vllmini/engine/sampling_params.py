@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from vllmini.engine.repetition_detection import RepetitionDetectionParams
+
 # vLLM's threshold: a temperature below this is treated as greedy (argmax).
 SAMPLING_EPS = 1e-5
 # vLLM raises a temperature in (0, MIN_TEMPERATURE) to it: dividing logits by less overflows.
@@ -152,6 +154,16 @@ class StructuredOutputsParams(msgspec.Struct, kw_only=True, forbid_unknown_field
         return next(name for name in _CONSTRAINTS if getattr(self, name) is not None)
 
 
+def _from_dict(field: str, cls: type, value: object) -> object:
+    """``cls(**value)`` for a dict (an unknown key is a ValueError naming the field), else ``value``."""
+    if not isinstance(value, dict):
+        return value
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        raise ValueError(f"{field}: {exc}") from None
+
+
 _CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)
 
 
@@ -201,6 +213,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     output_kind: OutputKind = "cumulative"
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema, regex, ...
     extra_args: dict[str, Any] | None = None  # for custom logits processors (engine/logits_processor.py), as vLLM's
+    # end the output early when it loops (engine/repetition_detection.py), as vLLM's
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -213,6 +227,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         own = {name: copy.copy(value) for name in _CONTAINERS if (value := getattr(self, name)) is not None}
         if self.extra_args is not None:  # (its values may be containers too)
             own["extra_args"] = copy.deepcopy(self.extra_args)
+        if self.repetition_detection is not None:
+            own["repetition_detection"] = msgspec.structs.replace(self.repetition_detection)
         return msgspec.structs.replace(self, **{**own, **changes})
 
     def _normalize(self) -> None:
@@ -233,8 +249,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.seed == -1 and is_int(self.seed):  # vLLM's spelling of "no seed"
             self.seed = None
         self.temperature = raised_temperature(self.temperature)
-        if isinstance(self.structured_outputs, dict):  # (as msgspec decodes it from JSON)
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        # nested params given as dicts (as msgspec decodes them from JSON, or a caller writes them)
+        self.structured_outputs = _from_dict("structured_outputs", StructuredOutputsParams, self.structured_outputs)
+        self.repetition_detection = _from_dict("repetition_detection", RepetitionDetectionParams, self.repetition_detection)
 
     def _validate(self) -> None:
         if not is_int(self.n) or self.n < 1:
@@ -280,6 +297,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise bad_value("output_kind", f"one of {_OUTPUT_KINDS}", self.output_kind)
         if self.extra_args is not None and not (isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args)):
             raise bad_value("extra_args", "a dict with string keys or None", self.extra_args)
+        if self.repetition_detection is not None and not isinstance(self.repetition_detection, RepetitionDetectionParams):
+            accepted = "a RepetitionDetectionParams (or a dict of its fields) or None"
+            raise bad_value("repetition_detection", accepted, self.repetition_detection)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             accepted = "a StructuredOutputsParams (or a dict of its fields) or None"
             raise bad_value("structured_outputs", accepted, self.structured_outputs)

@@ -19,6 +19,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"  # e.g. NaN logits: this sequence ends, the engine goes on
+    FINISHED_REPETITION = "repetition"  # its output fell into a loop (SamplingParams.repetition_detection)
 
     @property
     def finished(self) -> bool:

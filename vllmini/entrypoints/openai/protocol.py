@@ -84,6 +84,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     # vLLM's: arguments for custom logits processors (SamplingParams.extra_args)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    repetition_detection: dict[str, Any] | None = None  # vLLM's RepetitionDetectionParams fields
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
@@ -99,6 +100,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         return SamplingParams(
             **given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
             output_kind="delta" if self.stream else "final", extra_args=self.vllm_xargs,
+            repetition_detection=self.repetition_detection,
         )  # fmt: skip
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
