@@ -260,6 +260,9 @@ class EngineArgs:
     # custom logits processors (engine/logits_processor.py): LogitsProcessor subclasses or their
     # qualified names ("package.module.Class"; the CLI's one string may list several, comma-separated)
     logits_processors: list[str | type] | str | None = None
+    # streamed outputs (output_kind "delta"/"cumulative") come every this many new tokens (the first
+    # and the last at once), as vLLM's --stream-interval; a request's SamplingParams.stream_interval may raise it
+    stream_interval: int = 1
 
     def get_served_model_name(self) -> str:
         """The name the server answers to and the metrics' model_name label (vLLM's rule: the
@@ -289,6 +292,7 @@ class EngineArgs:
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a hub branch, tag or commit (or None), got {self.revision!r}")
         positive_int("max_loras", self.max_loras)
+        positive_int("stream_interval", self.stream_interval)
         positive_int("max_lora_rank", self.max_lora_rank)
         positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:

@@ -203,6 +203,7 @@ class LLMEngine:
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
+        state.stream_interval = max(self.args.stream_interval, params.stream_interval or 1)
         state.pending = seqs[1:]  # forked from seqs[0] once its prompt is computed
         state.bad_words_token_ids = inp.bad_words_token_ids
         if params.structured_outputs is not None:  # checked now, compiled in the background

@@ -39,6 +39,7 @@ class RequestState:
     # prompt_logprobs: [None, entry for prompt token 1, ...], filled as the prompt is prefilled
     prompt_logprobs: list[LogprobsEntry | None] | None = None
     prompt_logprobs_sent: bool = False  # delta outputs carry them once
+    stream_interval: int = 1  # streamed outputs every this many new tokens (the first and last at once)
     bad_words_token_ids: list[tuple[int, ...]] = field(default_factory=list)  # params.bad_words, tokenized
     # structured outputs (engine/structured_outputs.py): the grammar's compile (a Future), then
     # one xgrammar matcher per sequence once it is compiled
@@ -210,6 +211,9 @@ class OutputProcessor:
         kind = state.params.output_kind
         if kind == "final" and not finished:
             return None
+        if state.stream_interval > 1 and not finished and any(sent for _, sent in state.sent):  # (not the first)
+            if max(len(seq.output_token_ids) - sent for seq, (_, sent) in zip(state.seqs, state.sent)) < state.stream_interval:
+                return None  # (its tokens come with the next output)
         outputs = []
         for seq, detok in zip(state.seqs, state.detoks):
             text_end, tokens = self._visible_text_len(state, seq), seq.output_token_ids

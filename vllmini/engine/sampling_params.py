@@ -211,6 +211,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     bad_words: list[str] | None = None
     detokenize: bool = True  # False: token ids only, text stays "" (saves the per-step decode)
     output_kind: OutputKind = "cumulative"
+    stream_interval: int | None = None  # stream every this many new tokens (None: EngineArgs.stream_interval; never below it)
     structured_outputs: StructuredOutputsParams | None = None  # the output follows a JSON schema, regex, ...
     extra_args: dict[str, Any] | None = None  # for custom logits processors (engine/logits_processor.py), as vLLM's
     # end the output early when it loops (engine/repetition_detection.py), as vLLM's
@@ -289,6 +290,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if value is not None and (not is_int(value) or value < -1):
                 raise bad_value(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
+            raise bad_value("stream_interval", "an int >= 1 or None", self.stream_interval)
         self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v >= _FLOAT32_TINY)
         for name in ("presence_penalty", "frequency_penalty"):
