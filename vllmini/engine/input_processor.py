@@ -194,7 +194,8 @@ class InputProcessor:
                 what = f"{name}=-1 (the whole vocabulary, {count})" if asked == -1 else f"{name}={asked}"
                 raise ValueError(f"{what} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)")
             setattr(params, name, count)
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("logprob_token_ids", params.logprob_token_ids or ())):  # fmt: skip
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 

@@ -96,7 +96,7 @@ class OutputProcessor:
 
     def logprob_entry(
         self, state: RequestState, token: int, value: float, rank: int, top_values: list[float], top_ids: list[int],
-        context: _Seq[int] = (),
+        context: _Seq[int] = (), top_ranks: list[int] | None = None,
     ) -> LogprobsEntry:
         """vLLM's shape of one position's logprobs: the actual token first, then the top-N
         (the actual token appears once, so the dict has N or N + 1 entries). Each top-N entry's
@@ -104,15 +104,18 @@ class OutputProcessor:
         the top-N over it): with ties, ``rank`` (how many tokens are at least as likely) may be
         larger than that place, and one entry per rank 1..N keeps the ranking consistent.
         ``context``: the tokens before this position that vLLM reads a split character's pieces
-        against (the sampled tokens before it, or the prompt tokens after the first)."""
+        against (the sampled tokens before it, or the prompt tokens after the first).
+        ``top_ranks``: the listed tokens' own ranks (``logprob_token_ids``: given tokens, not a
+        top-N, so each keeps its true rank)."""
         text = (lambda t: self.token_text_in_context(t, context)) if state.params.detokenize else (lambda t: None)
         top_ids = [int(t) for t in top_ids]
-        if token in top_ids:
+        ranks = top_ranks if top_ranks is not None else range(1, len(top_ids) + 1)
+        if token in top_ids and top_ranks is None:
             rank = top_ids.index(token) + 1
         entry = {token: Logprob(value, rank, text(token))}
-        for i, (v, t) in enumerate(zip(top_values, top_ids)):
+        for v, t, r in zip(top_values, top_ids, ranks):
             if t not in entry:
-                entry[t] = Logprob(float(v), i + 1, text(t))
+                entry[t] = Logprob(float(v), int(r), text(t))
         return entry
 
     def append_token(
@@ -129,16 +132,22 @@ class OutputProcessor:
     def record_logprobs(self, state: RequestState, seq: Sequence, row: int, token: int, out: SamplerOutput) -> None:
         assert out.logprobs is not None and out.ranks is not None
         state.cumulative_logprobs[seq.index] += float(out.logprobs[row])
-        if state.params.logprobs is None:
+        params = state.params
+        if params.logprobs is None and not params.logprob_token_ids:
             return
         top_values: list[float] = []
         top_ids: list[int] = []
-        if out.top_logprobs is not None:
+        top_ranks = None
+        if params.logprob_token_ids:  # these tokens instead of the top-N (vLLM's rule when both are given)
+            assert out.id_logprobs is not None
+            top_ids, k = params.logprob_token_ids, len(params.logprob_token_ids)
+            top_values, top_ranks = out.id_logprobs[0][row, :k].tolist(), out.id_logprobs[1][row, :k].tolist()
+        elif out.top_logprobs is not None:
             values, ids = out.top_logprobs
-            top_values, top_ids = values[row, : state.params.logprobs].tolist(), ids[row, : state.params.logprobs].tolist()
+            top_values, top_ids = values[row, : params.logprobs].tolist(), ids[row, : params.logprobs].tolist()
         context = seq.output_token_ids[-1 - UTF8_MAX_BYTES : -1]  # the sampled tokens before this one
         entry = self.logprob_entry(
-            state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids, context
+            state, token, float(out.logprobs[row]), int(out.ranks[row]), top_values, top_ids, context, top_ranks
         )
         state.logprobs[seq.index].append(entry)
 
@@ -226,7 +235,7 @@ class OutputProcessor:
                 if seq.status.finished:
                     state.finish_sent.add(seq.index)
             state.sent[seq.index] = (text_end, len(tokens))
-            wants_logprobs = state.params.logprobs is not None
+            wants_logprobs = state.params.logprobs is not None or bool(state.params.logprob_token_ids)
             outputs.append(
                 CompletionOutput(
                     index=seq.index,

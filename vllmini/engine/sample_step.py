@@ -37,10 +37,11 @@ class SampledTokens:
         if out.token_ids.is_cuda:
             self.tokens, self.invalid = _to_host(out.token_ids), _to_host(out.invalid)
             if out.logprobs is not None:
-                top = out.top_logprobs
+                top, ids = out.top_logprobs, out.id_logprobs
                 self.host = SamplerOutput(
                     out.token_ids, _to_host(out.logprobs), None if top is None else (_to_host(top[0]), _to_host(top[1])),
                     out.invalid, None if out.ranks is None else _to_host(out.ranks),
+                    None if ids is None else (_to_host(ids[0]), _to_host(ids[1])),
                 )  # fmt: skip
             self.event = torch.cuda.Event()
             self.event.record()

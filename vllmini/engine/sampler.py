@@ -60,6 +60,8 @@ class SamplerOutput:
     top_logprobs: tuple[Tensor, Tensor] | None  # (values [B, N], ids [B, N]), sorted descending
     invalid: Tensor  # [B] bool
     ranks: Tensor | None = None  # [B] long: how many tokens have a logprob >= the chosen one's (vLLM's rank)
+    # logprob_token_ids: (logprobs [B, K], ranks [B, K]) of each row's ids (SamplingTensors.logprob_ids)
+    id_logprobs: tuple[Tensor, Tensor] | None = None
 
 
 def apply_penalties(x: Tensor, t: SamplingTensors) -> Tensor:
@@ -243,7 +245,7 @@ class Sampler:
                 processed = z - total.log()
         assert tokens is not None
 
-        logprobs = top = ranks = None
+        logprobs = top = ranks = id_logprobs = None
         if t.num_logprobs is not None:
             if self.logprobs_mode == "raw":
                 lp = raw.log_softmax(-1)
@@ -256,7 +258,20 @@ class Sampler:
             if t.num_logprobs > 0:
                 v, i = lp.topk(t.num_logprobs, dim=-1)
                 top = (v, i)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top, invalid=invalid, ranks=ranks)
+            if t.logprob_ids is not None:
+                id_logprobs = self._id_logprobs(lp, t.logprob_ids, t.logprob_id_rows)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, top_logprobs=top, invalid=invalid, ranks=ranks,
+                             id_logprobs=id_logprobs)  # fmt: skip
+
+    @staticmethod
+    def _id_logprobs(lp: Tensor, ids: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """The logprobs of each row's ``logprob_token_ids`` and their true ranks (how many tokens
+        are at least as likely), found by one sort of the rows that asked."""
+        values = lp.gather(1, ids)
+        ascending = lp.index_select(0, rows).sort(dim=-1).values
+        ranks = torch.zeros_like(ids)
+        ranks[rows] = lp.shape[-1] - torch.searchsorted(ascending, values.index_select(0, rows).contiguous())
+        return values, ranks
 
     @staticmethod
     def _uniforms(t: SamplingTensors, n: int, device: torch.device) -> Tensor:

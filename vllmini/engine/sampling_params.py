@@ -17,6 +17,8 @@ import msgspec
 
 from vllmini.engine.repetition_detection import RepetitionDetectionParams
 
+# vLLM's cap on SamplingParams.logprob_token_ids
+MAX_LOGPROB_TOKEN_IDS = 128
 # vLLM's threshold: a temperature below this is treated as greedy (argmax).
 SAMPLING_EPS = 1e-5
 # vLLM raises a temperature in (0, MIN_TEMPERATURE) to it: dividing logits by less overflows.
@@ -164,7 +166,7 @@ def _from_dict(field: str, cls: type, value: object) -> object:
         raise ValueError(f"{field}: {exc}") from None
 
 
-_CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words")  # (of immutable items)
+_CONTAINERS = ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words", "logprob_token_ids")  # (of immutable items)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -196,6 +198,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None  # these tokens' logprobs at each position, instead of the top-N
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -290,6 +293,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if value is not None and (not is_int(value) or value < -1):
                 raise bad_value(name, "an int >= 0, -1 (the whole vocabulary) or None", value)
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS or not all(is_int(t) and t >= 0 for t in ids):
+                raise bad_value("logprob_token_ids", f"a list of 1 to {MAX_LOGPROB_TOKEN_IDS} ints >= 0, or None", ids)
+            self.logprob_token_ids = list(dict.fromkeys(ids))  # (one entry per token in the output's dict)
         if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
             raise bad_value("stream_interval", "an int >= 1 or None", self.stream_interval)
         self._validate_logit_controls()

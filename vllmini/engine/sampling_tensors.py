@@ -145,6 +145,9 @@ class SamplingTensors:
     # never copies from the host mid-sampler, which on a GPU waits for the forward)
     random_idx: Tensor | None = None  # only when some rows are greedy and some not
     top_p_idx: Tensor | None = None
+    # logprob_token_ids: each row's ids, padded with 0 ([B, K] long), and the rows that asked
+    logprob_ids: Tensor | None = None
+    logprob_id_rows: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -203,6 +206,10 @@ class SamplingTensors:
         ]
 
         asked = [p.logprobs for p in ps if p.logprobs is not None]
+        id_lists = [p.logprob_token_ids or [] for p in ps]
+        id_rows = [i for i, ids in enumerate(id_lists) if ids]
+        if id_rows:  # their chosen token's logprob too
+            asked.append(0)
         top_p_rows = [j for j, i in enumerate(random_rows) if top_p[i] < 1.0]
 
         # per-row parameters in two copies (one per dtype), not one per field
@@ -244,4 +251,6 @@ class SamplingTensors:
             generator=generator,
             random_idx=to_device(torch.tensor(random_rows), device) if 0 < len(random_rows) < len(rows) else None,
             top_p_idx=to_device(torch.tensor(top_p_rows), device) if top_p_rows else None,
+            logprob_ids=_padded(id_lists, V, device).clamp_(max=V - 1) if id_rows else None,
+            logprob_id_rows=to_device(torch.tensor(id_rows), device) if id_rows else None,
         )

@@ -39,7 +39,7 @@ _PASSED = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
-    "allowed_token_ids", "bad_words", "prompt_logprobs",
+    "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids",
 )  # fmt: skip
 # fields the model's generation config may set a default for (vLLM's default_sampling_params)
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -85,6 +85,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     # vLLM's: arguments for custom logits processors (SamplingParams.extra_args)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     repetition_detection: dict[str, Any] | None = None  # vLLM's RepetitionDetectionParams fields
+    logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each position (top_logprobs)
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""

@@ -221,15 +221,15 @@ class OpenAIServingChat(OpenAIServing):
     def choice_logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the
         ``top_logprobs`` most likely tokens there."""
-        if request.num_logprobs is None:
+        if request.num_logprobs is None and not request.logprob_token_ids:
             return None
-        return {"content": [self._token(token, entry, request.num_logprobs) for token, entry in
-                            zip(c.token_ids, c.logprobs or [])]}  # fmt: skip
+        return {"content": [self._token(token, entry, request.num_logprobs or 0, request.logprob_token_ids)
+                            for token, entry in zip(c.token_ids, c.logprobs or [])]}  # fmt: skip
 
-    def _token(self, token: int, entry: LogprobsEntry, num: int) -> dict[str, Any]:
+    def _token(self, token: int, entry: LogprobsEntry, num: int, listed: list[int] | None = None) -> dict[str, Any]:
         def item(t: int, lp: float) -> dict[str, Any]:
             text = self.token_text(t, entry)
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-        top = [item(t, lp) for t, lp in self.top(entry, num)]  # (clamped there)
+        top = [item(t, lp) for t, lp in self.top(entry, num, listed)]  # (clamped there)
         return {**item(token, json_logprob(entry[token])), "top_logprobs": top}

@@ -91,13 +91,14 @@ class OpenAIServingCompletion(OpenAIServing):
             text = prompt + text
             token_ids = list(out.prompt_token_ids) + token_ids
             entries = list(prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
-        if request.logprobs is None:
+        if request.logprobs is None and not request.logprob_token_ids:
             return text, None
-        return text, self._logprobs(token_ids, entries, request.logprobs, offset or 0)
+        return text, self._logprobs(token_ids, entries, request.logprobs or 0, offset or 0, request.logprob_token_ids)
 
     def _logprobs(
-        self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int
-    ) -> dict[str, Any]:
+        self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int,
+        listed: list[int] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         """OpenAI's legacy completion logprobs: each token's text and place in the choice's text,
         its logprob (None for the prompt's first token, which has none) and the ``num`` most
         likely tokens there."""
@@ -112,6 +113,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(json_logprob(entry[token]))
-            top_logprobs.append({self.token_text(t, entry): lp for t, lp in self.top(entry, num)})
+            # (a prompt position, echoed, has its top-N: logprob_token_ids list the sampled ones')
+            top = self.top(entry, num, listed if all(t in entry for t in listed or ()) else None)
+            top_logprobs.append({self.token_text(t, entry): lp for t, lp in top})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}  # fmt: skip

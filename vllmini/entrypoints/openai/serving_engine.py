@@ -215,7 +215,10 @@ class OpenAIServing:
                 for e in entries]  # fmt: skip
 
     @staticmethod
-    def top(entry: LogprobsEntry, num: int) -> list[tuple[int, float]]:
-        """The ``num`` most likely tokens of one position, best first, logprobs clamped for JSON."""
+    def top(entry: LogprobsEntry, num: int, listed: list[int] | None = None) -> list[tuple[int, float]]:
+        """The ``num`` most likely tokens of one position, best first, logprobs clamped for JSON;
+        ``listed`` (a request's ``logprob_token_ids``): those tokens instead, in the order given."""
+        if listed:
+            return [(token, json_logprob(entry[token])) for token in listed]
         ranked = sorted(entry.items(), key=lambda kv: -float(kv[1]))[:num]
         return [(token, json_logprob(lp)) for token, lp in ranked]
