@@ -23,7 +23,7 @@ def snapshot(bm: BlockManager) -> tuple:
         tuple(bm._free),
         tuple(bm._evictable),
         dict(bm._cached),
-        tuple((b.ref_count, b.block_hash) for b in bm.blocks),
+        tuple((0, None) if b is None else (b.ref_count, b.block_hash) for b in bm.blocks),  # (None: never handed out)
         (bm.prefix_cache_queries, bm.prefix_cache_hits, bm.num_evictions),
     )
 
@@ -157,7 +157,7 @@ def test_prefix_cache_disabled():
     assert bm.find_cached_prefix(a) == ([], 0)
     bm.free("a")
     assert bm.find_cached_prefix(a) == ([], 0)
-    assert all(b.block_hash is None for b in bm.blocks)
+    assert all(b is None or b.block_hash is None for b in bm.blocks)
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
     with pytest.raises(ValueError):
         bm.allocate("b", a, 2, [0, 1])

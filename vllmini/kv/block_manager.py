@@ -78,7 +78,9 @@ class BlockManager:
         self.null_block = num_blocks if null_block is None else null_block  # the placeholder's id
         if 0 <= self.null_block < num_blocks:
             raise ValueError(f"null_block must lie outside the pool [0, {num_blocks}), got {self.null_block}")
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # made on first use (a small model's 1 GiB pool holds ~10^5 blocks: building them all up
+        # front took a fifth of a second); a block never handed out is free, ref 0, unhashed
+        self.blocks: list[Block | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -352,7 +354,12 @@ class BlockManager:
 
     def _take_block(self) -> int:
         """A block with ref 0 and no hash: a free one, else the LRU evictable one."""
-        return self._free.popleft() if self._free else self._drop_lru(evict=True)
+        if not self._free:
+            return self._drop_lru(evict=True)
+        bid = self._free.popleft()
+        if self.blocks[bid] is None:
+            self.blocks[bid] = Block(bid)
+        return bid
 
     def _drop_lru(self, evict: bool = False) -> int:
         bid, _ = self._evictable.popitem(last=False)
@@ -375,8 +382,10 @@ class BlockManager:
         check(len(free) == len(self._free), "duplicate block in the free list")
         check(not free & evictable, f"blocks both free and evictable: {free & evictable}")
         check(len(free) + len(evictable) + len(refs) == self.num_blocks, "free + evictable + referenced != total")
-        for blk in self.blocks:
-            bid = blk.block_id
+        for bid, blk in enumerate(self.blocks):
+            if blk is None:  # never handed out
+                check(bid in free, f"block {bid} never handed out but not free")
+                continue
             check(blk.ref_count == refs.get(bid, 0), f"block {bid}: ref {blk.ref_count} != {refs.get(bid, 0)}")
             if bid in free:
                 check(blk.ref_count == 0 and blk.block_hash is None, f"free block {bid} owned or hashed")

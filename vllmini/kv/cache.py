@@ -7,6 +7,8 @@ The number of blocks always comes from a memory budget, never a constant.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -53,12 +55,24 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization) - used_by_us - used_by_others
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU its memory is an anonymous mapping, which the OS hands out
+    zero-filled and backs page by page on first touch: a cache is ready at once and costs RAM
+    only as it fills (``torch.zeros`` writes every byte up front, ~0.6 s per GiB here). Zeros,
+    not garbage, because backends read whole blocks and mask what lies past a sequence's end:
+    stale bits could be NaN, which a zero weight does not cancel."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    private = getattr(mmap, "MAP_PRIVATE", None)  # (POSIX; elsewhere torch.zeros)
+    if device.type != "cpu" or private is None or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private, not shared: plain process memory, as malloc's large blocks are (shared anonymous
+    # memory is shmem-backed); the tensor keeps the mapping alive
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=private), dtype=dtype).view(shape)
+
+
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [
-        (torch.zeros(shape, dtype=spec.dtype, device=device), torch.zeros(shape, dtype=spec.dtype, device=device))
-        for _ in range(spec.num_layers)
-    ]
+    caches = [(zeros(shape, spec.dtype, device), zeros(shape, spec.dtype, device)) for _ in range(spec.num_layers)]
     logger.info(
         "KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, %s)",
         num_blocks, spec.block_size, num_blocks * spec.block_size,
