@@ -190,10 +190,10 @@ def test_disable_by_batch_size_drafts_only_for_a_small_batch(default_model_dir, 
     base, _ = engines
     llm = LLM(model=str(default_model_dir), speculative_config={**NGRAM, "disable_by_batch_size": 2})
     eng, prompts = llm.llm_engine, REPEAT[:3]
-    same = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    same = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     chats(llm, same, prompts)  # three requests to the end: never two or fewer left before the last step
     assert eng.spec_stats.num_drafts == 0
-    staggered = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (8, 60, 60)]
+    staggered = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (6, 32, 32)]
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     got = llm.chat(msgs, staggered, use_tqdm=False)
     assert eng.spec_stats.num_drafts > 0  # once the first request finished
@@ -210,6 +210,7 @@ def test_prefix_cache_after_speculation_holds_the_right_kv(engines):
     first = spec.generate([REPEAT[1]], params, use_tqdm=False)[0]
     follow = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids[:50]}
     hits = spec.llm_engine.block_manager.prefix_cache_hits
+    params = params.clone(max_tokens=32)  # (the follow-up decodes on from the cached blocks)
     got = spec.generate([follow], params, use_tqdm=False)[0]
     assert spec.llm_engine.block_manager.prefix_cache_hits - hits >= 48  # the output's blocks too
     assert got.outputs[0].token_ids == base.generate([follow], params, use_tqdm=False)[0].outputs[0].token_ids
