@@ -29,6 +29,21 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 from vllmini.models.weight_loader import DEFAULT_INSTALL_HINT, default_cache_dir, default_gguf_path, resolve_model_dir
 
+# The slowest files first (worker seconds measured with --durations=0, most first): under
+# `-n 2 --dist loadfile` a file is one unit of work, handed to whichever worker is free, so a long
+# one handed out last leaves the other worker idle at the end. pyproject's --no-loadscope-reorder
+# keeps this order (xdist would otherwise order files by their number of tests).
+SLOW_FILES_FIRST = (
+    "test_spec_decode.py", "test_structured_outputs.py", "test_triton_attention.py", "test_engine.py",
+    "test_cuda_path.py", "test_async_engine.py", "test_gguf.py", "test_spec_decode_draft.py",
+    "test_triton_compile.py", "test_architectures.py", "test_logit_controls.py", "test_models.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_cycles_after_each_module():
