@@ -324,3 +324,15 @@ async def test_a_failing_processor_fails_only_its_streams_in_the_async_engine(ti
     finally:
         await engine.shutdown()
     assert_no_leaks(engine)
+
+
+def test_forked_completions_get_their_own_rows(tiny_dir):
+    """n > 1 completions fork from the first one's prompt step: each is its own row from its
+    first token on, beside a request of another target."""
+    llm = LLM(str(tiny_dir), logits_processors=[TargetTokenProcessor])
+    params = [SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=5, ignore_eos=True, extra_args={"target_token": 61}),
+              greedy(4, extra_args={"target_token": 62})]  # fmt: skip
+    outs = llm.generate(prompts(2), params, use_tqdm=False)
+    assert [list(c.token_ids) for c in outs[0].outputs] == [[61] * 5] * 3
+    assert list(outs[1].outputs[0].token_ids) == [62] * 4
+    assert_no_leaks(llm)
