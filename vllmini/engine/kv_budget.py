@@ -22,7 +22,7 @@ from vllmini.engine.cuda_graph import PAD_BLOCKS, DecodeGraphRunner
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, cuda_kv_budget
+from vllmini.kv.cache import DEFAULT_CPU_KV_BYTES, KVCacheSpec, check_cpu_budget, cuda_kv_budget
 
 logger = logging.getLogger("vllmini")
 
@@ -34,7 +34,10 @@ def kv_cache_budget(
     """Bytes for the KV cache (``kv_cache_memory`` wins wherever it is set). ``pooling``: the
     pooling runner's step (hidden states of every scheduled row at most, no logits) is measured."""
     if device.type != "cuda" or args.kv_cache_memory is not None:
-        return args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        if device.type == "cpu":
+            check_cpu_budget(budget)
+        return budget
     graph_reserve = 0
     if use_graphs:
         shape = (1, spec.block_size, spec.num_kv_heads, spec.head_dim)

@@ -10,6 +10,7 @@ import logging
 import math
 import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -53,6 +54,30 @@ def cuda_kv_budget(device: torch.device, gpu_memory_utilization: float) -> int:
     used_by_us = torch.cuda.max_memory_allocated(device)
     used_by_others = total - free - torch.cuda.memory_reserved(device)
     return int(total * gpu_memory_utilization) - used_by_us - used_by_others
+
+
+def physical_memory() -> tuple[int | None, int | None]:
+    """(total, available now) bytes of RAM, from /proc/meminfo (Linux); None where unknown."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None, None
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    kib = {key: int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "MemAvailable") if key in fields}
+    return kib.get("MemTotal"), kib.get("MemAvailable")
+
+
+def check_cpu_budget(budget: int) -> None:
+    """Refuse a CPU cache larger than the machine's RAM, and warn about one larger than what is
+    free now: the cache is committed as it fills (``zeros``), so without this a budget that cannot
+    fit would start fine and run out of memory later, under load."""
+    total, available = physical_memory()
+    if total is not None and budget >= total:
+        raise ValueError(f"kv_cache_memory={budget} bytes is not less than this machine's RAM ({total} bytes); "
+                         "lower it")  # fmt: skip
+    if available is not None and budget > available:
+        logger.warning("kv_cache_memory=%d bytes is more than the RAM available now (%d bytes): the cache fills "
+                       "as it is used, and the machine may run out of memory under load", budget, available)  # fmt: skip
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
