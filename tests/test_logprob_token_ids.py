@@ -73,6 +73,10 @@ async def test_server_lists_them_as_top_logprobs(tiny_dir, llm):
                     "logprob_token_ids": IDS[:2]}  # fmt: skip
             out = (await http.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
             assert [{t: round(v, 4) for t, v in top.items()} for top in out["top_logprobs"]] == text
+            echo = (await http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})).json()
+            tops = echo["choices"][0]["logprobs"]["top_logprobs"]  # echoed prompt positions: their top-1
+            n = len(PROMPTS[0]["prompt_token_ids"])
+            assert tops[0] is None and all(len(t) == 1 for t in tops[1:n]) and tops[n:] == out["top_logprobs"]
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
                     "logprob_token_ids": IDS[:2]}  # fmt: skip
             content = (await http.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]["content"]

@@ -86,24 +86,28 @@ class OpenAIServingCompletion(OpenAIServing):
         when echoed (in its first chunk: ``offset`` None, else the length of the choice's text
         already sent)."""
         token_ids, entries, text = list(c.token_ids), list(c.logprobs or []), c.text
+        echoed = 0  # prompt positions before the sampled ones
         if request.echo and offset is None:
             prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
             text = prompt + text
             token_ids = list(out.prompt_token_ids) + token_ids
             entries = list(prompt_logprobs or [None] * len(out.prompt_token_ids)) + entries
+            echoed = len(out.prompt_token_ids)
         if request.logprobs is None and not request.logprob_token_ids:
             return text, None
-        return text, self._logprobs(token_ids, entries, request.logprobs or 0, offset or 0, request.logprob_token_ids)
+        return text, self._logprobs(token_ids, entries, request.logprobs or 0, offset or 0, request.logprob_token_ids,
+                                    echoed)  # fmt: skip
 
     def _logprobs(
         self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int,
-        listed: list[int] | None = None,
+        listed: list[int] | None = None, echoed: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
         """OpenAI's legacy completion logprobs: each token's text and place in the choice's text,
         its logprob (None for the prompt's first token, which has none) and the ``num`` most
-        likely tokens there."""
+        likely tokens there (``listed``: a request's ``logprob_token_ids``, at the sampled
+        positions, those after the first ``echoed`` prompt positions, which have their top-N)."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-        for token, entry in zip(token_ids, entries):
+        for i, (token, entry) in enumerate(zip(token_ids, entries)):
             text = self.token_text(token, entry)
             tokens.append(text)
             offsets.append(offset)
@@ -113,8 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(json_logprob(entry[token]))
-            # (a prompt position, echoed, has its top-N: logprob_token_ids list the sampled ones')
-            top = self.top(entry, num, listed if all(t in entry for t in listed or ()) else None)
+            top = self.top(entry, num, listed if i >= echoed else None)
             top_logprobs.append({self.token_text(t, entry): lp for t, lp in top})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}  # fmt: skip
