@@ -67,6 +67,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
     ap.add_argument("--attention-backend", default=None, help="force vllmini's attention backend (default: auto)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="vllmini's EngineArgs.stream_interval: a streamed output every N tokens (default 1)")
     ap.add_argument("--keep-prefix-cache", action="store_true",
                     help="do not reset the prefix cache before each run / sweep point (default: reset)")
     ap.add_argument("--structured-json", default=None,
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(
             model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-            attention_backend=args.attention_backend))  # fmt: skip
+            attention_backend=args.attention_backend, stream_interval=args.stream_interval))  # fmt: skip
     except (ValueError, OSError) as e:  # OSError covers FileNotFoundError and unreadable files
         ap.error(f"--model {args.model!r} could not be loaded: {e}")
     eng = engine.engine
