@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check of issue 7, in one script (one H200, no network, under 5 minutes):
 #   (i)   CUDA tests: every attention backend vs the torch reference path and HF transformers
-#         (tiny random Llama and Qwen3, bf16), CUDA-graph replay == eager, decode-step timing;
+#         (tiny random Llama and Qwen3, bf16), CUDA-graph replay == eager, decode-step timing; then
+#         engine features on CUDA vs the CPU path (tests/test_cuda_features.py: speculative decoding,
+#         a custom logits processor, logprobs, preemption, the async engine, embeddings);
 #   (ii)  nano-vllm's offline workload on Qwen3-0.6B-shaped random weights: vllmini output tok/s
 #         and HF transformers static batches in the same run, with the ratio;
 #   (iii) peak GPU memory and KV blocks;
@@ -46,7 +48,7 @@ print(f"torch {torch.__version__}, {gpu}; torch varlen_attn with block_table: {t
 PYEOF
 
 start=$(date +%s)
-timeout -s INT -k 10 180 "$PY" -m pytest -q -rA -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py \
+timeout -s INT -k 10 180 "$PY" -m pytest -q -rA -s -p no:cacheprovider tests/test_cuda.py tests/test_triton_attention.py tests/test_cuda_path.py tests/test_attention.py tests/test_cuda_features.py \
     --junitxml "$RESULTS/gpu_tests.xml" 2>&1 | tee "$RESULTS/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "tests: rc=$tests_rc in $(( $(date +%s) - start ))s"

@@ -1,0 +1,217 @@
+"""Engine features the CPU suite holds to transformers, rerun on CUDA against the CPU path
+(float32, where a tiny random model's greedy tokens do not depend on the device): n-gram and
+draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
+preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
+streams, and embeddings from the pooling runner. bench/gpu_check.sh runs them; without CUDA
+they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
+themselves on a machine without a GPU."""
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from bench.random_model import save_word_level_tokenizer
+from helpers import tiny_llama_config
+from vllmini import LLM, SamplingParams
+from vllmini.engine.logits_processor import BatchUpdate, LogitsProcessor, process_dict_updates
+
+DEVICE = os.environ.get("VLLMINI_FEATURES_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+KV_BYTES = 1 << 28
+VOCAB = 512
+
+
+def _save_tiny_llama(out, attention_scale: float = 1.0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_llama_config(max_position_embeddings=2048), dtype=torch.float32)
+    assert hf.config.vocab_size == VOCAB
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.mul_(attention_scale)
+    hf.save_pretrained(out)
+    save_word_level_tokenizer(VOCAB, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _save_tiny_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def looping_dir(tmp_path_factory):
+    """Attention damped to a hundredth: the next token depends mostly on the last one, so the
+    outputs fall into loops that n-gram drafts predict (attention still moves the logits)."""
+    return _save_tiny_llama(tmp_path_factory.mktemp("looping"), attention_scale=0.01)
+
+
+def on_both(model_dir, run: Callable[[LLM], Any], **engine_args) -> tuple[Any, Any]:
+    """``run`` on a CPU engine, then on a DEVICE engine with the same arguments (float32); each
+    engine is dropped before the next starts."""
+    results = []
+    for device in ("cpu", DEVICE):
+        args = dict(max_model_len=1024, max_num_seqs=8, kv_cache_memory=KV_BYTES)
+        llm = LLM(model=str(model_dir), device=device, dtype="float32", **{**args, **engine_args})
+        results.append(run(llm))
+        del llm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results[0], results[1]
+
+
+def prompts(n: int, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(0, VOCAB, (1 + 37 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def greedy(max_tokens: int = 24, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+
+
+def token_ids(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_ngram_speculation_matches_the_cpu_path_and_plain_decoding(looping_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    ps = prompts(6)
+
+    def run(llm: LLM):
+        return token_ids(llm.generate(ps, greedy(40), use_tqdm=False)), llm.llm_engine.spec_stats.num_accepted_tokens
+
+    (cpu, cpu_accepted), (dev, dev_accepted) = on_both(looping_dir, run, speculative_config=spec)
+    plain, _ = on_both(looping_dir, lambda llm: token_ids(llm.generate(ps, greedy(40), use_tqdm=False)))
+    assert dev == cpu == plain
+    assert dev_accepted == cpu_accepted > 10
+
+
+def test_draft_model_speculation_matches_plain_decoding(model_dir):
+    """The target as its own draft: the draft's KV cache on the device's blocks holds the right
+    K/V (else its drafts would be refused), and the outputs are plain decoding's."""
+    ps = prompts(5)
+
+    def run(llm: LLM):
+        stats = llm.llm_engine.spec_stats
+        return token_ids(llm.generate(ps, greedy(30), use_tqdm=False)), stats.num_draft_tokens, stats.num_accepted_tokens
+
+    spec = {"model": str(model_dir), "num_speculative_tokens": 3}
+    (cpu, _, _), (dev, drafted, accepted) = on_both(model_dir, run, speculative_config=spec)
+    plain, _ = on_both(model_dir, lambda llm: token_ids(llm.generate(ps, greedy(30), use_tqdm=False)))
+    assert dev == cpu == plain
+    assert drafted > 50 and accepted > 0.9 * drafted
+
+
+class TargetToken(LogitsProcessor):
+    """``extra_args={"target_token": t}``: the request samples only t (its rows indexed on the
+    logits' own device)."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.targets: dict[int, int] = {}
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.targets, batch_update, lambda params, *_: (params.extra_args or {}).get("target_token"))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.targets:
+            rows = torch.tensor(list(self.targets), device=logits.device)
+            cols = torch.tensor(list(self.targets.values()), device=logits.device)
+            keep = logits[rows, cols].clone()
+            logits[rows] = float("-inf")
+            logits[rows, cols] = keep
+        return logits
+
+
+def test_custom_logits_processor_on_the_device(model_dir):
+    ps = prompts(8)
+    params = [greedy(12, extra_args={"target_token": 10 + i}) if i % 2 else greedy(12) for i in range(8)]
+    cpu, dev = on_both(model_dir, lambda llm: token_ids(llm.generate(ps, params, use_tqdm=False)),
+                       logits_processors=[TargetToken], max_num_batched_tokens=64)  # fmt: skip
+    assert dev == cpu
+    assert all(dev[i] == [10 + i] * 12 for i in range(1, 8, 2))
+
+
+def test_logprobs_and_logprob_token_ids_match_the_cpu_path(model_dir):
+    ps = prompts(4)
+    params = [greedy(10, logprobs=3), greedy(10, logprob_token_ids=[5, 7, 400]), greedy(10, logprobs=0), greedy(10)]
+
+    def run(llm: LLM):
+        outs = llm.generate(ps, params, use_tqdm=False)
+        return token_ids(outs), [[{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in o.outputs[0].logprobs or []]
+                                 for o in outs]  # fmt: skip
+
+    (cpu_tokens, cpu_lps), (dev_tokens, dev_lps) = on_both(model_dir, run)
+    assert dev_tokens == cpu_tokens
+    for cpu_req, dev_req in zip(cpu_lps, dev_lps):
+        assert [d.keys() for d in dev_req] == [d.keys() for d in cpu_req]
+        for c, d in zip(cpu_req, dev_req):
+            assert all(abs(c[t][0] - d[t][0]) < 1e-3 and c[t][1] == d[t][1] for t in c)
+    assert {5, 7, 400} <= set(dev_lps[1][0]) and len(dev_lps[0][0]) >= 3 and dev_lps[3] == []
+
+
+def test_preemption_and_prefix_cache_hits_match_the_cpu_path(model_dir):
+    """12 blocks of 16 tokens for 8 requests that share a prefix: requests are preempted and
+    recomputed, later ones hit the cached prefix, and every block is free at the end."""
+    shared = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(9)).tolist()
+    ps = [{"prompt_token_ids": shared + [i + 2] * (1 + i)} for i in range(8)]
+
+    def run(llm: LLM):
+        outs = llm.generate(ps, greedy(40), use_tqdm=False)
+        eng = llm.llm_engine
+        bm = eng.block_manager
+        bm.check_invariants()
+        assert not eng.has_unfinished_requests() and bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+        return token_ids(outs), eng.scheduler.stats.num_preemptions, sum(o.metrics.num_cached_tokens for o in outs)
+
+    from transformers import AutoConfig
+
+    from test_engine import kv_bytes
+
+    budget = kv_bytes(AutoConfig.from_pretrained(model_dir), 12, block_size=16)
+    (cpu, _, _), (dev, preemptions, cached) = on_both(model_dir, run, block_size=16, kv_cache_memory=budget,
+                                                      max_model_len=192, max_num_batched_tokens=64)  # fmt: skip
+    assert dev == cpu
+    assert preemptions > 0 and cached > 0
+
+
+def test_async_engine_streams_match_the_offline_engine(model_dir):
+    """Eight concurrent streams through AsyncLLMEngine (steps on its engine thread, decode
+    graphs replayed there when the device has them): the tokens of LLM.generate."""
+    from vllmini import AsyncLLMEngine, EngineArgs
+
+    ps = prompts(8)
+    offline, _ = on_both(model_dir, lambda llm: token_ids(llm.generate(ps, greedy(20), use_tqdm=False)))
+
+    async def stream_all() -> list[list[int]]:
+        args = EngineArgs(model=str(model_dir), device=DEVICE, dtype="float32", max_model_len=1024, max_num_seqs=8,
+                          kv_cache_memory=KV_BYTES)  # fmt: skip
+        engine = AsyncLLMEngine.from_engine_args(args)
+
+        async def one(i: int) -> list[int]:
+            final = None
+            async for out in engine.generate(ps[i], greedy(20), request_id=f"r{i}"):
+                final = out
+            return list(final.outputs[0].token_ids)
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(stream_all()) == offline
+
+
+def test_embeddings_match_the_cpu_path(model_dir):
+    texts = [" ".join(f"t{(7 * i + j) % VOCAB}" for j in range(3 + 20 * i)) for i in range(4)]
+    cpu, dev = on_both(model_dir, lambda llm: [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)],
+                       runner="pooling")  # fmt: skip
+    torch.testing.assert_close(torch.tensor(dev), torch.tensor(cpu), atol=1e-4, rtol=1e-3)
+    assert len(dev) == 4 and len(dev[0]) == 64
