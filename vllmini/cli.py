@@ -70,6 +70,15 @@ def _engine_args(ns: argparse.Namespace):
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
 
 
+def _serve_engine_args(ns: argparse.Namespace):
+    """``serve``'s EngineArgs: as vLLM's, ``--reasoning-parser`` also gives the reasoning_config
+    (the parser's strings bound SamplingParams.thinking_token_budget) unless one is given."""
+    args = _engine_args(ns)
+    if ns.reasoning_parser and args.reasoning_config is None:
+        args.reasoning_config = {"reasoning_parser": ns.reasoning_parser}
+    return args
+
+
 def _given_sampling_flags(ns: argparse.Namespace) -> dict:
     """The sampling flags given on the command line, checked (a bad value fails before the model loads)."""
     from vllmini import SamplingParams
@@ -301,7 +310,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if ns.max_request_body_size < 0:
         raise ValueError(f"--max-request-body-size must be >= 0 bytes (0: no limit), got {ns.max_request_body_size}")
-    engine = AsyncLLMEngine.from_engine_args(_engine_args(ns))
+    engine = AsyncLLMEngine.from_engine_args(_serve_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
     run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules,
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,

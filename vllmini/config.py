@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from vllmini.engine.thinking_budget import ReasoningConfig
+
 logger = logging.getLogger("vllmini")
 
 _DTYPES = {
@@ -263,6 +265,10 @@ class EngineArgs:
     # streamed outputs (output_kind "delta"/"cumulative") come every this many new tokens (the first
     # and the last at once), as vLLM's --stream-interval; a request's SamplingParams.stream_interval may raise it
     stream_interval: int = 1
+    # what opens and closes a reasoning section, for SamplingParams.thinking_token_budget, as vLLM's:
+    # {"reasoning_parser": "qwen3"} or {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
+    # (engine/thinking_budget.py); the server's --reasoning-parser sets it when it is not given
+    reasoning_config: ReasoningConfig | dict | str | None = None
 
     def get_served_model_name(self) -> str:
         """The name the server answers to and the metrics' model_name label (vLLM's rule: the
@@ -324,6 +330,7 @@ class EngineArgs:
         from vllmini.engine.logits_processor_state import load_logits_processors
 
         load_logits_processors(self.logits_processors)
+        ReasoningConfig.coerce(self.reasoning_config)
         from vllmini.models.backend_select import BACKEND_NAMES
 
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:

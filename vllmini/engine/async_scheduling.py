@@ -122,10 +122,12 @@ def launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep |
 
     def matches_output(seq: Sequence) -> bool:
         """Whether sampling this sequence reads its last tokens' values (a bad word of several
-        tokens, a grammar); a one-token bad word is banned whatever came before."""
+        tokens, a grammar, a thinking budget); a one-token bad word is banned whatever came before."""
         state = engine.requests.get(seq.request_id)
         if state is None:
             return False
+        if seq.params.thinking_token_budget is not None and engine.thinking is not None:
+            return True
         return state.matchers is not None or any(len(word) > 1 for word in state.bad_words_token_ids)
 
     args, scheduler = engine.args, engine.scheduler

@@ -31,6 +31,7 @@ from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
+from vllmini.engine.thinking_budget import ReasoningConfig, ThinkingBudget
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
@@ -102,6 +103,8 @@ class LLMEngine:
             if self.pooler is not None:
                 raise ValueError("logits_processors: pooling models do not support custom logits processors")
             self.logits_processors = LogitsProcessors(processor_classes, args, self.device)
+        # SamplingParams.thinking_token_budget's start and end tokens (engine/thinking_budget.py)
+        self.thinking = ThinkingBudget.from_config(ReasoningConfig.coerce(args.reasoning_config), self.tokenizer)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
@@ -187,6 +190,9 @@ class LLMEngine:
         inp = self.input_processor.process(prompt, params, default_output_kind)
         if self.logits_processors is not None:
             self.logits_processors.validate(inp.params)
+        if inp.params.thinking_token_budget is not None and self.thinking is None:
+            raise ValueError("thinking_token_budget is set but reasoning_config is not configured: start the engine with "
+                             "EngineArgs.reasoning_config (the server: --reasoning-parser or --reasoning-config)")  # fmt: skip
         # (after the cheap checks: loading an adapter may read its files)
         adapter = None if lora_request is None else self._lora_adapter(lora_request)
         params, ids, max_tokens = inp.params, inp.prompt_token_ids, inp.max_tokens

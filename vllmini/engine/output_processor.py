@@ -16,6 +16,7 @@ from vllmini.engine.detokenizer import FFFD, UTF8_MAX_BYTES, IncrementalDetokeni
 from vllmini.engine.outputs import CompletionOutput, Logprob, LogprobsEntry, RequestMetrics, RequestOutput
 from vllmini.engine.sampler import SamplerOutput
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.engine.thinking_budget import Marks
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
@@ -45,6 +46,8 @@ class RequestState:
     # one xgrammar matcher per sequence once it is compiled
     grammar: Any = None
     matchers: list[Any] | None = None
+    # thinking_token_budget (engine/thinking_budget.py): per sequence index, its tokens' Marks so far
+    thinking_marks: dict[int, Marks] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

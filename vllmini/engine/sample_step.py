@@ -86,7 +86,8 @@ def sample(
     else:
         outputs = outputs_with_drafts([s.output_token_ids for s in seqs], drafts or {})
     states = [engine.requests[s.request_id] for s in seqs]
-    rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids)
+    rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
+                        _forced_token(engine, s, out, state))
             for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
     matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
     if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
@@ -98,6 +99,20 @@ def sample(
     sync_free = engine.args.async_scheduling and logits.is_cuda
     processors = None if engine.logits_processors is None else engine.logits_processors.prepare(seqs)
     return SampledTokens(engine.sampler(logits, tensors, sync_free=sync_free, processors=processors))
+
+
+def _forced_token(engine: LLMEngine, seq: Sequence, output: list[int], state: RequestState) -> int | None:
+    """The token a thinking budget forces on this row (engine/thinking_budget.py), if any. Not
+    under structured outputs: their grammar decides every token here (vLLM's waits for the
+    reasoning to end), so a forced end it does not allow would only fail the request."""
+    budget, rule = seq.params.thinking_token_budget, engine.thinking
+    if budget is None or rule is None or state.matchers is not None:
+        return None
+    # the sequence's own tokens are scanned once, on from the last step's Marks; ``output`` may
+    # go on past them (drafts)
+    marks = state.thinking_marks[seq.index] = rule.marks(seq.prompt_token_ids, seq.output_token_ids,
+                                                         state.thinking_marks.get(seq.index))  # fmt: skip
+    return rule.forced_token(seq.prompt_token_ids, output, budget, marks)
 
 
 def complete(engine: LLMEngine, launched: LaunchedStep) -> list[RequestOutput]:

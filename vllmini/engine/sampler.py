@@ -18,7 +18,9 @@ over prompt + output tokens, presence/frequency over output tokens), then
 greedy rows take the argmax; random rows go
 through temperature, then min-p and top-k, then top-p over what those leave (vLLM
 v1's order; each a per-row threshold on the logits) and are drawn by inverse CDF: one uniform per row against the row's
-cumulative sum. A seeded row draws its uniform from a generator seeded with a
+cumulative sum. Last, a row with a forced token (a thinking budget's end
+string: engine/thinking_budget.py) takes it in place of the one it drew; its
+logprobs are that token's. A seeded row draws its uniform from a generator seeded with a
 hash of (seed, seed_offset, number of output tokens so far), so its tokens do
 not depend on the batch it lands in or on its row index.
 
@@ -244,6 +246,8 @@ class Sampler:
             if processed_mode:
                 processed = z - total.log()
         assert tokens is not None
+        if t.forced is not None:  # sampled all the same, so that every row draws as it would otherwise
+            tokens = tokens.index_put((t.forced[0],), t.forced[1])
 
         logprobs = top = ranks = id_logprobs = None
         if t.num_logprobs is not None:

@@ -219,6 +219,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     extra_args: dict[str, Any] | None = None  # for custom logits processors (engine/logits_processor.py), as vLLM's
     # end the output early when it loops (engine/repetition_detection.py), as vLLM's
     repetition_detection: RepetitionDetectionParams | None = None
+    # at most this many tokens in a reasoning section, then its end is forced (EngineArgs.reasoning_config;
+    # engine/thinking_budget.py), as vLLM's
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -300,6 +303,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             self.logprob_token_ids = list(dict.fromkeys(ids))  # (one entry per token in the output's dict)
         if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
             raise bad_value("stream_interval", "an int >= 1 or None", self.stream_interval)
+        budget = self.thinking_token_budget
+        if budget is not None and (not is_int(budget) or budget < 0):
+            raise bad_value("thinking_token_budget", "an int >= 0 or None", budget)
         self._validate_logit_controls()
         self.repetition_penalty = self._real("repetition_penalty", "> 0", lambda v: v >= _FLOAT32_TINY)
         for name in ("presence_penalty", "frequency_penalty"):

@@ -47,6 +47,7 @@ class SamplingRow:
     eos_token_id: int | Sequence[int] | None = None
     seed_offset: int = 0  # index of the sequence within its request when n > 1
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # params.bad_words, tokenized by the engine
+    forced_token_id: int | None = None  # the token this row must sample (a thinking budget's end: engine/thinking_budget.py)
 
 
 def banned_tokens(row: SamplingRow, vocab_size: int) -> list[int]:
@@ -148,6 +149,8 @@ class SamplingTensors:
     # logprob_token_ids: each row's ids, padded with 0 ([B, K] long), and the rows that asked
     logprob_ids: Tensor | None = None
     logprob_id_rows: Tensor | None = None
+    # rows whose token is decided already (forced_token_id): [2, K] long, their rows then their tokens
+    forced: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -211,6 +214,7 @@ class SamplingTensors:
         if id_rows:  # their chosen token's logprob too
             asked.append(0)
         top_p_rows = [j for j, i in enumerate(random_rows) if top_p[i] < 1.0]
+        forced = [(i, r.forced_token_id) for i, r in enumerate(rows) if r.forced_token_id is not None]
 
         # per-row parameters in two copies (one per dtype), not one per field
         log_min_p = [math.log(m) if m > 0 else -math.inf for m in min_p]
@@ -253,4 +257,5 @@ class SamplingTensors:
             top_p_idx=to_device(torch.tensor(top_p_rows), device) if top_p_rows else None,
             logprob_ids=_padded(id_lists, V, device).clamp_(max=V - 1) if id_rows else None,
             logprob_id_rows=to_device(torch.tensor(id_rows), device) if id_rows else None,
+            forced=to_device(torch.tensor(forced, dtype=torch.long).T.contiguous(), device) if forced else None,
         )

@@ -39,7 +39,7 @@ _PASSED = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
     "spaces_between_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
-    "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids",
+    "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids", "thinking_token_budget",
 )  # fmt: skip
 # fields the model's generation config may set a default for (vLLM's default_sampling_params)
 _MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -86,6 +86,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     repetition_detection: dict[str, Any] | None = None  # vLLM's RepetitionDetectionParams fields
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each position (top_logprobs)
+    thinking_token_budget: int | None = None  # vLLM's: reasoning tokens before the end is forced (--reasoning-parser)
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
