@@ -2,7 +2,7 @@
 (float32, where a tiny random model's greedy tokens do not depend on the device): n-gram and
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
-streams, and embeddings from the pooling runner. bench/gpu_check.sh runs them; without CUDA
+streams, embeddings from the pooling runner, and a thinking token budget. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -215,3 +215,14 @@ def test_embeddings_match_the_cpu_path(model_dir):
                        runner="pooling")  # fmt: skip
     torch.testing.assert_close(torch.tensor(dev), torch.tensor(cpu), atol=1e-4, rtol=1e-3)
     assert len(dev) == 4 and len(dev[0]) == 64
+
+
+def test_thinking_token_budget_on_the_device(model_dir):
+    """A reasoning section opened by the prompt ("t5"), closed by "t6" once it holds the budget's
+    tokens (the forced token written over the sampled one on the device)."""
+    ps = [{"prompt_token_ids": p["prompt_token_ids"] + [5]} for p in prompts(4)]
+    params = [greedy(10, thinking_token_budget=b) for b in (0, 3, 6, None)]
+    config = {"reasoning_start_str": "t5", "reasoning_end_str": "t6"}
+    cpu, dev = on_both(model_dir, lambda llm: token_ids(llm.generate(ps, params, use_tqdm=False)), reasoning_config=config)
+    assert dev == cpu
+    assert [dev[i][b] for i, b in enumerate((0, 3, 6))] == [6, 6, 6]
