@@ -314,7 +314,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
     run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules,
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-               reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size)  # fmt: skip
+               reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size,
+               enable_prompt_tokens_details=ns.enable_prompt_tokens_details)  # fmt: skip
     return 0
 
 
@@ -358,6 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                             '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
     serve.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE, metavar="BYTES",
                        help="larger request bodies are answered 413 (default: 32 MiB; 0: no limit)")
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     _add_parser_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

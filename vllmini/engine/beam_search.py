@@ -88,6 +88,7 @@ class _Search:
     live: list[BeamSearchSequence]
     done: list[BeamSearchSequence] = field(default_factory=list)
     lora: Any = None  # its LoRARequest
+    cache_salt: str | None = None  # its prompt's: every step's requests carry it
 
 
 def beam_search(
@@ -112,12 +113,13 @@ def beam_search(
     # every prompt is checked as generate checks it (its length too) before any work is done: with
     # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
     processor = engine.input_processor
-    prompt_ids = [processor.process(p, step_params).prompt_token_ids for p in as_prompt_list(prompts)]
-    loras = per_prompt_loras(lora_request, len(prompt_ids))
+    inputs = [processor.process(p, step_params) for p in as_prompt_list(prompts)]
+    loras = per_prompt_loras(lora_request, len(inputs))
     for lora in loras:  # (checked up front too, as the prompts; a loaded one is only looked up)
         if lora is not None:
             engine.add_lora(lora)
-    searches = [_Search(len(ids), [BeamSearchSequence(ids)], lora=lora) for ids, lora in zip(prompt_ids, loras)]
+    searches = [_Search(len(inp.prompt_token_ids), [BeamSearchSequence(inp.prompt_token_ids)], lora=lora,
+                        cache_salt=inp.cache_salt) for inp, lora in zip(inputs, loras)]  # fmt: skip
     group = concurrency_limit or max(len(searches), 1)
     for start in range(0, len(searches), group):
         steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm)
@@ -148,7 +150,8 @@ def _step(llm: LLM, searches: list[_Search], step_params: SamplingParams, params
     beams = [(search, beam) for search in searches for beam in search.live]
     if not beams:
         return False
-    results = llm.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step_params, use_tqdm=False,
+    prompts = [{"prompt_token_ids": beam.tokens} | ({"cache_salt": s.cache_salt} if s.cache_salt else {}) for s, beam in beams]
+    results = llm.generate(prompts, step_params, use_tqdm=False,
                            lora_request=[search.lora for search, _ in beams])  # fmt: skip
     candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
     for (search, beam), result in zip(beams, results):

@@ -20,7 +20,7 @@ from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 logger = logging.getLogger("vllmini")
 
 PromptType = str | list[int] | dict[str, Any]
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})  # vLLM's TextPrompt / TokensPrompt, text only
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})  # vLLM's TextPrompt / TokensPrompt, text only
 
 
 def as_prompt_list(prompts: PromptType | Any) -> list[PromptType]:
@@ -85,6 +85,14 @@ def default_sampling_params(source: str, model_config: Any | None) -> SamplingPa
     return SamplingParams(**defaults)
 
 
+def cache_salt_of(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt`` (vLLM's): a non-empty string, or None."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string if given, got {salt!r}")
+    return salt
+
+
 @dataclass
 class ProcessedInput:
     text: str | None
@@ -92,6 +100,7 @@ class ProcessedInput:
     params: SamplingParams
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
     bad_words_token_ids: list[tuple[int, ...]]
+    cache_salt: str | None = None  # the prompt dict's (vLLM's): its prefix-cache blocks are shared only with the same salt
 
 
 class InputProcessor:
@@ -151,13 +160,13 @@ class InputProcessor:
             )
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         self._check_something_allowed(params, bad_words)
-        return ProcessedInput(text, ids, params, max_tokens, bad_words)
+        return ProcessedInput(text, ids, params, max_tokens, bad_words, cache_salt_of(prompt))
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
         if isinstance(prompt, dict):
             if unknown := sorted(set(prompt) - _PROMPT_KEYS, key=str):
-                # e.g. vLLM's multi_modal_data or cache_salt: ignoring them would silently change the request
+                # e.g. vLLM's multi_modal_data: ignoring it would silently change the request
                 raise ValueError(f"prompt dict has unsupported key(s) {unknown}; accepted: {sorted(_PROMPT_KEYS)}")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]

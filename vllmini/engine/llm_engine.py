@@ -199,7 +199,7 @@ class LLMEngine:
         request_id, now = self._id_and_arrival(request_id, arrival_time)
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now,
-                     priority=priority, lora=adapter)  # fmt: skip
+                     priority=priority, lora=adapter, cache_salt=inp.cache_salt)  # fmt: skip
             for i in range(params.n)
         ]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]

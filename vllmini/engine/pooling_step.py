@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllmini.engine.errors import StepError
-from vllmini.engine.input_processor import PromptType
+from vllmini.engine.input_processor import PromptType, cache_salt_of
 from vllmini.engine.outputs import PoolingRequestOutput
 from vllmini.engine.pooler import TOKEN_TASKS, PoolingRequestState
 from vllmini.engine.pooling_params import PoolingParams
@@ -35,7 +35,7 @@ def prepare_pooling(
     adapter = None if lora_request is None else engine._lora_adapter(lora_request)
     request_id, now = engine._id_and_arrival(request_id, arrival_time)
     seq = Sequence(next(engine._seq_ids), request_id, ids, params, 0, arrival_time=now, priority=priority,
-                   lora=adapter)  # fmt: skip
+                   lora=adapter, cache_salt=cache_salt_of(prompt))  # fmt: skip
     # a token task pools every position: a prefix-cache hit would skip some (vLLM's skip_reading_prefix_cache)
     seq.skip_reading_prefix_cache = params.task in TOKEN_TASKS
     return PoolingRequestState(request_id, list(ids), params, [seq])

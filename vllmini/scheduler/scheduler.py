@@ -165,7 +165,7 @@ class Scheduler:
             if seq.lora_key and seq.lora_key not in loras and len(loras) >= (self.config.max_loras or 0):
                 w += 1
                 continue
-            root = prefix_root(seq.lora_key)
+            root = prefix_root(seq.lora_key, seq.cache_salt)
             cached_blocks, num_cached = ([], 0) if seq.skip_reading_prefix_cache else \
                 self.block_manager.find_cached_prefix(seq.token_ids, root)  # fmt: skip
             if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:

@@ -37,6 +37,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # scheduling_policy="priority": lower is served first (vLLM's convention)
     lora: Any = None  # its LoRA adapter (lora/adapter.py), None: the base model; the scheduler reads lora_key
+    cache_salt: str | None = None  # its prompt's (vLLM's): prefix-cache hits only among requests with the same
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

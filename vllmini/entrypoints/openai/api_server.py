@@ -174,7 +174,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None, *,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None,
-              max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE) -> Starlette:  # fmt: skip
+              max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
+              enable_prompt_tokens_details: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
@@ -188,6 +189,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                              enable_auto_tools=enable_auto_tool_choice, tool_parser=tool_call_parser,
                              reasoning_parser=reasoning_parser)  # fmt: skip
 
+    completion.prompt_tokens_details = chat.prompt_tokens_details = enable_prompt_tokens_details
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
     responses = OpenAIServingResponses(chat)
@@ -273,7 +275,8 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                chat_template: str | None = None, api_key: str | None = None,
                lora_modules: list[LoRAModulePath] | None = None, **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
-    keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size)."""
+    keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
+    enable_prompt_tokens_details)."""
     import uvicorn
 
     try:

@@ -87,6 +87,9 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     repetition_detection: dict[str, Any] | None = None  # vLLM's RepetitionDetectionParams fields
     logprob_token_ids: list[int] | None = None  # vLLM's: these tokens' logprobs at each position (top_logprobs)
     thinking_token_budget: int | None = None  # vLLM's: reasoning tokens before the end is forced (--reasoning-parser)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
+    return_token_ids: bool | None = None  # vLLM's: the output's (and prompt's) token ids in the response
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""

@@ -61,11 +61,11 @@ class OpenAIServingChat(OpenAIServing):
         prepared = self.prepare(request)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prepared.prompt], prepared.params, request.priority,
-                                         prepared.lora_request)  # fmt: skip
+                                         prepared.lora_request, request.cache_salt)  # fmt: skip
         choice, make = prepared.choice, prepared.make
         if request.stream:
-            num_prompt_tokens = len(prepared.prompt["prompt_token_ids"])
-            return EventStream(self._stream(request, request_id, group, num_prompt_tokens, choice, make), group)
+            prompt_ids = prepared.prompt["prompt_token_ids"]
+            return EventStream(self._stream(request, request_id, group, prompt_ids, choice, make), group)
         return await self._whole(request, request_id, group, choice, make)
 
     def prepare(self, request: ChatCompletionRequest, max_tokens_name: str = "max_tokens") -> PreparedChat:
@@ -162,44 +162,52 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, choice: ToolChoice,
         make: MakeParser | None,
     ) -> dict[str, Any]:  # fmt: skip
-        usage, choices, prompt_logprobs = Usage(), [], None
+        usage, choices, prompt_logprobs = Usage(self.prompt_tokens_details), [], None
         async for i, out in group:
             usage.add(i, out)
             prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
+            prompt_ids = list(out.prompt_token_ids)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 message, finish_reason = self._message(request, choice, make, c)
                 choices.append({"index": c.index, "message": message, "logprobs": self.choice_logprobs(request, c),
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
+                if request.return_token_ids:
+                    choices[-1]["token_ids"] = list(c.token_ids)
         body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
                 "usage": usage.body()}  # fmt: skip
+        if request.return_token_ids:  # (vLLM's: the prompt's on the response, each choice's own)
+            body["prompt_token_ids"] = prompt_ids
         return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
 
     def _stream(
-        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, num_prompt_tokens: int,
+        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, prompt_ids: list[int],
         choice: ToolChoice, make: MakeParser | None,
     ) -> AsyncIterator[str]:  # fmt: skip
-        usage = Usage()
-        usage.prompt_tokens[0] = num_prompt_tokens  # (known before the first output: the role chunk's usage has it)
-        return self.events(self._chunks(request, request_id, group, usage, choice, make), request_id,
+        usage = Usage(self.prompt_tokens_details)
+        usage.prompt_tokens[0] = len(prompt_ids)  # (known before the first output: the role chunk's usage has it)
+        return self.events(self._chunks(request, request_id, group, usage, choice, make, prompt_ids), request_id,
                            "chat.completion.chunk", usage, request.stream_options, request.model)  # fmt: skip
 
     async def _chunks(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage, choice: ToolChoice,
-        make: MakeParser | None,
+        make: MakeParser | None, prompt_ids: list[int],
     ) -> AsyncIterator[str]:  # fmt: skip
-        """First a chunk per choice with the role (and any echo), then the text as it comes
-        (with parsers: its reasoning, content and tool-call deltas; a chunk with none is not sent)."""
+        """First a chunk per choice with the role (and any echo; with ``return_token_ids`` the
+        prompt's token ids), then the text as it comes (with parsers: its reasoning, content and
+        tool-call deltas; a chunk with none, nor new token ids to return, is not sent)."""
         continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
         parsers: dict[int, ChatOutputParser] = {}
 
-        def chunk(choices: list[dict[str, Any]]) -> str:
-            body = {**self.header(request_id, "chat.completion.chunk", request.model), "choices": choices}
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            body = {**self.header(request_id, "chat.completion.chunk", request.model), "choices": choices, **extra}
             if continuous:
                 body["usage"] = usage.body()
             return sse(body)
 
         role = {"role": "assistant", "content": self._echo(request)}
-        yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)])
+        first = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
+        yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)],
+                    **first)  # fmt: skip
         async for i, out in group:
             usage.add(i, out)
             choices = []
@@ -210,11 +218,14 @@ class OpenAIServingChat(OpenAIServing):
                     parser = parsers[c.index] = parsers.get(c.index) or make()
                     message = parser.delta(c.text, final=finish_reason is not None)
                     finish_reason = self._finish_reason(choice, parser, finish_reason)
-                    if message is None and finish_reason is None and logprobs is None:
+                    ids_due = request.return_token_ids and c.token_ids  # (the ids of held-back text still go out)
+                    if message is None and finish_reason is None and logprobs is None and not ids_due:
                         continue
                     delta = {} if message is None else message
                 choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                                 "stop_reason": c.stop_reason})  # fmt: skip
+                if request.return_token_ids:
+                    choices[-1]["token_ids"] = list(c.token_ids)
             if choices:
                 yield chunk(choices)
 
@@ -223,12 +234,15 @@ class OpenAIServingChat(OpenAIServing):
         ``top_logprobs`` most likely tokens there."""
         if request.num_logprobs is None and not request.logprob_token_ids:
             return None
-        return {"content": [self._token(token, entry, request.num_logprobs or 0, request.logprob_token_ids)
+        as_ids = bool(request.return_tokens_as_token_ids)
+        return {"content": [self._token(token, entry, request.num_logprobs or 0, request.logprob_token_ids, as_ids)
                             for token, entry in zip(c.token_ids, c.logprobs or [])]}  # fmt: skip
 
-    def _token(self, token: int, entry: LogprobsEntry, num: int, listed: list[int] | None = None) -> dict[str, Any]:
+    def _token(
+        self, token: int, entry: LogprobsEntry, num: int, listed: list[int] | None = None, as_ids: bool = False
+    ) -> dict[str, Any]:  # fmt: skip
         def item(t: int, lp: float) -> dict[str, Any]:
-            text = self.token_text(t, entry)
+            text = self.token_text(t, entry, as_ids)
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
         top = [item(t, lp) for t, lp in self.top(entry, num, listed)]  # (clamped there)

@@ -26,7 +26,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)
-        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request)
+        group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request,
+                                         request.cache_salt)  # fmt: skip
         if request.stream:
             return EventStream(self._stream(request, request_id, group), group)
         return await self._whole(request, request_id, group)
@@ -35,12 +36,12 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: dict[int, RequestOutput] = {}
         async for i, out in group:
             finals[i] = out
-        usage, choices = Usage(), []
+        usage, choices = Usage(self.prompt_tokens_details), []
         for i in sorted(finals):
             usage.add(i, finals[i])
             for c in sorted(finals[i].outputs, key=lambda c: c.index):
                 text, logprobs = self._echoed(request, finals[i], c, None, finals[i].prompt_logprobs)
-                choice = self._choice(i * request.n + c.index, text, logprobs, c)
+                choice = self._choice(request, i * request.n + c.index, text, logprobs, c, finals[i], True)
                 if request.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
                 choices.append(choice)
@@ -48,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 "usage": usage.body()}  # fmt: skip
 
     def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
-        usage = Usage()
+        usage = Usage(self.prompt_tokens_details)
         return self.events(self._chunks(request, request_id, group, usage), request_id, "text_completion", usage,
                            request.stream_options, request.model)  # fmt: skip
 
@@ -65,18 +66,29 @@ class OpenAIServingCompletion(OpenAIServing):
             choices = []
             for c in out.outputs:
                 index = i * request.n + c.index
+                first = index not in sent
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
-                choices.append(self._choice(index, text, logprobs, c))
+                choices.append(self._choice(request, index, text, logprobs, c, out, first))
             chunk = {**self.header(request_id, "text_completion", request.model), "choices": choices}
             if continuous:
                 chunk["usage"] = usage.body()
             yield sse(chunk)
 
     @staticmethod
-    def _choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}  # fmt: skip
+    def _choice(
+        request: CompletionRequest, index: int, text: str, logprobs: dict | None, c: CompletionOutput,
+        out: RequestOutput, first: bool,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One choice (or a streamed chunk of it: ``first`` is its first), with ``return_token_ids``
+        its token ids (a chunk's new ones) and, at first, the prompt's, as vLLM's."""
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                  "stop_reason": c.stop_reason}  # fmt: skip
+        if request.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+            if first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
 
     def _echoed(
         self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int | None,
@@ -96,19 +108,20 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is None and not request.logprob_token_ids:
             return text, None
         return text, self._logprobs(token_ids, entries, request.logprobs or 0, offset or 0, request.logprob_token_ids,
-                                    echoed)  # fmt: skip
+                                    echoed, bool(request.return_tokens_as_token_ids))  # fmt: skip
 
     def _logprobs(
         self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int,
-        listed: list[int] | None = None, echoed: int = 0,
+        listed: list[int] | None = None, echoed: int = 0, as_ids: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """OpenAI's legacy completion logprobs: each token's text and place in the choice's text,
         its logprob (None for the prompt's first token, which has none) and the ``num`` most
         likely tokens there (``listed``: a request's ``logprob_token_ids``, at the sampled
-        positions, those after the first ``echoed`` prompt positions, which have their top-N)."""
+        positions, those after the first ``echoed`` prompt positions, which have their top-N); ``as_ids``:
+        tokens named "token_id:<id>"."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for i, (token, entry) in enumerate(zip(token_ids, entries)):
-            text = self.token_text(token, entry)
+            text = self.token_text(token, entry, as_ids)
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
@@ -118,6 +131,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 continue
             token_logprobs.append(json_logprob(entry[token]))
             top = self.top(entry, num, listed if i >= echoed else None)
-            top_logprobs.append({self.token_text(t, entry): lp for t, lp in top})
+            top_logprobs.append({self.token_text(t, entry, as_ids): lp for t, lp in top})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}  # fmt: skip

@@ -37,6 +37,13 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+def salted(prompt: Any, cache_salt: str) -> dict[str, Any]:
+    """A prompt (text, token ids or a prompt dict) as a prompt dict with ``cache_salt``."""
+    if isinstance(prompt, dict):
+        return {**prompt, "cache_salt": cache_salt}
+    return {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
+
+
 class RequestGroup:
     """The engine requests behind one API request (one per prompt, each with the request's n
     completions), read as one stream of (prompt index, output). ``close()`` closes every stream,
@@ -51,10 +58,13 @@ class RequestGroup:
     @classmethod
     async def start(
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
-        lora_request: LoRARequest | None = None,
+        lora_request: LoRARequest | None = None, cache_salt: str | None = None,
     ) -> RequestGroup:  # fmt: skip
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
-        sent; those queued before it are aborted then."""
+        sent; those queued before it are aborted then. ``cache_salt``: a request's (vLLM's), put
+        in each prompt."""
+        if cache_salt is not None:
+            prompts = [salted(prompt, cache_salt) for prompt in prompts]
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = cls([])
         try:
@@ -125,20 +135,28 @@ class EventStream:
 
 
 class Usage:
-    """Token counts of one API request, as OpenAI's ``usage``."""
+    """Token counts of one API request, as OpenAI's ``usage``; with ``details`` (vLLM's
+    ``--enable-prompt-tokens-details``) also ``prompt_tokens_details.cached_tokens``, the prompt
+    tokens served from the prefix cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, details: bool = False) -> None:
+        self.details = details
         self.prompt_tokens: dict[int, int] = {}  # per prompt index
+        self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
+        self.cached_tokens[i] = out.num_cached_tokens or 0
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
-    def body(self) -> dict[str, int]:
+    def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+        body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+        if self.details:
+            body["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens.values())}
+        return body
 
 
 class OpenAIServing:
@@ -157,6 +175,7 @@ class OpenAIServing:
         own = SamplingParams().max_tokens
         self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
         self.max_model_len = engine.engine.max_model_len
+        self.prompt_tokens_details = False  # usage.prompt_tokens_details (build_app's enable_prompt_tokens_details)
 
     def check_context(self, num_prompt_tokens: int, params: SamplingParams, name: str = "max_tokens") -> None:
         """A request's max_tokens (the request's ``name`` for it) must fit in the context after its
@@ -199,7 +218,11 @@ class OpenAIServing:
     def new_id(prefix: str, given: str | None) -> str:
         return given if given is not None else f"{prefix}-{uuid.uuid4().hex}"
 
-    def token_text(self, token_id: int, entry: LogprobsEntry | None = None) -> str:
+    def token_text(self, token_id: int, entry: LogprobsEntry | None = None, as_id: bool = False) -> str:
+        """A token as logprobs name it: its text, or (``as_id``: a request's
+        ``return_tokens_as_token_ids``) ``"token_id:<id>"``, which survives any bytes."""
+        if as_id:
+            return f"token_id:{token_id}"
         logprob = entry.get(token_id) if entry else None
         decoded = getattr(logprob, "decoded_token", None)
         return decoded if decoded is not None else self.tokenizer.decode([token_id])
