@@ -18,6 +18,7 @@ from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 from vllmini.kv.block_manager import BlockManager
 from vllmini.spec_decode import NgramProposer, SpeculativeConfig
 
+DIGITS = "1234567890123456789012"  # REPEAT[1]'s output says this first at its 22nd token
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 REPEAT = [
     "Repeat the following list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, kiwi.",
@@ -151,8 +152,9 @@ def test_every_verification_is_counted_even_the_one_that_ends_a_request(engines)
     eng.scheduler.schedule = schedule
     before = (eng.spec_stats.num_drafts, eng.spec_stats.num_draft_tokens)
     try:
-        for params in (SamplingParams(max_tokens=30, temperature=0), SamplingParams(max_tokens=80, temperature=0, stop=["15"])):
-            chats(spec, params, REPEAT[1:2])
+        for params in (SamplingParams(max_tokens=30, temperature=0), SamplingParams(max_tokens=80, temperature=0, stop=[DIGITS])):
+            out = chats(spec, params, REPEAT[1:2])[0].outputs[0]
+        assert out.stop_reason == DIGITS  # (the last run stopped on its string)
     finally:
         del eng.scheduler.schedule
     assert len(scheduled) > 2
@@ -171,18 +173,22 @@ def test_seeded_sampling_penalties_and_stops_equal_plain_decoding(engines):
         SamplingParams(max_tokens=60, temperature=0.7, top_p=0.95, seed=7, repetition_penalty=1.1, frequency_penalty=0.2),
         SamplingParams(max_tokens=60, temperature=1.0, top_k=20, seed=3, presence_penalty=0.3, min_tokens=10),
         SamplingParams(max_tokens=7, temperature=0),  # max_tokens inside a draft run
-        SamplingParams(max_tokens=80, temperature=0, stop=["cherry", "15", "lazy"]),
-        SamplingParams(max_tokens=80, temperature=0, stop=["cherry", "15"], include_stop_str_in_output=True),
+        # each prompt's output says one of these (the digits after ~12 tokens of accepted drafts)
+        SamplingParams(max_tokens=80, temperature=0, stop=["Cherry", DIGITS, "Lazy", "feline"]),
+        SamplingParams(max_tokens=80, temperature=0, stop=["Cherry", DIGITS, "feline"], include_stop_str_in_output=True),
         SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, seed=11, n=2),
     ]
     # every case on every prompt in one batch: one pass of decode steps per engine, not one per case
     params = [case for case in cases for _ in REPEAT]
     prompts = REPEAT * len(cases)
+    stopped = 0
     for w, g, p in zip(chats(base, params, prompts), chats(spec, params, prompts), params):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs], p
         assert [c.text for c in g.outputs] == [c.text for c in w.outputs]
         assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
         assert [c.stop_reason for c in g.outputs] == [c.stop_reason for c in w.outputs]
+        stopped += sum(isinstance(c.stop_reason, str) for c in g.outputs)
+    assert stopped == 7, "the stop strings should end 7 of the 8 outputs that have them"
     assert_no_leaks(spec)
 
 
@@ -298,7 +304,7 @@ def test_lora_requests_speculate_as_base_ones(tiny_qwen3, tmp_path):
 def test_async_engine_streams_several_tokens_a_step(default_model_dir, engines):
     async def main():
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(default_model_dir), speculative_config=NGRAM))
-        params = SamplingParams(max_tokens=60, temperature=0, output_kind="delta")
+        params = SamplingParams(max_tokens=30, temperature=0, output_kind="delta")
         prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"
         deltas = [o.outputs[0] async for o in engine.generate(prompt, params, request_id="r")]
         engine.shutdown()
@@ -307,7 +313,7 @@ def test_async_engine_streams_several_tokens_a_step(default_model_dir, engines):
     deltas, eng = asyncio.run(main())
     whole = engines[0].generate(
         ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,"],
-        SamplingParams(max_tokens=60, temperature=0), use_tqdm=False,
+        SamplingParams(max_tokens=30, temperature=0), use_tqdm=False,
     )[0].outputs[0]  # fmt: skip
     assert [t for d in deltas for t in d.token_ids] == whole.token_ids
     assert "".join(d.text for d in deltas) == whole.text
