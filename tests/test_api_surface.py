@@ -108,9 +108,10 @@ def test_arrival_time_is_vllms_wall_clock(engine, monkeypatch):
 
 
 def test_prompt_dict_with_unsupported_keys_is_refused(engine):
-    """vLLM's TextPrompt/TokensPrompt keys this engine cannot honour (multi_modal_data, cache_salt,
-    ...) are an error naming them, not silently dropped."""
-    for extra in ({"multi_modal_data": {"image": object()}}, {"cache_salt": "user-1"}):
+    """vLLM's TextPrompt/TokensPrompt keys this engine cannot honour (multi_modal_data,
+    mm_processor_kwargs, ...) are an error naming them, not silently dropped (cache_salt is taken:
+    tests/test_cache_salt.py)."""
+    for extra in ({"multi_modal_data": {"image": object()}}, {"mm_processor_kwargs": {}}):
         with pytest.raises(ValueError, match=next(iter(extra))):
             engine.add_request("x", {"prompt": "hi", **extra}, SamplingParams(max_tokens=2))
     assert not engine.has_unfinished_requests()

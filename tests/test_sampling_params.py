@@ -64,7 +64,7 @@ def test_default_lists_are_not_shared():
 
 
 BAD = [
-    ("n", 0), ("n", -1), ("n", 1.5), ("n", True),
+    ("n", 0), ("n", -1), ("n", 1.5), ("n", True), ("n", 16385), ("n", 10**9),
     ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("temperature", "1"),
     ("temperature", True),
     ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan), ("top_p", None),
@@ -87,6 +87,16 @@ BAD = [
     ("include_stop_str_in_output", 0), ("skip_special_tokens", None), ("detokenize", 0),
     ("output_kind", "streaming"), ("output_kind", 1),
 ]  # fmt: skip
+
+
+def test_n_is_capped_as_vllm_caps_it(monkeypatch):
+    """Every sequence of a request is made when it is added: n is bounded by vLLM's default
+    VLLM_MAX_N_SEQUENCES (16384), which $VLLMINI_MAX_N_SEQUENCES changes."""
+    assert SamplingParams(n=16384, temperature=1.0).n == 16384
+    monkeypatch.setenv("VLLMINI_MAX_N_SEQUENCES", "4")
+    assert SamplingParams(n=4, temperature=1.0).n == 4
+    with pytest.raises(ValueError, match=r"n must be an int in \[1, 4\]"):
+        SamplingParams(n=5, temperature=1.0)
 
 
 @pytest.mark.parametrize("field,value", BAD, ids=[f"{f}={v!r}" for f, v in BAD])

@@ -185,6 +185,10 @@ def test_bad_budgets_and_configs_are_refused_naming_the_field(plain, tiny_dir):
         with pytest.raises(ValueError, match=message):
             EngineArgs(model=str(tiny_dir), reasoning_config=config).validate()
     assert ReasoningConfig.coerce('{"reasoning_parser": "deepseek_r1"}').strings() == ("<think>", "</think>")
+    tok = plain.get_tokenizer()
+    with pytest.raises(ValueError, match=r"reasoning_start_str='<think>' encodes to \[44, 17400, 46\] .* below the vocabulary size 100"):
+        ThinkingBudget.from_config(ReasoningConfig("qwen3"), tok, 100)  # (ids past the model's vocabulary)
+    assert ThinkingBudget.from_config(ReasoningConfig("qwen3"), tok, 49152) == ThinkingBudget(tuple(START), tuple(END))
     assert plain.generate("hi", greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "length"  # still serving
 
 

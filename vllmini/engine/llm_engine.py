@@ -104,7 +104,8 @@ class LLMEngine:
                 raise ValueError("logits_processors: pooling models do not support custom logits processors")
             self.logits_processors = LogitsProcessors(processor_classes, args, self.device)
         # SamplingParams.thinking_token_budget's start and end tokens (engine/thinking_budget.py)
-        self.thinking = ThinkingBudget.from_config(ReasoningConfig.coerce(args.reasoning_config), self.tokenizer)
+        self.thinking = ThinkingBudget.from_config(ReasoningConfig.coerce(args.reasoning_config), self.tokenizer,
+                                                   self.vocab_size)  # fmt: skip
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}

@@ -11,12 +11,14 @@ import copy
 import enum
 import logging
 import math
+import os
 from typing import Any, Literal
 
 import msgspec
 
 from vllmini.engine.repetition_detection import RepetitionDetectionParams
 
+DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES
 # vLLM's cap on SamplingParams.logprob_token_ids
 MAX_LOGPROB_TOKEN_IDS = 128
 # vLLM's threshold: a temperature below this is treated as greedy (argmax).
@@ -63,6 +65,14 @@ _FLOAT32_TINY = 2.0**-149  # the least positive float32: anything smaller rounds
 def is_real(v: object) -> bool:
     """An int or float that is not a bool."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def max_n_sequences() -> int:
+    """The largest ``n`` a request may ask for: each of its sequences is made when the request is
+    added, so an unbounded one would let one request stall the engine. vLLM's
+    ``VLLM_MAX_N_SEQUENCES`` and its default; here ``$VLLMINI_MAX_N_SEQUENCES``."""
+    value = os.environ.get("VLLMINI_MAX_N_SEQUENCES", "")
+    return int(value) if value.strip().isdigit() else DEFAULT_MAX_N_SEQUENCES
 
 
 def bad_value(field: str, accepted: str, value: object) -> ValueError:
@@ -261,8 +271,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self.repetition_detection = _from_dict("repetition_detection", RepetitionDetectionParams, self.repetition_detection)
 
     def _validate(self) -> None:
-        if not is_int(self.n) or self.n < 1:
-            raise bad_value("n", "an int >= 1", self.n)
+        cap = max_n_sequences()
+        if not is_int(self.n) or not 1 <= self.n <= cap:
+            raise bad_value("n", f"an int in [1, {cap}] ($VLLMINI_MAX_N_SEQUENCES)", self.n)
         self.temperature = self._real("temperature", ">= 0", lambda v: v >= 0)
         if self.n > 1 and self.is_greedy:  # (n copies of one answer; vLLM refuses them too)
             raise ValueError(f"n must be 1 when using greedy sampling (temperature=0), got n={self.n}")

@@ -115,15 +115,18 @@ class ThinkingBudget:
     end_ids: tuple[int, ...]
 
     @classmethod
-    def from_config(cls, config: ReasoningConfig | None, tokenizer: Any) -> ThinkingBudget | None:
+    def from_config(cls, config: ReasoningConfig | None, tokenizer: Any, vocab_size: int) -> ThinkingBudget | None:
+        """The strings tokenized (as vLLM's, without special tokens); each must give tokens the
+        model can sample (ids below ``vocab_size``)."""
         if config is None:
             return None
         start, end = config.strings()
         ids = []
         for name, text in (("reasoning_start_str", start), ("reasoning_end_str", end)):
             tokens = tuple(tokenizer.encode(text, add_special_tokens=False))
-            if not tokens:
-                raise ValueError(f"reasoning_config.{name}={text!r} encodes to no tokens with this model's tokenizer")
+            if not tokens or max(tokens) >= vocab_size:
+                raise ValueError(f"reasoning_config.{name}={text!r} encodes to {list(tokens)} with this model's tokenizer: "
+                                 f"it must give one token or more, each below the vocabulary size {vocab_size}")  # fmt: skip
             ids.append(tokens)
         if ids[0] == ids[1]:
             raise ValueError("reasoning_config: the start and end strings encode to the same tokens")
