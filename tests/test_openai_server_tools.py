@@ -351,6 +351,12 @@ async def test_reasoning_and_content_apart_whole_and_streamed(engine):
     assert "".join(d.get("content", "") for d in deltas) == whole_msg["content"]
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert not any(d.get("reasoning") for d in deltas[first_content:])  # reasoning first, then content
+    async with http(engine, reasoning_parser="deepseek_r1") as h:  # vLLM's include_reasoning=false: left out
+        hidden = (await h.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()["choices"][0]["message"]
+        chunks = events((await h.post("/v1/chat/completions", json={**body, "include_reasoning": False, "stream": True})).text)
+    assert hidden["reasoning"] is None and hidden["content"] == whole_msg["content"]
+    deltas = [ch["delta"] for chunk in chunks[1:] for ch in chunk["choices"]]
+    assert not any(d.get("reasoning") for d in deltas) and "".join(d.get("content", "") for d in deltas) == hidden["content"]
     await wait_idle(engine)
 
 

@@ -12,15 +12,19 @@ from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, 
 
 class ChatOutputParser:
     """``reasoning`` and ``tools`` are fresh parsers (either may be None); with
-    ``parallel_tool_calls=False`` only the first call is kept (as vLLM)."""
+    ``parallel_tool_calls=False`` only the first call is kept, with ``include_reasoning=False``
+    the reasoning is read but left out (vLLM's request fields)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel_tool_calls: bool = True):
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, parallel_tool_calls: bool = True,
+                 include_reasoning: bool = True) -> None:  # fmt: skip
         self.reasoning, self.tools, self.parallel_tool_calls = reasoning, tools, parallel_tool_calls
+        self.include_reasoning = include_reasoning
         self.tools_called = False
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a whole output."""
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract_reasoning(text)
+        reasoning = reasoning if self.include_reasoning else None
         if self.tools is None:
             return reasoning, content, []
         info = self.tools.extract_tool_calls(content or "")
@@ -49,7 +53,8 @@ class ChatOutputParser:
         calls: dict[int, DeltaToolCall] = {}
         for piece in pieces:
             if len(piece) == 2:
-                texts[piece[0]] = texts.get(piece[0], "") + piece[1]
+                if piece[0] != "reasoning" or self.include_reasoning:
+                    texts[piece[0]] = texts.get(piece[0], "") + piece[1]
                 continue
             kind, index, text = piece
             if index > 0 and not self.parallel_tool_calls:

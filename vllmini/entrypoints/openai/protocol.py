@@ -170,6 +170,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # false: the reasoning parser's reasoning is left out of the response
 
     def check(self) -> None:
         self.resolved_tool_choice()

@@ -107,10 +107,11 @@ class OpenAIServingChat(OpenAIServing):
         # a grammar binds from the first token: such an output is not in reasoning unless it opens <think>
         constrained = params.structured_outputs is not None
         thinking = reasoning is not None and not constrained and reasoning.starts_in_reasoning(prompt)
-        parallel = request.parallel_tool_calls is not False
+        parallel, include = request.parallel_tool_calls is not False, request.include_reasoning
 
         def make() -> ChatOutputParser:
-            return ChatOutputParser(reasoning and reasoning(self.tokenizer, thinking), tools and tools.fresh(), parallel)
+            return ChatOutputParser(reasoning and reasoning(self.tokenizer, thinking), tools and tools.fresh(), parallel,
+                                    include)  # fmt: skip
 
         return params, make
 
@@ -126,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         if choice.mode in ("named", "required"):
             content = content or ""  # (as vLLM)
         message: dict[str, Any] = {"role": "assistant", "content": echo + (content or "") if echo else content}
-        if self.reasoning_parser is not None:
+        if self.reasoning_parser is not None:  # (None with include_reasoning=false)
             message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
