@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
 from vllmini.config import EngineArgs
+from vllmini.engine.async_beam_search import start_beam_search
+from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import render_chat
 from vllmini.engine.engine_stats import EngineStats, GenerationRate
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
@@ -246,6 +248,13 @@ class AsyncLLMEngine:
                 yield out
         finally:  # closing this generator leaves the loop without closing ``stream``: close it here,
             await stream.aclose()  # so that the abort is done (the id free) when aclose() returns
+
+    def beam_search(
+        self, prompt: PromptType, request_id: str, params: BeamSearchParams, lora_request: LoRARequest | None = None
+    ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """vLLM's ``EngineClient.beam_search`` (engine/async_beam_search.py): checked now, then
+        ``async for`` gives one final RequestOutput holding the best ``beam_width`` beams."""
+        return start_beam_search(self, prompt, request_id, params, lora_request)
 
     async def encode(
         self,

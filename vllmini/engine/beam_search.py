@@ -13,17 +13,18 @@ length-penalised score and the best ``beam_width`` returned.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Collection
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from tqdm.auto import tqdm
 
 from vllmini.engine.input_processor import PromptType, as_prompt_list, per_prompt_loras
-from vllmini.engine.outputs import LogprobsEntry
+from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams, bad_value, is_int, raised_temperature, real_value
 
 if TYPE_CHECKING:
     from vllmini.engine.llm import LLM
+    from vllmini.engine.llm_engine import LLMEngine
 
 
 class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,83 +92,105 @@ class _Search:
     cache_salt: str | None = None  # its prompt's: every step's requests carry it
 
 
+class BeamSearch:
+    """The search over a batch of prompts, apart from how a step's requests are run: ``requests``
+    gives a step's (prompt, adapter) pairs, the caller runs them (``LLM.generate``, or the async
+    engine: engine/async_beam_search.py) and hands their outputs to ``advance``; ``best`` ranks
+    what is left. Prompts, adapters and the logprobs cap are checked when it is made."""
+
+    def __init__(self, engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams, loras: list[Any]) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        cap = engine.input_processor.max_logprobs
+        if 2 * params.beam_width > cap:  # (else the first step would name logprobs, which the caller never set)
+            raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {2 * params.beam_width} logprobs "
+                             f"per step, more than max_logprobs={cap} (an EngineArgs field; -1 lifts it)")  # fmt: skip
+        self.engine, self.params = engine, params
+        self.eos = frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
+        self.step_params = SamplingParams(
+            max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
+        )
+        # every prompt is checked as generate checks it (its length too) before any work is done: with
+        # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
+        inputs = [engine.input_processor.process(p, self.step_params) for p in prompts]
+        self.searches = [_Search(len(inp.prompt_token_ids), [BeamSearchSequence(inp.prompt_token_ids)], lora=lora,
+                                 cache_salt=inp.cache_salt) for inp, lora in zip(inputs, loras)]  # fmt: skip
+        self._beams: list[tuple[_Search, BeamSearchSequence]] = []
+
+    def requests(self, searches: list[_Search] | None = None) -> list[tuple[dict[str, Any], Any]]:
+        """The next step's requests, one per live beam of ``searches`` (default: all): the beam's
+        tokens as a prompt (with its prompt's cache salt) and its adapter. Empty: nothing left to
+        extend (a beam that filled the context or the KV cache is completed first)."""
+        room = self.engine.input_processor.room
+        searches = self.searches if searches is None else searches
+        for search in searches:
+            full = [len(b.tokens) > search.prompt_len and room(len(b.tokens)) < 1 for b in search.live]
+            search.done += [_finished(b, "length") for b, f in zip(search.live, full) if f]
+            search.live = [b for b, f in zip(search.live, full) if not f]
+        self._beams = [(search, beam) for search in searches for beam in search.live]
+        salted = [{"cache_salt": s.cache_salt} if s.cache_salt else {} for s, _ in self._beams]
+        return [({"prompt_token_ids": beam.tokens} | salt, s.lora) for (s, beam), salt in zip(self._beams, salted)]
+
+    def advance(self, results: list[RequestOutput]) -> None:
+        """Take the outputs of the last ``requests`` (in order): each beam's candidates are its
+        tokens among the top ``2 * beam_width``; a prompt keeps its best ``beam_width`` live ones,
+        and one ending in EOS (unless ``ignore_eos``) is completed instead."""
+        searches = list({id(s): s for s, _ in self._beams}.values())
+        candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
+        for (search, beam), result in zip(self._beams, results):
+            # no logprobs: the row ended without a token (invalid logits), so the beam ends here, as in vLLM
+            for entry in result.outputs[0].logprobs or []:
+                for token, logprob in entry.items():
+                    cum_logprob = beam.cum_logprob + float(logprob)
+                    child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], cum_logprob)
+                    if token in self.eos:
+                        search.done.append(_finished(child, "stop", token))
+                    else:
+                        candidates[id(search)].append(child)
+        for search in searches:  # (one length per prompt: this ranks by cumulative logprob, stable on ties)
+            ranked = sorted(candidates[id(search)], key=lambda b: beam_score(b, self.params.length_penalty), reverse=True)
+            search.live = ranked[: self.params.beam_width]
+
+    def best(self) -> list[BeamSearchOutput]:
+        """Per prompt, completed and live beams ranked together, the best ``beam_width``, their
+        text decoded (prompt + output; a final EOS only with include_stop_str_in_output)."""
+        params, tokenizer, outputs = self.params, self.engine.tokenizer, []
+        for search in self.searches:
+            ranked = sorted(search.done + search.live, key=lambda b: beam_score(b, params.length_penalty), reverse=True)
+            best = ranked[: params.beam_width]
+            for beam in best:
+                beam.finish_reason = beam.finish_reason or "length"
+                hide_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
+                beam.text = tokenizer.decode(beam.tokens[:-1] if hide_eos else beam.tokens)
+            outputs.append(BeamSearchOutput(best))
+        return outputs
+
+
 def beam_search(
     llm: LLM, prompts: PromptType | list[PromptType], params: BeamSearchParams,
     use_tqdm: bool = False, concurrency_limit: int | None = None, lora_request: Any = None,
 ) -> list[BeamSearchOutput]:  # fmt: skip
-    """``LLM.beam_search``: one ``BeamSearchOutput`` per prompt, in input order.
-    ``concurrency_limit``: search that many prompts at a time (vLLM's option); None: all."""
-    if not isinstance(params, BeamSearchParams):
-        raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+    """``LLM.beam_search``: one ``BeamSearchOutput`` per prompt, in input order; each step's beams
+    of every prompt go to one ``LLM.generate`` call. ``concurrency_limit``: search that many
+    prompts at a time (vLLM's option); None: all."""
     if concurrency_limit is not None and (not is_int(concurrency_limit) or concurrency_limit < 1):
         raise bad_value("concurrency_limit", "an int >= 1 or None", concurrency_limit)
-    engine = llm.llm_engine
-    cap = engine.input_processor.max_logprobs
-    if 2 * params.beam_width > cap:  # (else the first step would name logprobs, which the caller never set)
-        raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {2 * params.beam_width} logprobs "
-                         f"per step, more than max_logprobs={cap} (an EngineArgs field; -1 lifts it)")  # fmt: skip
-    eos = frozenset() if params.ignore_eos else frozenset(engine.eos_token_ids)
-    step_params = SamplingParams(
-        max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
-    )
-    # every prompt is checked as generate checks it (its length too) before any work is done: with
-    # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
-    processor = engine.input_processor
-    inputs = [processor.process(p, step_params) for p in as_prompt_list(prompts)]
-    loras = per_prompt_loras(lora_request, len(inputs))
+    prompts = as_prompt_list(prompts)
+    loras = per_prompt_loras(lora_request, len(prompts))
+    search = BeamSearch(llm.llm_engine, prompts, params, loras)
     for lora in loras:  # (checked up front too, as the prompts; a loaded one is only looked up)
         if lora is not None:
-            engine.add_lora(lora)
-    searches = [_Search(len(inp.prompt_token_ids), [BeamSearchSequence(inp.prompt_token_ids)], lora=lora,
-                        cache_salt=inp.cache_salt) for inp, lora in zip(inputs, loras)]  # fmt: skip
-    group = concurrency_limit or max(len(searches), 1)
-    for start in range(0, len(searches), group):
+            llm.llm_engine.add_lora(lora)
+    group = concurrency_limit or max(len(search.searches), 1)
+    for start in range(0, len(search.searches), group):
         steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", disable=not use_tqdm)
         for _ in steps:
-            if not _step(llm, searches[start : start + group], step_params, params, eos):
+            requests = search.requests(search.searches[start : start + group])
+            if not requests:
                 break
-    tokenizer = engine.tokenizer
-    outputs = []
-    for search in searches:
-        ranked = sorted(search.done + search.live, key=lambda b: beam_score(b, params.length_penalty), reverse=True)
-        best = ranked[: params.beam_width]
-        for beam in best:
-            beam.finish_reason = beam.finish_reason or "length"
-            hide_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
-            beam.text = tokenizer.decode(beam.tokens[:-1] if hide_eos else beam.tokens)
-        outputs.append(BeamSearchOutput(best))
-    return outputs
-
-
-def _step(llm: LLM, searches: list[_Search], step_params: SamplingParams, params: BeamSearchParams,
-          eos: Collection[int]) -> bool:  # fmt: skip
-    """Extend every live beam by one token; False when no beam was left to extend."""
-    room = llm.llm_engine.input_processor.room
-    for search in searches:  # a beam that filled the context (or the KV cache) can go no further
-        full = [len(b.tokens) > search.prompt_len and room(len(b.tokens)) < 1 for b in search.live]
-        search.done += [_finished(b, "length") for b, f in zip(search.live, full) if f]
-        search.live = [b for b, f in zip(search.live, full) if not f]
-    beams = [(search, beam) for search in searches for beam in search.live]
-    if not beams:
-        return False
-    prompts = [{"prompt_token_ids": beam.tokens} | ({"cache_salt": s.cache_salt} if s.cache_salt else {}) for s, beam in beams]
-    results = llm.generate(prompts, step_params, use_tqdm=False,
-                           lora_request=[search.lora for search, _ in beams])  # fmt: skip
-    candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
-    for (search, beam), result in zip(beams, results):
-        # no logprobs: the row ended without a token (invalid logits), so the beam ends here, as in vLLM
-        for entry in result.outputs[0].logprobs or []:
-            for token, logprob in entry.items():
-                cum_logprob = beam.cum_logprob + float(logprob)
-                child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], cum_logprob)
-                if token in eos:
-                    search.done.append(_finished(child, "stop", token))
-                else:
-                    candidates[id(search)].append(child)
-    for search in searches:  # (one length per prompt: this ranks by cumulative logprob, stable on ties)
-        ranked = sorted(candidates[id(search)], key=lambda b: beam_score(b, params.length_penalty), reverse=True)
-        search.live = ranked[: params.beam_width]
-    return True
+            search.advance(llm.generate([p for p, _ in requests], search.step_params, use_tqdm=False,
+                                        lora_request=[lora for _, lora in requests]))  # fmt: skip
+    return search.best()
 
 
 def _finished(beam: BeamSearchSequence, reason: str, stop_reason: Any = None) -> BeamSearchSequence:

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
 from vllmini.entrypoints.openai.tool_choice import ToolChoice, resolve_tool_choice
 
@@ -90,6 +91,9 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only among requests with the same salt
     return_token_ids: bool | None = None  # vLLM's: the output's (and prompt's) token ids in the response
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
+    # vLLM's beam search (engine/async_beam_search.py): n beams; sampling-only fields are not used
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
@@ -99,6 +103,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             raise ValueError("prompt_logprobs are not available with stream=true (as in vLLM)")
         given: dict[str, Any] = {name: getattr(defaults, name) for name in _MODEL_DEFAULTS}
         given.update({name: v for name in _PASSED if (v := getattr(self, name)) is not None})
+        if self.use_beam_search:  # (n is the beam width: beam_search_params)
+            given["n"] = 1
         if self.logit_bias is not None:
             given["logit_bias"] = _token_id_keys(self.logit_bias)
         structured = self._structured_outputs()
@@ -107,6 +113,19 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
             output_kind="delta" if self.stream else "final", extra_args=self.vllm_xargs,
             repetition_detection=self.repetition_detection,
         )  # fmt: skip
+
+    def beam_search_params(self, max_tokens: int, max_logprobs: int) -> BeamSearchParams | None:
+        """With ``use_beam_search``, vLLM's mapping: n beams, the request's max_tokens, ignore_eos,
+        temperature (0 when not given), length_penalty and include_stop_str_in_output. Each step
+        reads the top 2n logprobs, which the server's ``max_logprobs`` bounds."""
+        if not self.use_beam_search:
+            return None
+        if not is_int(self.n) or not 1 <= 2 * self.n <= max_logprobs:
+            raise ValueError(f"n (the beam width with use_beam_search) must be an int in [1, {max_logprobs // 2}] (each "
+                             f"step reads 2n logprobs; the server's max_logprobs is {max_logprobs}), got {self.n!r}")  # fmt: skip
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=bool(self.ignore_eos),
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=bool(self.include_stop_str_in_output))  # fmt: skip
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         fmt = self.response_format

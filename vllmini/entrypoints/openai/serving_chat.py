@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
 from vllmini.engine.async_engine import AsyncLLMEngine
+from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -37,6 +38,7 @@ class PreparedChat(NamedTuple):
     choice: ToolChoice
     make: MakeParser | None  # makes an output's parser (None: the text is content)
     lora_request: LoRARequest | None
+    beam: BeamSearchParams | None = None  # use_beam_search: the search's (n beams) instead of sampling
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -61,7 +63,7 @@ class OpenAIServingChat(OpenAIServing):
         prepared = self.prepare(request)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prepared.prompt], prepared.params, request.priority,
-                                         prepared.lora_request, request.cache_salt)  # fmt: skip
+                                         prepared.lora_request, request.cache_salt, prepared.beam)  # fmt: skip
         choice, make = prepared.choice, prepared.make
         if request.stream:
             prompt_ids = prepared.prompt["prompt_token_ids"]
@@ -86,7 +88,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is not None and max_tokens is not self.model_max_tokens:
             self.check_context(len(prompt["prompt_token_ids"]), params, max_tokens_name)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
-        return PreparedChat(prompt, params, choice, make, lora_request)
+        beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)  # (beams also stop at the context's end)
+        return PreparedChat(prompt, params, choice, make, lora_request, beam)
 
     def _parsing(
         self, request: ChatCompletionRequest, choice: ToolChoice, prompt: str, params: SamplingParams

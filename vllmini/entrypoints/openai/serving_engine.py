@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 import msgspec
 
 from vllmini.engine.async_engine import AsyncLLMEngine
+from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.protocol import StreamOptions
@@ -58,19 +59,22 @@ class RequestGroup:
     @classmethod
     async def start(
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
-        lora_request: LoRARequest | None = None, cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None, cache_salt: str | None = None, beam: BeamSearchParams | None = None,
     ) -> RequestGroup:  # fmt: skip
         """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
         sent; those queued before it are aborted then. ``cache_salt``: a request's (vLLM's), put
-        in each prompt."""
+        in each prompt. ``beam``: each prompt is a beam search instead (one final output)."""
         if cache_salt is not None:
             prompts = [salted(prompt, cache_salt) for prompt in prompts]
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         group = cls([])
         try:
             for rid, prompt in zip(ids, prompts):
-                group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
-                                                              lora_request=lora_request))  # fmt: skip
+                if beam is not None:
+                    group.streams.append(engine.beam_search(prompt, rid, beam, lora_request))
+                else:
+                    group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
+                                                                  lora_request=lora_request))  # fmt: skip
                 group.unfinished.add(len(group.streams) - 1)
         except BaseException:
             await group.close()
@@ -175,6 +179,7 @@ class OpenAIServing:
         own = SamplingParams().max_tokens
         self.model_max_tokens = self.defaults.max_tokens if self.defaults.max_tokens != own else None
         self.max_model_len = engine.engine.max_model_len
+        self.max_logprobs = engine.engine.input_processor.max_logprobs
         self.prompt_tokens_details = False  # usage.prompt_tokens_details (build_app's enable_prompt_tokens_details)
 
     def check_context(self, num_prompt_tokens: int, params: SamplingParams, name: str = "max_tokens") -> None:
