@@ -175,12 +175,12 @@ def test_bad_budgets_and_configs_are_refused_naming_the_field(plain, tiny_dir):
             SamplingParams(thinking_token_budget=bad)
     for config, message in [
         ({"reasoning_parser": "nope"}, "reasoning_config.reasoning_parser"),
-        ({"start": "<a>"}, "unknown field"),
+        ({"start": "<a>"}, "unknown or unsupported field"),
         ({"reasoning_start_str": "<a>"}, "needs a reasoning_parser, or both"),
         ({"reasoning_start_str": "<a>", "reasoning_end_str": "<a>"}, "must differ"),
         ({"reasoning_start_str": 3, "reasoning_end_str": "<a>"}, "reasoning_start_str must be a string"),
         ("{not json", "reasoning_config is not valid JSON"),
-        ([1], "reasoning_config must be a dict"),
+        ([1], "reasoning_config must be a ReasoningConfig"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=message):
             EngineArgs(model=str(tiny_dir), reasoning_config=config).validate()

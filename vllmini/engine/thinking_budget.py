@@ -14,12 +14,10 @@ the section's prompt tokens too, as vLLM; a new section after an end gets the bu
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-_FIELDS = ("reasoning_parser", "reasoning_start_str", "reasoning_end_str")
 
 
 @dataclass(frozen=True)
@@ -34,21 +32,12 @@ class ReasoningConfig:
     @classmethod
     def coerce(cls, value: ReasoningConfig | dict | str | None) -> ReasoningConfig | None:
         """A ReasoningConfig from itself, a dict or its JSON text (the CLI's); errors name the field."""
-        if value is None or isinstance(value, ReasoningConfig):
-            config = value
-        else:
-            if isinstance(value, str):
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"reasoning_config is not valid JSON: {exc}") from None
-            if not isinstance(value, dict):
-                raise ValueError(f"reasoning_config must be a dict (or its JSON), got {type(value).__name__}")
-            if unknown := sorted(set(value) - set(_FIELDS)):
-                raise ValueError(f"reasoning_config has unknown field(s) {unknown}; accepted: {list(_FIELDS)}")
-            config = cls(**value)
-        if config is not None:
-            config._check()
+        from vllmini.config import config_fields  # (config.py imports this module)
+
+        if value is None:
+            return None
+        config = value if isinstance(value, ReasoningConfig) else cls(**config_fields(value, "reasoning_config", cls))
+        config._check()
         return config
 
     def _check(self) -> None:
