@@ -149,6 +149,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     echo: bool = False  # the prompt comes back before the completion
     suffix: str | None = None  # refused: no insertion models here
     best_of: int | None = None  # vLLM's V1 engine keeps only best_of == n
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without the tokenizer's BOS/EOS
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token-id list, or a list of either."""
@@ -190,6 +191,10 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # false: the reasoning parser's reasoning is left out of the response
+    # vLLM's: handed to the chat template (RAG templates read ``documents``; some read ``reasoning_effort``)
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    add_special_tokens: bool = False  # the template writes them; true: the tokenizer adds its own too (vLLM's)
 
     def check(self) -> None:
         self.resolved_tool_choice()

@@ -80,6 +80,8 @@ class OpenAIServingChat(OpenAIServing):
         if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
         prompt = self.render(request)
+        if request.add_special_tokens:  # (vLLM's: the tokenizer's own BOS/EOS too, besides the template's)
+            prompt = {**prompt, "prompt_token_ids": self.tokenizer(prompt["prompt"]).input_ids}
         # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
@@ -153,6 +155,9 @@ class OpenAIServingChat(OpenAIServing):
                    "continue_final_message": request.continue_final_message,
                    "chat_template": request.chat_template or self.chat_template,
                    **(request.chat_template_kwargs or {})}  # fmt: skip
+        for name in ("documents", "reasoning_effort"):  # (chat requests' template variables, vLLM's)
+            if (value := getattr(request, name, None)) is not None:
+                options[name] = value
         return render_chat(self.tokenizer, request.messages, **options)
 
     def _echo(self, request: ChatCompletionRequest) -> str:

@@ -19,6 +19,9 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self.check_model(request.model)
         request.check()
         prompts = request.prompts()
+        if not request.add_special_tokens:  # (the text kept beside its ids: echo and truncation read it)
+            prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids}
+                       if isinstance(p, str) else p for p in prompts]  # fmt: skip
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
         if request.max_tokens is not None:  # (the engine tokenizes them again: truncation reads the text)
             for prompt in prompts:
