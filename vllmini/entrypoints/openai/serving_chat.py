@@ -90,7 +90,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is not None and max_tokens is not self.model_max_tokens:
             self.check_context(len(prompt["prompt_token_ids"]), params, max_tokens_name)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
-        beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)  # (beams also stop at the context's end)
+        # (a beam also stops where the context ends)
+        beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)
         return PreparedChat(prompt, params, choice, make, lora_request, beam)
 
     def _parsing(
@@ -171,7 +172,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, choice: ToolChoice,
         make: MakeParser | None,
     ) -> dict[str, Any]:  # fmt: skip
-        usage, choices, prompt_logprobs = Usage(self.prompt_tokens_details), [], None
+        usage, choices, prompt_logprobs, prompt_ids = Usage(self.prompt_tokens_details), [], None, []
         async for i, out in group:
             usage.add(i, out)
             prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)

@@ -29,7 +29,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)
-        beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)  # (beams also stop at the context's end)
+        # (a beam also stops where the context ends)
+        beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)
         group = await RequestGroup.start(self.engine, request_id, prompts, params, request.priority, lora_request,
                                          request.cache_salt, beam)  # fmt: skip
         if request.stream:
