@@ -40,13 +40,13 @@ async def _run(engine: AsyncLLMEngine, search: BeamSearch, prompt: PromptType, r
         outs = await asyncio.gather(*(_final(engine, p, f"{request_id}-step{step}-beam{i}", search.step_params, lora)
                                       for i, (p, lora) in enumerate(requests)))  # fmt: skip
         search.advance(list(outs))
-    (best,) = search.best()
+    (best,) = search.best(decode=False)  # (the outputs' text is theirs alone, decoded here)
     tokenizer, outputs = engine.engine.tokenizer, []
     for i, beam in enumerate(best.sequences):
         tokens = beam.tokens[len(prompt_ids) :]
-        hide_eos = beam.finish_reason == "stop" and not search.params.include_stop_str_in_output
-        outputs.append(CompletionOutput(i, tokenizer.decode(tokens[:-1] if hide_eos else tokens), tokens, beam.cum_logprob,
-                                        beam.logprobs, beam.finish_reason, beam.stop_reason))  # fmt: skip
+        text = tokenizer.decode(search.shown(tokens, beam))
+        outputs.append(CompletionOutput(i, text, tokens, beam.cum_logprob, beam.logprobs, beam.finish_reason,
+                                        beam.stop_reason))  # fmt: skip
     text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
     yield RequestOutput(request_id, text, prompt_ids, None, outputs, True)
 

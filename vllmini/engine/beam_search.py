@@ -128,8 +128,8 @@ class BeamSearch:
             search.done += [_finished(b, "length") for b, f in zip(search.live, full) if f]
             search.live = [b for b, f in zip(search.live, full) if not f]
         self._beams = [(search, beam) for search in searches for beam in search.live]
-        salted = [{"cache_salt": s.cache_salt} if s.cache_salt else {} for s, _ in self._beams]
-        return [({"prompt_token_ids": beam.tokens} | salt, s.lora) for (s, beam), salt in zip(self._beams, salted)]
+        return [({"prompt_token_ids": beam.tokens} | ({"cache_salt": s.cache_salt} if s.cache_salt else {}), s.lora)
+                for s, beam in self._beams]  # fmt: skip
 
     def advance(self, results: list[RequestOutput]) -> None:
         """Take the outputs of the last ``requests`` (in order): each beam's candidates are its
@@ -151,19 +151,25 @@ class BeamSearch:
             ranked = sorted(candidates[id(search)], key=lambda b: beam_score(b, self.params.length_penalty), reverse=True)
             search.live = ranked[: self.params.beam_width]
 
-    def best(self) -> list[BeamSearchOutput]:
-        """Per prompt, completed and live beams ranked together, the best ``beam_width``, their
-        text decoded (prompt + output; a final EOS only with include_stop_str_in_output)."""
+    def best(self, decode: bool = True) -> list[BeamSearchOutput]:
+        """Per prompt, completed and live beams ranked together, the best ``beam_width``; with
+        ``decode``, each one's ``text`` is its ``shown`` tokens decoded (prompt + output)."""
         params, tokenizer, outputs = self.params, self.engine.tokenizer, []
         for search in self.searches:
             ranked = sorted(search.done + search.live, key=lambda b: beam_score(b, params.length_penalty), reverse=True)
             best = ranked[: params.beam_width]
             for beam in best:
                 beam.finish_reason = beam.finish_reason or "length"
-                hide_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
-                beam.text = tokenizer.decode(beam.tokens[:-1] if hide_eos else beam.tokens)
+                if decode:
+                    beam.text = tokenizer.decode(self.shown(beam.tokens, beam))
             outputs.append(BeamSearchOutput(best))
         return outputs
+
+    def shown(self, tokens: list[int], beam: BeamSearchSequence) -> list[int]:
+        """``tokens`` (the end of ``beam``'s) as its text shows them: a final EOS only with
+        include_stop_str_in_output."""
+        hide_eos = beam.finish_reason == "stop" and not self.params.include_stop_str_in_output
+        return tokens[:-1] if hide_eos else tokens
 
 
 def beam_search(

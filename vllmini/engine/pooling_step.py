@@ -32,10 +32,11 @@ def prepare_pooling(
                          f"embed), got {type(params).__name__}; generation needs runner='generate'")  # fmt: skip
     params = engine.pooler.resolve(params, engine.hf_config)
     _, ids = engine.input_processor.process_pooling(prompt, params)
+    cache_salt = cache_salt_of(prompt)  # (checked before an adapter is loaded for it)
     adapter = None if lora_request is None else engine._lora_adapter(lora_request)
     request_id, now = engine._id_and_arrival(request_id, arrival_time)
     seq = Sequence(next(engine._seq_ids), request_id, ids, params, 0, arrival_time=now, priority=priority,
-                   lora=adapter, cache_salt=cache_salt_of(prompt))  # fmt: skip
+                   lora=adapter, cache_salt=cache_salt)  # fmt: skip
     # a token task pools every position: a prefix-cache hit would skip some (vLLM's skip_reading_prefix_cache)
     seq.skip_reading_prefix_cache = params.task in TOKEN_TASKS
     return PoolingRequestState(request_id, list(ids), params, [seq])

@@ -19,7 +19,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 
-
 @dataclass(frozen=True)
 class ReasoningConfig:
     """vLLM's ``ReasoningConfig``: a reasoning parser's name (its strings are the defaults) and/or
