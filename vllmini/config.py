@@ -152,6 +152,35 @@ class PoolerConfig:
         return cls(**config_fields(value, "pooler_config", cls))
 
 
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``StructuredOutputsConfig``, the parts built here: ``backend`` ("auto" or
+    "xgrammar", the one backend here), ``reasoning_parser`` (as vLLM's: a grammar then waits out
+    the reasoning; it gives ``EngineArgs.reasoning_config`` when that is not set) and
+    ``enable_in_reasoning`` (the grammar binds the reasoning too: engine/structured_outputs.py)."""
+
+    backend: str = "auto"
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config.backend must be 'auto' or 'xgrammar' (the one backend "
+                             f"built here), got {self.backend!r}")  # fmt: skip
+        if not isinstance(self.reasoning_parser, str):
+            raise ValueError(f"structured_outputs_config.reasoning_parser must be a string, got {self.reasoning_parser!r}")
+        if not isinstance(self.enable_in_reasoning, bool):
+            raise ValueError(f"structured_outputs_config.enable_in_reasoning must be True or False, "
+                             f"got {self.enable_in_reasoning!r}")  # fmt: skip
+
+    @classmethod
+    def coerce(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
+        """A StructuredOutputsConfig from itself, a dict or its JSON text (None: the defaults)."""
+        if value is None or isinstance(value, StructuredOutputsConfig):
+            return value or cls()
+        return cls(**config_fields(value, "structured_outputs_config", cls))
+
+
 def config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:
     """A config given as a dict of the dataclass ``cls``'s fields or as its JSON text (vLLM's
     command line passes JSON: ``--pooler-config '{...}'``), checked for unknown fields."""
@@ -269,6 +298,17 @@ class EngineArgs:
     # {"reasoning_parser": "qwen3"} or {"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}
     # (engine/thinking_budget.py); the server's --reasoning-parser sets it when it is not given
     reasoning_config: ReasoningConfig | dict | str | None = None
+    # vLLM's StructuredOutputsConfig (a dict or its JSON): {"enable_in_reasoning": true} makes a grammar bind
+    # the reasoning too (by default it starts after the reasoning's end string); {"reasoning_parser": "qwen3"}
+    # gives reasoning_config when that is not set
+    structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
+
+    def resolved_reasoning_config(self) -> ReasoningConfig | None:
+        """``reasoning_config``, else the one ``structured_outputs_config.reasoning_parser`` names."""
+        if self.reasoning_config is None:
+            parser = StructuredOutputsConfig.coerce(self.structured_outputs_config).reasoning_parser
+            return ReasoningConfig.coerce({"reasoning_parser": parser}) if parser else None
+        return ReasoningConfig.coerce(self.reasoning_config)
 
     def get_served_model_name(self) -> str:
         """The name the server answers to and the metrics' model_name label (vLLM's rule: the
@@ -330,7 +370,8 @@ class EngineArgs:
         from vllmini.engine.logits_processor_state import load_logits_processors
 
         load_logits_processors(self.logits_processors)
-        ReasoningConfig.coerce(self.reasoning_config)
+        StructuredOutputsConfig.coerce(self.structured_outputs_config)
+        self.resolved_reasoning_config()
         from vllmini.models.backend_select import BACKEND_NAMES
 
         if self.attention_backend is not None and self.attention_backend not in BACKEND_NAMES:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, PoolerConfig, resolve_device, resolve_max_model_len
+from vllmini.config import EngineArgs, PoolerConfig, StructuredOutputsConfig, resolve_device, resolve_max_model_len
 from vllmini.engine import prompt_logprobs, sample_step
 from vllmini.engine.async_scheduling import launch_continuation, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +31,7 @@ from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
-from vllmini.engine.thinking_budget import ReasoningConfig, ThinkingBudget
+from vllmini.engine.thinking_budget import ThinkingBudget
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
@@ -93,19 +93,22 @@ class LLMEngine:
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler()
+        # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
+        # counts from the start, a structured-output grammar begins after the end
+        self.thinking = ThinkingBudget.from_config(args.resolved_reasoning_config(), self.tokenizer, self.vocab_size)
+        in_reasoning = StructuredOutputsConfig.coerce(args.structured_outputs_config).enable_in_reasoning
+        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                  None if in_reasoning else self.thinking)  # fmt: skip
         self.speculator: Speculator | None = None
         if self.spec_config is not None:
-            self.speculator = Speculator(self.spec_config, rt.drafter, self.block_manager, self.max_model_len)
+            self.speculator = Speculator(self.spec_config, rt.drafter, self.block_manager, self.max_model_len,
+                                         self.structured)  # fmt: skip
         self.spec_stats = SpecDecodingStats() if self.speculator is None else self.speculator.stats
-        self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.logits_processors: LogitsProcessors | None = None  # custom ones (engine/logits_processor.py)
         if processor_classes := load_logits_processors(args.logits_processors):
             if self.pooler is not None:
                 raise ValueError("logits_processors: pooling models do not support custom logits processors")
             self.logits_processors = LogitsProcessors(processor_classes, args, self.device)
-        # SamplingParams.thinking_token_budget's start and end tokens (engine/thinking_budget.py)
-        self.thinking = ThinkingBudget.from_config(ReasoningConfig.coerce(args.reasoning_config), self.tokenizer,
-                                                   self.vocab_size)  # fmt: skip
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}

@@ -46,7 +46,9 @@ class RequestState:
     # one xgrammar matcher per sequence once it is compiled
     grammar: Any = None
     matchers: list[Any] | None = None
-    # thinking_token_budget (engine/thinking_budget.py): per sequence index, its tokens' Marks so far
+    reasoning_ended: set[int] = field(default_factory=set)  # sequence indices whose grammar has begun
+    # the reasoning strings (engine/thinking_budget.py: a thinking_token_budget, a grammar after the
+    # reasoning): per sequence index, its tokens' Marks so far
     thinking_marks: dict[int, Marks] = field(default_factory=dict)
 
     @property

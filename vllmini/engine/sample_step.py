@@ -89,7 +89,7 @@ def sample(
     rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
                         _forced_token(engine, s, out, state))
             for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
-    matchers = [None if state.matchers is None else state.matchers[s.index] for s, state in zip(seqs, states)]
+    matchers = [engine.structured.matcher(state, s) for s, state in zip(seqs, states)]
     if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
         logits = engine.structured.mask(logits, matchers, drafts)
     tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
@@ -103,16 +103,14 @@ def sample(
 
 def _forced_token(engine: LLMEngine, seq: Sequence, output: list[int], state: RequestState) -> int | None:
     """The token a thinking budget forces on this row (engine/thinking_budget.py), if any. Not
-    under structured outputs: their grammar decides every token here (vLLM's waits for the
-    reasoning to end), so a forced end it does not allow would only fail the request."""
+    while a structured-output grammar decides the tokens (it starts after the reasoning, unless
+    ``enable_in_reasoning``): a forced end it does not allow would only fail the request."""
     budget, rule = seq.params.thinking_token_budget, engine.thinking
-    if budget is None or rule is None or state.matchers is not None:
+    if budget is None or rule is None or engine.structured.matcher(state, seq) is not None:
         return None
     # the sequence's own tokens are scanned once, on from the last step's Marks; ``output`` may
     # go on past them (drafts)
-    marks = state.thinking_marks[seq.index] = rule.marks(seq.prompt_token_ids, seq.output_token_ids,
-                                                         state.thinking_marks.get(seq.index))  # fmt: skip
-    return rule.forced_token(seq.prompt_token_ids, output, budget, marks)
+    return rule.forced_token(seq.prompt_token_ids, output, budget, rule.seq_marks(seq, state.thinking_marks))
 
 
 def complete(engine: LLMEngine, launched: LaunchedStep) -> list[RequestOutput]:
@@ -145,14 +143,15 @@ def _append_tokens(
 ) -> None:  # fmt: skip
     """Append the sequence's token of row ``first`` and, while each agrees with the draft it
     was sampled after, the next rows' (speculative decoding), until one stops it."""
+    matcher = engine.structured.matcher(state, seq)
+    reasoning = matcher is None and state.matchers is not None  # a grammar waiting for the reasoning's end
     for j in range(len(drafts) + 1):
         row, token = first + j, tokens[first + j]
         if invalid[row]:  # NaN/inf logits: this sequence ends, the others go on
             engine.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "invalid logits (NaN or inf)")
             return
         grammar_ended = False
-        if state.matchers is not None:  # structured outputs: the grammar takes the token
-            matcher = state.matchers[seq.index]
+        if matcher is not None:  # structured outputs: the grammar takes the token
             if not engine.structured.accept(matcher, token):
                 engine.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, "token refused by the structured output grammar")
                 return
@@ -166,3 +165,5 @@ def _append_tokens(
             return
         if seq.status.finished or j == len(drafts) or token != drafts[j]:
             return
+        if reasoning and engine.structured.matcher(state, seq) is not None:
+            return  # the reasoning ended here: the next rows were sampled without the grammar

@@ -20,6 +20,12 @@ Its path, as in vLLM v1:
 
 Steps holding such a row are synchronous under async scheduling: the next mask depends on
 the token just sampled.
+
+With a reasoning model (``EngineArgs.reasoning_config``, which the server's
+``--reasoning-parser`` sets), the grammar constrains the answer, not the reasoning, as vLLM's
+does: a sequence is free until the last reasoning string said (prompt + output) is the end
+string, and its matcher takes the tokens after that. ``StructuredOutputsConfig(
+enable_in_reasoning=True)`` binds it from the first token instead.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 
 from vllmini.engine.sampling_params import StructuredOutputsParams
+from vllmini.engine.thinking_budget import ThinkingBudget
 
 INSTALL_HINT = "pip install xgrammar"
 CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept for reuse (vLLM's default cap too; xgrammar's has none)
@@ -93,8 +100,11 @@ class StructuredOutputManager:
     and advances their sequences' matchers. Requests are the engine's ``RequestState``s; this
     class reads and writes their ``grammar`` and ``matchers`` fields only."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], reasoning: ThinkingBudget | None = None
+    ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.reasoning = reasoning  # the reasoning strings a grammar waits out (None: it binds from the start)
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are never allowed
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None  # built on the compile thread at the first request
@@ -147,6 +157,19 @@ class StructuredOutputManager:
         xgr = load_xgrammar()
         compiled = state.grammar.result()
         state.matchers = [xgr.GrammarMatcher(compiled) for _ in state.seqs]
+
+    def matcher(self, state: Any, seq: Any) -> Any | None:
+        """The matcher that constrains the sequence's next token: None without a grammar, or
+        while its reasoning goes on. Once the reasoning has ended it stays bound (an answer
+        may say the strings again); the matcher has taken exactly the tokens after the end,
+        since sample_step cuts a step's tokens at the end string."""
+        if state.matchers is None:
+            return None
+        if self.reasoning is not None and seq.index not in state.reasoning_ended:
+            if not self.reasoning.ended(self.reasoning.seq_marks(seq, state.thinking_marks)):
+                return None
+            state.reasoning_ended.add(seq.index)
+        return state.matchers[seq.index]
 
     def ready(self, wait: float = 0.0) -> list[tuple[Any, BaseException | None]]:
         """The held requests whose compile has ended, with its error (None: their matchers are

@@ -134,6 +134,17 @@ class ThinkingBudget:
                       for i, ids, old in zip(found, (self.start_ids, self.end_ids), (since.start, since.end)))  # fmt: skip
         return Marks(total, start, end)
 
+    def ended(self, marks: Marks) -> bool:
+        """Whether the last reasoning string said is the end (when both end at one token, the
+        longer string is the one that was said): vLLM's ``is_reasoning_end``."""
+        return marks.end > marks.start or (marks.end == marks.start >= 0 and len(self.end_ids) > len(self.start_ids))
+
+    def seq_marks(self, seq: Any, cache: dict[int, Marks]) -> Marks:
+        """The Marks of a sequence's own tokens (prompt + output), scanned on from the ones
+        ``cache`` (a request's, by sequence index) kept at its last look, and kept there."""
+        marks = cache[seq.index] = self.marks(seq.prompt_token_ids, seq.output_token_ids, cache.get(seq.index))
+        return marks
+
     def forced_token(self, prompt: Sequence[int], output: Sequence[int], budget: int, since: Marks | None = None) -> int | None:
         """The token the next position must be: the end string's next token once the open
         section holds ``budget`` tokens or more (forced ones count: the end string goes on until
@@ -141,7 +152,7 @@ class ThinkingBudget:
         last end string (when both end at one token, the longer string is the one that was said).
         ``since``: Marks of these tokens at an earlier length, to scan from."""
         marks = self.marks(prompt, output, since)
-        if marks.start < 0 or marks.end > marks.start or (marks.end == marks.start and len(self.end_ids) > len(self.start_ids)):
+        if marks.start < 0 or self.ended(marks):
             return None  # never opened, or closed since
         count = marks.upto - marks.start  # the section's tokens so far
         if count < budget:

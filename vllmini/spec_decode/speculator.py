@@ -43,7 +43,7 @@ class Speculator:
 
     def __init__(
         self, config: SpeculativeConfig, drafter: DraftModelProposer | None, block_manager: BlockManager,
-        max_model_len: int,
+        max_model_len: int, structured: StructuredOutputManager,
     ) -> None:  # fmt: skip
         self.config = config
         self.drafter = drafter  # method "draft_model"
@@ -53,6 +53,7 @@ class Speculator:
                                           config.prompt_lookup_max)  # fmt: skip
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.structured = structured  # a grammar's matcher cuts drafts to what it takes
         self.stats = SpecDecodingStats()
 
     def propose_draft_token_ids(self, state: RequestState, seq: Sequence, num_unfinished: int) -> list[int]:
@@ -69,8 +70,8 @@ class Speculator:
         if self.proposer is None:  # a draft model drafts once its slots are scheduled (draft): placeholders
             return [DRAFT_PLACEHOLDER] * min(self.config.num_speculative_tokens, room)
         drafts = self.proposer.propose(seq.token_ids, room)
-        if drafts and state.matchers is not None:
-            drafts = StructuredOutputManager.valid_prefix(state.matchers[seq.index], drafts)
+        if drafts and (matcher := self.structured.matcher(state, seq)) is not None:
+            drafts = StructuredOutputManager.valid_prefix(matcher, drafts)
         return drafts
 
     def draft(self, sched: SchedulerOutput, requests: Mapping[str, RequestState]) -> set[int]:
@@ -85,9 +86,9 @@ class Speculator:
         draft_requests = [DraftRequest(s.seq.token_ids[-1], s.seq.num_computed_tokens, bm.block_table(s.seq.seq_id),
                                        len(s.spec_token_ids)) for s in todo]  # fmt: skip
         for s, drafts in zip(todo, self.drafter.propose(draft_requests)):
-            matchers = requests[s.seq.request_id].matchers
-            if matchers is not None:
-                kept = StructuredOutputManager.valid_prefix(matchers[s.seq.index], drafts)
+            matcher = self.structured.matcher(requests[s.seq.request_id], s.seq)
+            if matcher is not None:
+                kept = StructuredOutputManager.valid_prefix(matcher, drafts)
                 if len(kept) < len(drafts):
                     s.num_new_tokens -= len(drafts) - len(kept)
                     bm.rollback(s.seq.seq_id, bm.num_tokens(s.seq.seq_id) - (len(drafts) - len(kept)))
@@ -113,14 +114,15 @@ class Speculator:
         """After the step's tokens of ``seq`` were appended (``sampled``: its rows' tokens, one
         per draft plus one): count the drafts the sampler agreed with (even when a stop among
         them ended the sequence, as vLLM's acceptance counts); for a sequence still running,
-        drop the rejected drafts' K/V (every accepted token was appended) and propose anew."""
+        drop the K/V of the drafts it did not append (the rejected ones, and those after a
+        reasoning's end that a grammar starting there must see again) and propose anew."""
         accepted = next((j for j, d in enumerate(drafts) if sampled[j] != d), len(drafts))
         if drafts:
             self.stats.observe(len(drafts), accepted)
         if seq.status.finished:
             return
         if drafts:
-            seq.num_computed_tokens -= len(drafts) - accepted
+            seq.num_computed_tokens = seq.num_tokens - 1  # (the last token's K/V comes with the next step)
             self.block_manager.rollback(seq.seq_id, seq.num_computed_tokens)
         seq.spec_token_ids = self.propose_draft_token_ids(state, seq, num_unfinished)
 

@@ -56,6 +56,8 @@ class OpenAIServingChat(OpenAIServing):
         self.enable_auto_tools = enable_auto_tools
         self.tool_parser = None if tool_parser is None else get_tool_parser(tool_parser)
         self.reasoning_parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+        # the engine's grammars wait out the reasoning (its reasoning_config, without enable_in_reasoning)
+        self.grammar_after_reasoning = engine.engine.structured.reasoning is not None
 
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
@@ -107,11 +109,13 @@ class OpenAIServingChat(OpenAIServing):
         elif choice.mode == "auto" and self.tool_parser is not None:
             tools = self.tool_parser(self.tokenizer, request.tools)
             params = tools.adjust_request(params)
-        reasoning = self.reasoning_parser if choice.mode in ("none", "auto") else None  # (a forced output is the call)
+        # a forced call's output is the call, unless its grammar waits out the reasoning
+        forced = choice.mode not in ("none", "auto") and not self.grammar_after_reasoning
+        reasoning = None if forced else self.reasoning_parser
         if tools is None and reasoning is None:
             return params, None
-        # a grammar binds from the first token: such an output is not in reasoning unless it opens <think>
-        constrained = params.structured_outputs is not None
+        # a grammar bound from the first token: such an output is not in reasoning unless it opens <think>
+        constrained = params.structured_outputs is not None and not self.grammar_after_reasoning
         thinking = reasoning is not None and not constrained and reasoning.starts_in_reasoning(prompt)
         parallel, include = request.parallel_tool_calls is not False, request.include_reasoning
 
