@@ -130,10 +130,24 @@ def test_an_end_the_model_says_inside_accepted_drafts(tiny_dir, plain, said_end)
     assert_no_leaks(qwen)
 
 
+def test_the_engine_wide_disable_any_whitespace(tiny_dir, plain):
+    """``structured_outputs_config={"disable_any_whitespace": True}`` (vLLM's) gives every request
+    the JSON a request's own flag gives: the random model, left to it, writes whitespace."""
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"]}
+    prompt = {"prompt_token_ids": [504, 3108, 30]}
+    llm = LLM(str(tiny_dir), structured_outputs_config={"disable_any_whitespace": True})
+    got = llm.generate(prompt, params(30, structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)[0].outputs[0]
+    tight = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert got.token_ids == ids(plain, prompt, params(30, structured_outputs=tight))[0]
+    assert json.loads(got.text)["a"] in (1, 2, 3) and got.finish_reason == "stop"
+    assert got.token_ids != ids(plain, prompt, params(30, structured_outputs=StructuredOutputsParams(json=schema)))[0]
+
+
 def test_configs_are_checked_and_the_parser_gives_the_strings(tiny_dir):
     for config, message in [
         ({"backend": "guidance"}, "structured_outputs_config.backend"),
         ({"enable_in_reasoning": 1}, "structured_outputs_config.enable_in_reasoning"),
+        ({"disable_any_whitespace": "yes"}, "structured_outputs_config.disable_any_whitespace"),
         ({"reasoning_parser": "nope"}, "reasoning_config.reasoning_parser"),
         ({"reasoning": "qwen3"}, "unknown or unsupported field"),
         ("{", "structured_outputs_config is not valid JSON"),

@@ -156,12 +156,14 @@ class PoolerConfig:
 class StructuredOutputsConfig:
     """vLLM's ``StructuredOutputsConfig``, the parts built here: ``backend`` ("auto" or
     "xgrammar", the one backend here), ``reasoning_parser`` (as vLLM's: a grammar then waits out
-    the reasoning; it gives ``EngineArgs.reasoning_config`` when that is not set) and
-    ``enable_in_reasoning`` (the grammar binds the reasoning too: engine/structured_outputs.py)."""
+    the reasoning; it gives ``EngineArgs.reasoning_config`` when that is not set),
+    ``enable_in_reasoning`` (the grammar binds the reasoning too: engine/structured_outputs.py)
+    and ``disable_any_whitespace`` (every request's JSON without optional whitespace)."""
 
     backend: str = "auto"
     reasoning_parser: str = ""
     enable_in_reasoning: bool = False
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "xgrammar"):
@@ -169,9 +171,9 @@ class StructuredOutputsConfig:
                              f"built here), got {self.backend!r}")  # fmt: skip
         if not isinstance(self.reasoning_parser, str):
             raise ValueError(f"structured_outputs_config.reasoning_parser must be a string, got {self.reasoning_parser!r}")
-        if not isinstance(self.enable_in_reasoning, bool):
-            raise ValueError(f"structured_outputs_config.enable_in_reasoning must be True or False, "
-                             f"got {self.enable_in_reasoning!r}")  # fmt: skip
+        for flag in ("enable_in_reasoning", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"structured_outputs_config.{flag} must be True or False, got {getattr(self, flag)!r}")
 
     @classmethod
     def coerce(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:

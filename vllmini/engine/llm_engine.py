@@ -96,9 +96,10 @@ class LLMEngine:
         # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
         # counts from the start, a structured-output grammar begins after the end
         self.thinking = ThinkingBudget.from_config(args.resolved_reasoning_config(), self.tokenizer, self.vocab_size)
-        in_reasoning = StructuredOutputsConfig.coerce(args.structured_outputs_config).enable_in_reasoning
+        so_config = StructuredOutputsConfig.coerce(args.structured_outputs_config)
         self.structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                  None if in_reasoning else self.thinking)  # fmt: skip
+                                                  None if so_config.enable_in_reasoning else self.thinking,
+                                                  so_config.disable_any_whitespace)  # fmt: skip
         self.speculator: Speculator | None = None
         if self.spec_config is not None:
             self.speculator = Speculator(self.spec_config, rt.drafter, self.block_manager, self.max_model_len,

@@ -53,19 +53,19 @@ def load_xgrammar() -> Any:
     return xgrammar
 
 
-def parse_grammar(params: StructuredOutputsParams) -> Any:
+def parse_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool = False) -> Any:
     """The constraint as an xgrammar ``Grammar``; a ValueError naming the field when xgrammar
-    cannot read it. Needs no vocabulary, so it is quick enough for the caller's thread."""
+    cannot read it. Needs no vocabulary, so it is quick enough for the caller's thread.
+    ``disable_any_whitespace``: the engine's default (StructuredOutputsConfig), or'd with the request's."""
     xgr = load_xgrammar()
     try:
-        return _grammar(xgr, params)
+        return _grammar(xgr, params, not (params.disable_any_whitespace or disable_any_whitespace))
     except Exception as exc:  # xgrammar reports every parse error as RuntimeError (or ValueError)
         detail = str(exc).strip().splitlines()
         raise ValueError(f"structured_outputs.{params.kind} cannot be used: {detail[-1] if detail else exc!r}") from exc
 
 
-def _grammar(xgr: Any, params: StructuredOutputsParams) -> Any:
-    any_whitespace = not params.disable_any_whitespace
+def _grammar(xgr: Any, params: StructuredOutputsParams, any_whitespace: bool) -> Any:
     if params.json is not None:
         schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
         return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace)
@@ -101,10 +101,12 @@ class StructuredOutputManager:
     class reads and writes their ``grammar`` and ``matchers`` fields only."""
 
     def __init__(
-        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], reasoning: ThinkingBudget | None = None
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], reasoning: ThinkingBudget | None = None,
+        disable_any_whitespace: bool = False,
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.reasoning = reasoning  # the reasoning strings a grammar waits out (None: it binds from the start)
+        self.disable_any_whitespace = disable_any_whitespace  # every JSON grammar without optional whitespace
         self.vocab_size = vocab_size  # the logits' width: tokens past the tokenizer's are never allowed
         self.eos_token_ids = list(eos_token_ids)
         self._compiler: Any = None  # built on the compile thread at the first request
@@ -114,7 +116,7 @@ class StructuredOutputManager:
 
     def submit(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
         """Check the constraint now (ValueError naming the field), compile it in the background."""
-        grammar = parse_grammar(params)
+        grammar = parse_grammar(params, self.disable_any_whitespace)
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vllmini-grammar")
         return self._executor.submit(self._compile, grammar)
