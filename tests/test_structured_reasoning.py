@@ -78,6 +78,21 @@ def test_where_the_reasoning_stands_in_the_prompt(plain, reasoning):
     assert not any(END[0] in g for g in got[1:])
 
 
+def test_preemption_keeps_each_sequence_where_its_grammar_began(tiny_dir, reasoning):
+    """Eight requests (budgets 1 to 8, some prompts past their end already) in a KV cache of 10
+    blocks of 16 tokens: preempted and recomputed, each gives the tokens it gives alone."""
+    prompts = [{"prompt_token_ids": [500 + i, 3108, *START, *([30] * (i % 3))] + (END if i % 4 == 3 else [])} for i in range(8)]
+    sampling = [params(40, structured_outputs=CHOICE if i % 2 else REGEX, thinking_token_budget=i + 1, ignore_eos=True)
+                for i in range(8)]  # fmt: skip
+    want = [ids(reasoning, p, s)[0] for p, s in zip(prompts, sampling)]
+    block_bytes = sum(k.numel() + v.numel() for k, v in reasoning.llm_engine.runner.kv_caches) * 4 // reasoning.llm_engine.num_blocks
+    tight = LLM(str(tiny_dir), reasoning_config=QWEN3, kv_cache_memory=10 * block_bytes)
+    assert tight.llm_engine.num_blocks == 10
+    assert ids(tight, prompts, sampling) == want
+    assert tight.llm_engine.scheduler.stats.num_preemptions > 0
+    assert_no_leaks(tight)
+
+
 def test_enable_in_reasoning_binds_from_the_start(tiny_dir, plain):
     llm = LLM(str(tiny_dir), reasoning_config=QWEN3, structured_outputs_config={"enable_in_reasoning": True})
     prompt = {"prompt_token_ids": [504, 3108, 30, *START]}
