@@ -277,7 +277,7 @@ def test_sampling_tensors_reusable_and_sampler_stateless():
     a = s(logits, t).token_ids
     s(torch.randn(5, 500), SamplingTensors.from_rows(rows_for([SamplingParams()] * 5), 500))
     assert torch.equal(a, s(logits, t).token_ids) and torch.equal(a, Sampler()(logits, t).token_ids)
-    assert vars(s) == {"logprobs_mode": "raw"}
+    assert vars(s) == {"logprobs_mode": "raw_logprobs"}
 
 
 def test_row_seed_mixes_all_inputs():
@@ -422,6 +422,42 @@ def test_processed_logprobs_are_the_sampled_distribution(logits, data):
         support = set(ids[i][vals[i] > -INF].tolist())
         assert support <= ref_keep(z, p.top_k, min(1.0, p.top_p + 1e-3), p.min_p * (1 - 1e-3))
         assert support >= ref_keep(z, p.top_k, max(1e-9, p.top_p - 1e-3), min(1.0, p.min_p * (1 + 1e-3) + 1e-9))
+
+
+@FAST
+@given(logits_st(), st.data())
+def test_the_four_logprobs_modes_are_one_draw_seen_at_two_points(logits, data):
+    """vLLM's logprobs_mode: the same tokens in every mode; raw_logits are the model's logits and
+    raw_logprobs their log_softmax; processed_logprobs are processed_logits normalized, and a
+    random row's processed logits are its logits over its temperature where kept, -inf elsewhere
+    (no penalties here, so the processing is temperature and filtering)."""
+    b, v = logits.shape
+    drawn = [data.draw(params_st()) for _ in range(b)]
+    ps = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
+                         logprobs=v) for p in drawn]  # fmt: skip
+    outs = {m: run(logits, ps, mode=m) for m in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")}
+    for out in outs.values():
+        assert torch.equal(out.token_ids, outs["raw_logprobs"].token_ids)
+
+    def full(out):  # each row's values over the whole vocabulary, by token id
+        vals, ids = out.top_logprobs
+        return torch.empty_like(vals).scatter_(1, ids, vals)
+
+    x = logits.float()
+    x = x.masked_fill(~torch.isfinite(x.amax(-1))[:, None], 0.0)  # (a row without a finite max reads as zeros)
+    assert torch.equal(full(outs["raw_logits"]), x)
+    assert torch.allclose(full(outs["raw_logprobs"]), x.log_softmax(-1), atol=1e-5)
+    pl, pp = full(outs["processed_logits"]), full(outs["processed_logprobs"])
+    assert torch.allclose(pp, pl - pl.logsumexp(-1, keepdim=True), atol=1e-4, equal_nan=True)
+    for i, p in enumerate(ps):
+        if p.is_greedy:
+            assert torch.equal(pl[i], x[i])
+        else:
+            kept = pl[i] > -INF
+            assert kept[outs["raw_logprobs"].token_ids[i]]
+            assert torch.allclose(pl[i][kept], x[i][kept] / p.temperature, rtol=1e-5, atol=1e-5)
+        for mode in ("raw_logits", "processed_logits"):  # the sampled token's value is its own
+            assert outs[mode].logprobs[i] == full(outs[mode])[i, outs[mode].token_ids[i]]
 
 
 # ---------------------------------------------------------------- bad input, API edges

@@ -263,6 +263,10 @@ class EngineArgs:
     # the largest logprobs / prompt_logprobs a request may ask for (-1: the vocabulary size), as in vLLM:
     # one request's top-N is computed for every row of its step, so an unbounded N slows every request
     max_logprobs: int = 20
+    # what logprobs hold (vLLM's): "raw_logprobs" (the model's, before any processing), "processed_logprobs"
+    # (of the distribution sampled from: after bias, bans, penalties, temperature, top-k/p), or the logits
+    # themselves at either point ("raw_logits", "processed_logits") (engine/sampler.py)
+    logprobs_mode: str = "raw_logprobs"
     # default sampling parameters for requests without any: "auto" (the model's generation_config.json,
     # as vLLM), "vllm" (SamplingParams' own defaults) or a folder holding a generation_config.json
     generation_config: str = "auto"
@@ -352,6 +356,10 @@ class EngineArgs:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be an integer >= 0, or -1 for no limit, got {self.max_logprobs!r}")
+        from vllmini.engine.sampler import LOGPROBS_MODES
+
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

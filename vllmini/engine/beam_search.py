@@ -101,6 +101,8 @@ class BeamSearch:
     def __init__(self, engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams, loras: list[Any]) -> None:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if engine.sampler.logprobs_mode.endswith("logits"):  # (a beam's score sums its tokens' logprobs)
+            raise ValueError(f"beam search needs logprobs: this engine's logprobs_mode is {engine.sampler.logprobs_mode!r}")
         cap = engine.input_processor.max_logprobs
         if 2 * params.beam_width > cap:  # (else the first step would name logprobs, which the caller never set)
             raise ValueError(f"beam_width={params.beam_width} needs 2 * beam_width = {2 * params.beam_width} logprobs "

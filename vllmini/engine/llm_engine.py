@@ -92,7 +92,7 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
         )  # fmt: skip
-        self.sampler = Sampler()
+        self.sampler = Sampler(args.logprobs_mode)
         # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
         # counts from the start, a structured-output grammar begins after the end
         self.thinking = ThinkingBudget.from_config(args.resolved_reasoning_config(), self.tokenizer, self.vocab_size)

@@ -42,7 +42,7 @@ from torch import Tensor
 
 from vllmini.engine.sampling_tensors import SamplingRow, SamplingTensors, row_seed
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "SamplingTensors", "apply_penalties", "row_seed"]
+__all__ = ["LOGPROBS_MODES", "Sampler", "SamplerOutput", "SamplingRow", "SamplingTensors", "apply_penalties", "row_seed"]
 
 _NEG_INF = float("-inf")
 _FMAX = torch.finfo(torch.float32).max
@@ -162,22 +162,30 @@ def truncation_threshold(z: Tensor, top_k: Tensor, top_p: Tensor, log_min_p: Ten
     return tau
 
 
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES: tuple[str, ...] = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 class Sampler:
     """Samples one token per row; keeps no state between calls.
 
-    ``logprobs_mode="raw"`` (default, like vLLM): logprobs are ``log_softmax`` of
-    the model's logits, before penalties, temperature and filtering.
-    ``"processed"``: logprobs of the distribution the token was drawn from (after
-    penalties, temperature and filtering; filtered tokens are -inf); for greedy
-    rows that is ``log_softmax`` of the penalized logits at temperature 1.
+    What the logprobs hold, vLLM's ``logprobs_mode``: ``"raw_logprobs"`` (default, like
+    vLLM) is ``log_softmax`` of the model's logits, before bias, bans, penalties,
+    temperature and filtering. ``"processed_logprobs"``: logprobs of the distribution the
+    token was drawn from (after all of those; filtered tokens are -inf); for greedy rows
+    that is ``log_softmax`` of the penalized logits at temperature 1. The ``*_logits``
+    modes give the logits themselves at those two points (a random row's processed logits
+    are divided by its temperature). ``"raw"`` and ``"processed"`` are short for the
+    logprobs modes.
 
     Rows whose every token is masked (allowed_token_ids, bans, min_tokens) fall back
     to the raw logits (those constraints then cannot all hold)."""
 
-    def __init__(self, logprobs_mode: Literal["raw", "processed"] = "raw") -> None:
-        if logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
-        self.logprobs_mode = logprobs_mode
+    def __init__(self, logprobs_mode: LogprobsMode | Literal["raw", "processed"] = "raw_logprobs") -> None:
+        mode = {"raw": "raw_logprobs", "processed": "processed_logprobs"}.get(logprobs_mode, logprobs_mode)
+        if mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {list(LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = mode
 
     def __call__(
         self, logits: Tensor, t: SamplingTensors, sync_free: bool = False,
@@ -230,31 +238,34 @@ class Sampler:
                 return v if every else v[ridx]
 
             xr = sub(x)
-            z = xr - xr.amax(-1, keepdim=True)
+            shift = xr.amax(-1, keepdim=True)
+            z = xr - shift
             if t.do_temperature:
                 z = z.div_(sub(t.temperature)[:, None])
+                shift = shift / sub(t.temperature)[:, None]
             if t.max_top_k > 0 or t.top_p_rows or t.do_min_p:
                 tau = truncation_threshold(z, sub(t.top_k), sub(t.top_p), sub(t.log_min_p), t)
                 z = z.masked_fill_(z < tau[:, None], _NEG_INF)
-            processed_mode = t.num_logprobs is not None and self.logprobs_mode == "processed"
+            processed_mode = t.num_logprobs is not None and self.logprobs_mode.startswith("processed")
             cdf = (z.exp() if processed_mode else z.exp_()).cumsum_(-1)
             total = cdf[:, -1:]  # >= 1: the row max has weight exp(0)
             u = self._uniforms(t, R, x.device)[:, None] * total
             u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
             sampled = torch.searchsorted(cdf, u, right=True).squeeze(1)
             tokens = sampled if every else tokens.index_copy(0, ridx, sampled)
-            if processed_mode:
-                processed = z - total.log()
+            if processed_mode:  # (the logits as drawn from: z shifted back by the row max / temperature)
+                processed = z + shift if self.logprobs_mode == "processed_logits" else z - total.log()
         assert tokens is not None
         if t.forced is not None:  # sampled all the same, so that every row draws as it would otherwise
             tokens = tokens.index_put((t.forced[0],), t.forced[1])
 
         logprobs = top = ranks = id_logprobs = None
         if t.num_logprobs is not None:
-            if self.logprobs_mode == "raw":
-                lp = raw.log_softmax(-1)
+            values = self.logprobs_mode.endswith("logits")
+            if self.logprobs_mode.startswith("raw"):
+                lp = raw if values else raw.log_softmax(-1)
             else:
-                lp = x.log_softmax(-1)
+                lp = x if values else x.log_softmax(-1)
                 if processed is not None:
                     lp = processed if R == B else lp.index_copy(0, t.random_idx, processed)
             logprobs = lp.gather(1, tokens[:, None]).squeeze(1)
