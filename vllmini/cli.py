@@ -348,7 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat, max_tokens=256)
     chat.set_defaults(func=cmd_chat)
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
+                           "/v1/embeddings and the other pooling routes, /tokenize, /metrics...)")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (as --model; default: the bundled one)")
     serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)

@@ -84,7 +84,8 @@ def plan_continuation(
     if sum(1 for s in seqs if s.num_tokens % bs == 0) > block_manager.num_free_blocks:
         return None
     for seq in seqs:  # slot for position num_tokens; only known tokens get hashed
-        assert block_manager.allocate(seq.seq_id, seq.token_ids, 1)
+        if not block_manager.allocate(seq.seq_id, seq.token_ids, 1):  # (counted above: never; not an assert, which -O drops)
+            raise RuntimeError(f"no KV slot for the continuation of sequence {seq.seq_id} after counting one free")
     tables = [block_manager.block_table(s.seq_id) for s in seqs]
     positions = [s.num_tokens for s in seqs]
     n = len(seqs)

@@ -14,9 +14,10 @@ replays fixed shapes at fixed addresses, so:
 - attention reads only device tensors (``AttentionMetadata.static_decode``) and nothing in
   the forward syncs with the host.
 
-Without ``use_graphs`` (CPU, tests) the runner runs the same padded static forward eagerly:
-that is exactly what a graph would replay, so its equality with the unpadded eager forward
-is checked on every machine, and on CUDA replay == this forward.
+Without ``use_graphs`` (the tests, on CPU) the runner runs the same padded static forward
+eagerly: that is exactly what a graph would replay, so its equality with the unpadded eager
+forward is checked on every machine, and on CUDA replay == this forward. (The engine builds a
+runner only when graphs are on: on a CPU its decode steps take the plain eager path.)
 """
 from __future__ import annotations
 

@@ -71,7 +71,6 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    num_steps: int = 0
     num_preemptions: int = 0
     num_chunked_prefills: int = 0  # prefill chunks that did not reach the end of their prompt
     num_prefill_tokens: int = 0  # prompt tokens actually computed (prefix-cache hits excluded)
@@ -118,7 +117,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         rows_left = self.config.max_prompt_logits_rows
-        self.stats.num_steps += 1
 
         i = 0
         while i < len(self.running) and budget > 0:

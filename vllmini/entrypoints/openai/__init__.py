@@ -1,5 +1,8 @@
 """An OpenAI-compatible HTTP server over ``AsyncLLMEngine`` (``vllmini serve``), with vLLM's
-routes and request fields: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``."""
+routes and request fields: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
+``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/version``, ``/metrics``, LoRA
+loading, and with the pooling runner ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score``
+and ``/rerank`` (api_server.build_app lists them)."""
 
 # the server's limit on a request's body (api_server.LimitRequestBody; `--max-request-body-size`), here
 # so that the CLI reads it without importing the server. (vLLM's Python server has no limit; its Rust
