@@ -1,7 +1,7 @@
 """Engine features the CPU suite holds to transformers, rerun on CUDA against the CPU path
 (float32, where a tiny random model's greedy tokens do not depend on the device): n-gram and
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
-preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
+the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
 streams, embeddings from the pooling runner, and a thinking token budget. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
@@ -155,6 +155,24 @@ def test_logprobs_and_logprob_token_ids_match_the_cpu_path(model_dir):
         for c, d in zip(cpu_req, dev_req):
             assert all(abs(c[t][0] - d[t][0]) < 1e-3 and c[t][1] == d[t][1] for t in c)
     assert {5, 7, 400} <= set(dev_lps[1][0]) and len(dev_lps[0][0]) >= 3 and dev_lps[3] == []
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logits", "processed_logprobs"])
+def test_logprobs_modes_match_the_cpu_path(model_dir, mode):
+    """EngineArgs.logprobs_mode on the device: the raw logits, and the penalized logits (or their
+    logprobs) of greedy rows with a repetition penalty, as the CPU path reports them."""
+    ps = prompts(3)
+    params = [greedy(8, logprobs=4, repetition_penalty=r) for r in (1.0, 1.3, 0.8)]
+
+    def run(llm: LLM):
+        outs = llm.generate(ps, params, use_tqdm=False)
+        return token_ids(outs), [[{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in outs]
+
+    (cpu_tokens, cpu_lps), (dev_tokens, dev_lps) = on_both(model_dir, run, logprobs_mode=mode)
+    assert dev_tokens == cpu_tokens
+    for cpu_req, dev_req in zip(cpu_lps, dev_lps):
+        for c, d in zip(cpu_req, dev_req):
+            assert c.keys() == d.keys() and all(abs(c[t] - d[t]) < 1e-3 for t in c)
 
 
 def test_preemption_and_prefix_cache_hits_match_the_cpu_path(model_dir):
