@@ -1,4 +1,4 @@
-"""vLLM's pythonic, mistral and qwen3_coder tool-call parsers: each reads what Python's own
+"""vLLM's pythonic, mistral, phi4_mini_json and qwen3_coder tool-call parsers: each reads what Python's own
 readers read (``repr``/``ast`` for the Python calls, ``json`` for Mistral's array, the schema's
 types for Qwen3-Coder's XML), whole and streamed at any split of the text alike; text before and
 after the calls is content; broken calls are content and never an error. Then each through the
@@ -130,6 +130,18 @@ def test_mistral_call_ids_are_nine_letters_and_digits():
 
 
 @SETTINGS
+@given(before=st.text(max_size=12).filter(lambda t: "functools" not in t), calls=st.lists(st.tuples(identifiers, arguments), min_size=1, max_size=3),
+       layout=layouts, gap=st.sampled_from(["", " ", "\n"]), key=st.sampled_from(["arguments", "parameters"]), data=st.data())  # fmt: skip
+def test_phi4_mini_reads_the_array_after_functools_whole_and_streamed(before, calls, layout, gap, key, data):
+    """Phi-4-mini's ``functools[...]``: the word is plain text, split across tokens when streamed."""
+    text = before + "functools" + gap + dumps([{"name": n, key: a} for n, a in calls], layout)
+    got = both(parser("phi4_mini_json"), text, data)
+    assert got["calls"] == [(n, canonical(a)) for n, a in calls]
+    assert got["content"] == (before.rstrip() or None)
+    assert both(parser("phi4_mini_json"), "functional tools[1]", data)["calls"] == []  # (not the word: content)
+
+
+@SETTINGS
 @given(data=st.data())
 def test_mistral_broken_calls_are_content(data):
     for text in ('[TOOL_CALLS]{"name": "f", "arguments": {}}', "Hi[TOOL_CALLS] not json", "[TOOL_CALLS][]",
@@ -240,7 +252,7 @@ def test_any_output_is_read_without_error_and_calls_read_whole_stream_alike(piec
 
 
 def test_unknown_parser_names_the_new_choices():
-    with pytest.raises(ValueError, match="hermes, llama3_json, llama4_json, mistral, pythonic, qwen3_coder, qwen3_xml"):
+    with pytest.raises(ValueError, match="hermes, llama3_json, llama4_json, mistral, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml"):
         get_tool_parser("granite")
 
 

@@ -5,6 +5,7 @@ from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolPar
 from vllmini.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from vllmini.entrypoints.openai.tool_parsers.phi4mini_tool_parser import Phi4MiniJsonToolParser
 from vllmini.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
 from vllmini.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import Qwen3CoderToolParser
 
@@ -13,6 +14,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,  # (vLLM's name for the same format on Llama 4)
     "mistral": MistralToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # (vLLM's second parser of the same Qwen3-Coder format)
@@ -27,4 +29,4 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 __all__ = ["TOOL_PARSERS", "ToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "PythonicToolParser", "Qwen3CoderToolParser", "get_tool_parser"]
+           "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "get_tool_parser"]
