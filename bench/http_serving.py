@@ -35,7 +35,8 @@ from bench.offline import Workload, git_revision
 from bench.send_schedule import send_on_schedule, span_s
 from bench.serving_metrics import (Baseline, RequestRecord, RunRecord, ServingMetrics, compute_metrics, encode,
                                    format_table)  # fmt: skip
-from bench.workloads import add_workload_args, arrival_offsets, chat_workload, parse_range, random_workload
+from bench.workloads import (add_workload_args, arrival_offsets, chat_workload, in_flight_cap, metric_options,
+                             parse_range, random_workload)  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
 SERVED_NAME = "bench"  # both servers answer to it, so the request bodies are the same
@@ -190,8 +191,8 @@ def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], 
     with server:
         server.wait_ready(args.startup_timeout)
         asyncio.run(drive(server.url, warm, [0.0] * len(warm.prompts), None))
-        records, duration = asyncio.run(drive(server.url, wl, offsets, args.concurrency if args.workload == "concurrency" else None))
-        metrics = compute_metrics(records, duration)
+        records, duration = asyncio.run(drive(server.url, wl, offsets, in_flight_cap(args)))
+        metrics = compute_metrics(records, duration, **metric_options(args))
         metrics.peak_rss_bytes = server.peak_rss_bytes() if sys.platform == "linux" else 0
         return metrics
 
@@ -207,6 +208,10 @@ def main(argv: list[str] | None = None) -> RunRecord:
         ap.error(str(exc))
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
+    try:
+        in_flight_cap(args), metric_options(args)
+    except ValueError as exc:
+        ap.error(str(exc))
     rate = args.rate if args.workload == "poisson" else math.inf
     offsets = arrival_offsets(args.num_requests, rate, args.burstiness, seed=args.seed)
 

@@ -44,8 +44,8 @@ from bench.offline import Workload, git_revision, run_hf_static
 from bench.plots import plot_distributions, plot_sweep
 from bench.send_schedule import span_s
 from bench.serving_metrics import Baseline, RequestRecord, RunRecord, compute_metrics, encode, format_table
-from bench.workloads import (add_workload_args, arrival_offsets, chat_workload, file_workload, load_workload_file,
-                             parse_range, random_workload)  # fmt: skip
+from bench.workloads import (add_workload_args, arrival_offsets, chat_workload, file_workload, in_flight_cap,
+                             load_workload_file, metric_options, parse_range, random_workload)  # fmt: skip
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,16 +84,17 @@ def _points(args) -> list[tuple[float, int | None]]:
     """(rate, concurrency) per run, validated before any model is loaded."""
     if args.num_requests < 1:
         raise ValueError("--num-requests must be >= 1")
+    cap = in_flight_cap(args)
     if args.workload == "offline":
         if args.sweep:
             raise ValueError("--sweep needs --workload poisson or concurrency")
-        return [(math.inf, None)]
+        return [(math.inf, cap)]
     vals = [v.strip() for v in args.sweep.split(",")] if args.sweep else None
     if args.workload == "poisson":
         rates = [float(v) for v in vals] if vals else [args.rate]
         for r in rates:
             arrival_offsets(1, r, args.burstiness)  # raises on an impossible rate / burstiness
-        return [(r, None) for r in rates]
+        return [(r, cap) for r in rates]
     concs = [int(v) for v in vals] if vals else [args.concurrency]
     if any(c < 1 for c in concs):
         raise ValueError(f"concurrency must be >= 1, got {concs}")
@@ -102,7 +103,7 @@ def _points(args) -> list[tuple[float, int | None]]:
 
 def _check_args(args) -> dict:
     """Everything that can be wrong with the command line, found before the model loads."""
-    checked = {"points": _points(args), "in_range": parse_range(args.input_len),
+    checked = {"points": _points(args), "in_range": parse_range(args.input_len), "metrics": metric_options(args),
                "out_range": parse_range(args.output_len or ("64" if args.dataset == "chat" else "16:256"))}  # fmt: skip
     try:
         checked["hf_sizes"] = [int(b) for b in str(args.hf_batch_size).split(",") if int(b) > 0]
@@ -138,7 +139,10 @@ def _structured_json(value: str | None) -> str | None:
 
 
 def _label(workload: str, rate: float, conc: int | None) -> str:
-    return f"rate={rate:g}" if workload == "poisson" else f"concurrency={conc}" if conc else "offline"
+    if workload == "concurrency":
+        return f"concurrency={conc}"
+    cap = f" max_concurrency={conc}" if conc else ""
+    return (f"rate={rate:g}" if workload == "poisson" else "offline") + cap
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[RunRecord]:
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
                 except asyncio.CancelledError:
                     interrupted, duration = True, span_s(start, (r.chunk_times for r in records))
                 peak_kv = peak["kv_usage"]
-                m = compute_metrics(records, duration)
+                m = compute_metrics(records, duration, **chk["metrics"])
                 m.peak_rss_bytes = peak_rss_bytes()
                 m.peak_cuda_bytes = torch.cuda.max_memory_allocated(eng.device) if eng.device.type == "cuda" else 0
                 m.peak_kv_usage = peak_kv
@@ -230,7 +234,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
                     bare_forward_s=bare_forward, itl_over_forward=m.itl_s.median / bare_forward if m.itl_s.median else None,
                     **meta))  # fmt: skip
                 series.append({"vllmini": records})
-                suffix = f"-{_label(args.workload, rate, conc).replace('=', '')}" if len(points) > 1 else ""
+                suffix = f"-{_label(args.workload, rate, conc).replace('=', '').replace(' ', '-')}" if len(points) > 1 else ""
                 paths.append(out_dir / f"serving-{args.workload}-{stamp}{suffix}.json")
                 write(k)  # written now, so that an interrupted run keeps it
                 if interrupted:
@@ -323,7 +327,7 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, s
             except Exception as e:
                 failed(["hf-single"], e)
             else:
-                m = compute_metrics(recs, s)
+                m = compute_metrics(recs, s, **chk["metrics"])
                 for k in range(len(results)):
                     same = all_at_once[k] or one_at_a_time[k]
                     add(k, "hf-single", s, m.output_throughput, m, same_arrivals=same)
@@ -345,7 +349,7 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, s
             failed([f"vllm-{mode}"], e)
             continue
         for k, r in enumerate(res):
-            m = compute_metrics(r.records, r.duration_s)
+            m = compute_metrics(r.records, r.duration_s, **chk["metrics"])
             m.peak_rss_bytes = r.peak_rss_bytes
             add(k, f"vllm-{mode}", r.duration_s, m.output_throughput, m, startup)
             series[k][f"vllm-{mode}"] = r.records

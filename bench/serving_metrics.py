@@ -6,17 +6,25 @@ Per request, from client-side timestamps (seconds, one clock):
   as in vLLM, where a streamed delta is one chunk);
 - TPOT: (E2E - TTFT) / (output_len - 1), only for requests with output_len > 1;
 - E2E (vLLM's "E2EL"): arrival of the last chunk minus the send time.
-Aggregates: mean, median (p50), p90, p99 (numpy's linear-interpolation percentile, as vLLM);
-ITLs are pooled over all requests before aggregating, as vLLM does. Throughputs divide by the
-benchmark duration (first send to last completion, measured by the driver).
+Aggregates: mean, median (p50), p90, p99 (numpy's linear-interpolation percentile, as vLLM),
+and any other percentiles asked for (``--metric-percentiles``); ITLs are pooled over all
+requests before aggregating, as vLLM does. Throughputs divide by the benchmark duration (first
+send to last completion, measured by the driver). Goodput (vLLM's ``--goodput``): the rate of
+completed requests that met every given service-level objective (TTFT, TPOT, E2EL in ms; a
+one-token request's TPOT counts as 0, as vLLM's).
 
 ``compute_metrics`` is a pure function of these records, so it is tested against timestamps
 computed by hand.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import msgspec
 import numpy as np
+
+SLO_METRICS = ("ttft", "tpot", "e2el")  # what --goodput may bound (vLLM's names)
 
 
 class RequestRecord(msgspec.Struct):
@@ -60,14 +68,15 @@ class Stat(msgspec.Struct):
     median: float
     p90: float
     p99: float
+    percentiles: dict[str, float] = {}  # the ones asked for (--metric-percentiles), by their number ("99.9")
 
     @classmethod
-    def of(cls, values: list[float]) -> Stat:
+    def of(cls, values: list[float], extra: Sequence[float] = ()) -> Stat:
         if not values:
-            return cls(0.0, 0.0, 0.0, 0.0)
+            return cls(0.0, 0.0, 0.0, 0.0, {f"{q:g}": 0.0 for q in extra})
         a = np.asarray(values, dtype=np.float64)
         return cls(float(a.mean()), float(np.percentile(a, 50)), float(np.percentile(a, 90)),
-                   float(np.percentile(a, 99)))  # fmt: skip
+                   float(np.percentile(a, 99)), {f"{q:g}": float(np.percentile(a, q)) for q in extra})  # fmt: skip
 
 
 class ServingMetrics(msgspec.Struct):
@@ -90,16 +99,58 @@ class ServingMetrics(msgspec.Struct):
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
     first_error: str | None = None  # why the first failed request failed (None: none failed)
+    # --goodput: the objectives (ms, by SLO_METRICS name) and the rate of requests that met them all
+    goodput_slos_ms: dict[str, float] = {}
+    request_goodput: float | None = None
 
 
-def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingMetrics:
-    """Aggregate per-request records over a run that lasted ``duration_s`` seconds."""
+def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
+    """vLLM's ``--goodput ttft:500 tpot:50``: objectives in ms, by metric; a ValueError naming the flag."""
+    slos: dict[str, float] = {}
+    for item in items or ():
+        key, sep, value = str(item).partition(":")
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if key not in SLO_METRICS or not ms > 0 or math.isinf(ms):
+            raise ValueError(f"--goodput takes KEY:MS pairs, KEY one of {list(SLO_METRICS)} and MS > 0, got {item!r}")
+        slos[key] = ms
+    return slos
+
+
+def parse_percentiles(text: str | None) -> list[float]:
+    """``--metric-percentiles 25,50,99.9``: each in (0, 100]; a ValueError naming the flag."""
+    if not text:
+        return []
+    try:
+        qs = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        qs = [math.nan]
+    if not all(0 < q <= 100 for q in qs):
+        raise ValueError(f"--metric-percentiles takes comma-separated numbers in (0, 100], got {text!r}")
+    return qs
+
+
+def meets(r: RequestRecord, slos_ms: dict[str, float]) -> bool:
+    """Whether a completed request met every objective."""
+    got = {"ttft": r.ttft, "tpot": r.tpot or 0.0, "e2el": r.e2e}
+    return all(got[k] * 1e3 <= ms for k, ms in slos_ms.items())
+
+
+def compute_metrics(
+    records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float] | None = None,
+    percentiles: Sequence[float] = (),
+) -> ServingMetrics:  # fmt: skip
+    """Aggregate per-request records over a run that lasted ``duration_s`` seconds; with
+    ``slos_ms``, the goodput; ``percentiles``: more of them in every latency Stat."""
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     done = [r for r in records if r.ok]
     failed = [r for r in records if not r.ok]
     inp = sum(r.prompt_len for r in done)
     out = sum(r.output_len for r in done)
+    q = percentiles
     return ServingMetrics(
         completed=len(done),
         failed=len(records) - len(done),
@@ -109,11 +160,13 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> ServingM
         request_throughput=len(done) / duration_s,
         output_throughput=out / duration_s,
         total_token_throughput=(inp + out) / duration_s,
-        ttft_s=Stat.of([r.ttft for r in done]),
-        tpot_s=Stat.of([t for r in done if (t := r.tpot) is not None]),
-        itl_s=Stat.of([g for r in done for g in r.itls]),
-        e2el_s=Stat.of([r.e2e for r in done]),
+        ttft_s=Stat.of([r.ttft for r in done], q),
+        tpot_s=Stat.of([t for r in done if (t := r.tpot) is not None], q),
+        itl_s=Stat.of([g for r in done for g in r.itls], q),
+        e2el_s=Stat.of([r.e2e for r in done], q),
         first_error=(failed[0].error or "no token received") if failed else None,
+        goodput_slos_ms=dict(slos_ms or {}),
+        request_goodput=sum(meets(r, slos_ms) for r in done) / duration_s if slos_ms else None,
     )
 
 
@@ -186,6 +239,8 @@ def format_table(m: ServingMetrics, baselines: list[Baseline] = (), engine_rows:
     row("Total input tokens:", m.total_input_tokens)
     row("Total generated tokens:", m.total_output_tokens)
     row("Request throughput (req/s):", f"{m.request_throughput:.2f}")
+    if m.request_goodput is not None:
+        row("Request goodput (req/s):", f"{m.request_goodput:.2f}")
     row("Output token throughput (tok/s):", f"{m.output_throughput:.2f}")
     row("Total token throughput (tok/s):", f"{m.total_token_throughput:.2f}")
     for title, s in (("Time to First Token", m.ttft_s), ("Time per Output Token (excl. 1st token)", m.tpot_s),
@@ -197,6 +252,8 @@ def format_table(m: ServingMetrics, baselines: list[Baseline] = (), engine_rows:
         row(f"Median {short} (ms):", f"{s.median * 1e3:.2f}")
         row(f"P90 {short} (ms):", f"{s.p90 * 1e3:.2f}")
         row(f"P99 {short} (ms):", f"{s.p99 * 1e3:.2f}")
+        for name, value in s.percentiles.items():
+            row(f"P{name} {short} (ms):", f"{value * 1e3:.2f}")
     lines.append(f"{' Engine ':-^{w + 12}}")
     row("Peak RSS (MiB):", f"{m.peak_rss_bytes / 2**20:.0f}")
     if m.peak_cuda_bytes:

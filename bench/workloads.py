@@ -151,3 +151,29 @@ def add_workload_args(ap: argparse.ArgumentParser, datasets: tuple[str, ...] = (
     ap.add_argument("--output-len", default=None, help=f"output length N or LO:HI (chat: 64, {others}: 16:256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-warmup", type=int, default=2, help="requests sent first and not counted")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="vLLM's: at most this many requests in flight for --workload offline/poisson (default: no cap)")
+    ap.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
+                    help="vLLM's service-level objectives, e.g. ttft:500 tpot:50 e2el:5000 (ms): reports the rate of "
+                         "requests that met them all")  # fmt: skip
+    ap.add_argument("--metric-percentiles", default=None,
+                    help="more latency percentiles to report, comma-separated (e.g. 25,75,99.9)")
+
+
+def in_flight_cap(args: argparse.Namespace) -> int | None:
+    """The cap on requests in flight: --concurrency for the closed loop, else --max-concurrency
+    (None: none); a ValueError naming the flag."""
+    if args.workload == "concurrency":
+        if args.max_concurrency is not None:
+            raise ValueError("--max-concurrency is for --workload offline/poisson; the closed loop takes --concurrency")
+        return args.concurrency
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    return args.max_concurrency
+
+
+def metric_options(args: argparse.Namespace) -> dict:
+    """compute_metrics' keywords from --goodput and --metric-percentiles (checked: ValueError)."""
+    from bench.serving_metrics import parse_goodput, parse_percentiles
+
+    return {"slos_ms": parse_goodput(args.goodput), "percentiles": parse_percentiles(args.metric_percentiles)}

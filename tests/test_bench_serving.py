@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from bench.offline import mixed_workload
 from bench.serving import main
-from bench.serving_metrics import RequestRecord, compute_metrics, decode, encode
+from bench.serving_metrics import (RequestRecord, RunRecord, compute_metrics, decode, encode, format_table, parse_goodput,
+                                   parse_percentiles)  # fmt: skip
 from bench.workloads import arrival_offsets, parse_range, random_workload
 from helpers import save_tiny_model, tiny_llama_config
 
@@ -42,6 +43,36 @@ def test_metrics_against_hand_computed_timestamps():
     assert m.itl_s.p99 == pytest.approx(0.5 + 0.98 * 0.5)  # rank 0.99 * 2 = 1.98 between 0.5 and 1.0
     with pytest.raises(ValueError):
         compute_metrics([a], 0.0)
+
+
+def test_goodput_and_extra_percentiles_against_hand_computed_timestamps():
+    """vLLM's --goodput: completed requests meeting every objective, per second (a one-token
+    request's TPOT counts as 0); --metric-percentiles: numpy's percentiles in every Stat."""
+    a = RequestRecord(send_time=0.0, chunk_times=[1.0, 1.5, 2.5], prompt_len=10, output_len=4)  # TTFT 1.0, TPOT 0.5, E2E 2.5
+    b = RequestRecord(send_time=1.0, chunk_times=[3.0, 3.25], prompt_len=6, output_len=2)  # 2.0, 0.25, 2.25
+    c = RequestRecord(send_time=2.0, chunk_times=[2.5], prompt_len=4, output_len=1)  # 0.5, (0), 0.5
+    failed = RequestRecord(send_time=0.0, chunk_times=[], prompt_len=3, output_len=0, error="boom")
+    records = [a, b, c, failed]
+    for slos, met in [({"ttft": 1500}, 2), ({"ttft": 1000}, 2), ({"tpot": 300}, 2), ({"tpot": 300, "e2el": 2000}, 1),
+                      ({"e2el": 100}, 0), ({"ttft": 5000, "tpot": 5000, "e2el": 5000}, 3)]:  # fmt: skip
+        m = compute_metrics(records, 4.0, slos_ms=slos)
+        assert m.request_goodput == pytest.approx(met / 4.0), slos
+        assert m.goodput_slos_ms == slos
+    m = compute_metrics(records, 4.0, percentiles=[25, 99.9])
+    assert m.request_goodput is None and m.goodput_slos_ms == {}
+    assert m.ttft_s.percentiles == {"25": pytest.approx(0.75), "99.9": pytest.approx(1.0 + 0.998 * 1.0)}
+    assert set(m.itl_s.percentiles) == set(m.e2el_s.percentiles) == set(m.tpot_s.percentiles) == {"25", "99.9"}
+    table = format_table(compute_metrics(records, 4.0, slos_ms={"ttft": 1500}, percentiles=[99.9]))
+    assert "Request goodput (req/s):" in table and "0.50" in table and "P99.9 TTFT (ms):" in table
+    assert "goodput" not in format_table(compute_metrics(records, 4.0))
+    assert decode(encode(RunRecord("serving", "offline", "random", 4, None, 1.0, None, 0, "m", "float32", "cpu", "2", 1,
+                                   "x", "abc", "t", m))).metrics == m  # fmt: skip
+    for bad in (["ttft"], ["ttft:-1"], ["itl:5"], ["ttft:x"], ["ttft:inf"]):
+        with pytest.raises(ValueError, match="--goodput takes KEY:MS"):
+            parse_goodput(bad)
+    for bad in ("0", "101", "a,50", "50,"):
+        with pytest.raises(ValueError, match="--metric-percentiles"):
+            parse_percentiles(bad)
 
 
 def test_empty_run_has_zero_metrics():
@@ -195,6 +226,31 @@ def test_hf_rows_have_no_ratio_at_points_they_did_not_run(tmp_path, tiny_model, 
     ratios = {(r.max_concurrency, b.name): b.ratio for r in recs for b in r.baselines}
     assert ratios[(1, "hf-static-2")] is None and ratios[(1, "hf-single")] is not None  # closed loop of one
     assert ratios[(3, "hf-static-2")] is not None and ratios[(3, "hf-single")] is not None  # all in flight at t=0
+
+
+def test_max_concurrency_caps_poisson_arrivals_and_goodput_is_recorded(tmp_path, tiny_model, capsys):
+    """vLLM's --max-concurrency under Poisson arrivals: never more than 2 requests in flight
+    (the saved requests' send-to-last-chunk spans); --goodput and --metric-percentiles reach
+    the record and the table; the closed loop refuses the flag."""
+    argv = ["--model", str(tiny_model), "--workload", "poisson", "--rate", "1000", "--max-concurrency", "2",
+            "--dataset", "random", "--input-len", "8:20", "--output-len", "4", "--num-requests", "6", "--num-warmup", "0",
+            "--hf-batch-size", "0", "--no-progress", "--kv-cache-memory", str(2**20), "--save-requests",
+            "--goodput", "ttft:600000", "e2el:600000", "--metric-percentiles", "75", "--out", str(tmp_path)]  # fmt: skip
+    (rec,) = main(argv)
+    spans = [(r.send_time, r.chunk_times[-1]) for r in rec.requests]
+    assert len(spans) == 6 and rec.max_concurrency == 2
+    assert max(sum(s <= t < e for s, e in spans) for t, _ in spans) <= 2
+    m = rec.metrics
+    assert m.request_goodput == pytest.approx(m.request_throughput) and m.goodput_slos_ms == {"ttft": 600000, "e2el": 600000}
+    assert set(m.ttft_s.percentiles) == {"75"}
+    out = capsys.readouterr().out
+    assert "Request goodput (req/s):" in out and "P75 TTFT (ms):" in out and "max_concurrency=2" in out
+    with pytest.raises(SystemExit):
+        main(["--workload", "concurrency", "--max-concurrency", "2", "--model", str(tiny_model)])
+    assert "--max-concurrency is for --workload offline/poisson" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--goodput", "ttft", "--model", str(tiny_model)])
+    assert "--goodput takes KEY:MS" in capsys.readouterr().err
 
 
 def test_serving_structured_json_constrains_every_request(tmp_path, tiny_model, capsys):
