@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
 
 logger = logging.getLogger("vllmini")
@@ -308,6 +309,10 @@ class EngineArgs:
     # the reasoning too (by default it starts after the reasoning's end string); {"reasoning_parser": "qwen3"}
     # gives reasoning_config when that is not set
     structured_outputs_config: StructuredOutputsConfig | dict | str | None = None
+    # vLLM's ProfilerConfig (a dict or its JSON): {"profiler": "torch", "torch_profiler_dir": DIR} lets
+    # start_profile()/stop_profile() write torch profiler traces there (engine/profiler.py); None:
+    # $VLLMINI_TORCH_PROFILER_DIR when set, else off
+    profiler_config: ProfilerConfig | dict | str | None = None
 
     def resolved_reasoning_config(self) -> ReasoningConfig | None:
         """``reasoning_config``, else the one ``structured_outputs_config.reasoning_parser`` names."""
@@ -381,6 +386,7 @@ class EngineArgs:
 
         load_logits_processors(self.logits_processors)
         StructuredOutputsConfig.coerce(self.structured_outputs_config)
+        ProfilerConfig.coerce(self.profiler_config)
         self.resolved_reasoning_config()
         from vllmini.models.backend_select import BACKEND_NAMES
 

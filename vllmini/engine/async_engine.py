@@ -132,6 +132,15 @@ class AsyncLLMEngine:
         await self.check_health()
         return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
 
+    async def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: record the steps with the torch profiler, on the engine's thread (needs
+        ``EngineArgs.profiler_config``; engine/profiler.py)."""
+        await self.check_health()
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.start_profile, profile_prefix)
+
+    async def stop_profile(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.stop_profile)
+
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load an adapter ahead of its requests, off the event loop (vLLM's name)."""
         await self.check_health()

@@ -47,6 +47,15 @@ class LLM:
         """Forget every cached prefix; False (nothing done) while requests are unfinished."""
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """vLLM's: record the engine's steps with the torch profiler until ``stop_profile``
+        (needs ``profiler_config``; engine/profiler.py)."""
+        self.llm_engine.start_profile(profile_prefix)
+
+    def stop_profile(self) -> None:
+        """Stop recording and write the trace and the ops table into the profiler's folder."""
+        self.llm_engine.stop_profile()
+
     def get_metrics(self) -> list[Metric]:
         """The engine's Prometheus metrics as objects (vLLM's Counter, Gauge, Histogram, Vector
         of ``vllmini.metrics.reader``); needs ``LLM(..., disable_log_stats=False)``."""

@@ -17,6 +17,7 @@ import gc
 import itertools
 import logging
 import time
+from pathlib import Path
 from collections.abc import Container, Iterable
 from typing import Any
 
@@ -31,6 +32,7 @@ from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
+from vllmini.engine.profiler import Profiler, ProfilerConfig
 from vllmini.engine.thinking_budget import ThinkingBudget
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
@@ -111,6 +113,7 @@ class LLMEngine:
                 raise ValueError("logits_processors: pooling models do not support custom logits processors")
             self.logits_processors = LogitsProcessors(processor_classes, args, self.device)
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, tokens not yet read
+        self.profiler = Profiler(ProfilerConfig.coerce(args.profiler_config), self.device)
         self.output_processor = OutputProcessor(self.scheduler, self.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, RequestState] = {}
         self.failed: dict[str, Exception] = {}  # request id -> error, for the caller to report
@@ -310,6 +313,15 @@ class LLMEngine:
             return False
         self.block_manager.reset_prefix_cache()
         return True
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Record the steps from now on with the torch profiler (engine/profiler.py); call it
+        on the thread that steps the engine."""
+        self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> Path:
+        """Stop recording; writes the trace (its path returned) and the ops table."""
+        return self.profiler.stop()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)

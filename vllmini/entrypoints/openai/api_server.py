@@ -234,6 +234,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
         body = b"" if stat_logger is None else generate_latest(stat_logger.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    async def start_profile(request: Request) -> Response:
+        await engine.start_profile()
+        return Response(status_code=200)
+
+    async def stop_profile(request: Request) -> Response:
+        await engine.stop_profile()
+        return Response(status_code=200)
+
     async def version(request: Request) -> Response:
         return json_response({"version": vllmini.__version__})
 
@@ -261,6 +269,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                *OpenAIServingPoolingRoute(engine, served_model_name, chat, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
+    if engine.engine.profiler.config.profiler:  # (vLLM's: only when profiling is configured)
+        routes += [Route("/start_profile", start_profile, methods=["POST"]), Route("/stop_profile", stop_profile, methods=["POST"])]
     if runtime_lora_updating():
         logger.warning("LoRA adapters may be loaded and unloaded at run time (/v1/load_lora_adapter): any "
                        "client can make the server read a folder; for local development only")  # fmt: skip
