@@ -237,17 +237,26 @@ def test_batch_invariance_large_vocab():
     assert out2.token_ids.tolist() == out.token_ids[perm].tolist()
 
 
-def test_top_p_prefix_and_full_sort_paths_match_reference():
+def test_top_p_prefix_and_full_sort_paths_match_reference(monkeypatch):
+    """Nuclei found in the best 64 tokens, in the best 1024 (a row of ~300), and only by a
+    full sort (a flat row of ~1500), in one batch: each stage runs on the rows the last left."""
+    import vllmini.engine.sampler as sampler_module
+
+    widths, real_nucleus = [], sampler_module._nucleus
+    monkeypatch.setattr(sampler_module, "_nucleus", lambda vals, *a: widths.append(tuple(vals.shape)) or real_nucleus(vals, *a))
     v = 3000
     g = torch.Generator().manual_seed(7)
-    flat = torch.randn(v, generator=g) * 0.5  # nucleus of ~1500 tokens: beyond the prefix, sorted in full
+    flat = torch.randn(v, generator=g) * 0.5  # nucleus of ~1500 tokens: beyond the prefixes, sorted in full
     peaked = torch.randn(v, generator=g) * 2
     peaked[:30] += 10
-    logits = torch.stack([flat, peaked, flat, peaked, flat])
+    medium = torch.randn(v, generator=g) * 0.5
+    medium[:300] += 6  # a nucleus of a few hundred: found among the best 1024
+    logits = torch.stack([flat, peaked, flat, peaked, flat, medium])
     ps = [SamplingParams(top_p=0.8), SamplingParams(top_p=0.9), SamplingParams(top_k=2000, top_p=0.6),
-          SamplingParams(top_k=20, top_p=0.8), SamplingParams(top_k=5, top_p=0.95, min_p=0.3)]  # fmt: skip
+          SamplingParams(top_k=20, top_p=0.8), SamplingParams(top_k=5, top_p=0.95, min_p=0.3), SamplingParams(top_p=0.9)]  # fmt: skip
     ps = [SamplingParams(top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=1, logprobs=v) for p in ps]
     out = run(logits, ps, mode="processed")
+    assert widths == [(6, 64), (3, 1024), (1, v)]  # every top-p row, the three flatter ones, the flattest
     vals, ids = out.top_logprobs
     for i, p in enumerate(ps):
         z = (logits[i].double() - logits[i].double().max()).tolist()
