@@ -134,7 +134,9 @@ def top_p_threshold(z: Tensor, floor: Tensor | None, top_p: Tensor,
     def pick(v: Tensor) -> Tensor:
         return v if rows is None else v[rows]
 
-    tries = [prefix] if prefix is not None else [k for k in _TOP_P_PREFIXES if k < V]
+    # (on a GPU topk is cheap at any of these k, and each stage's check is a sync: the longest only)
+    ks = _TOP_P_PREFIXES if z.device.type == "cpu" else _TOP_P_PREFIXES[-1:]
+    tries = [prefix] if prefix is not None else [k for k in ks if k < V]
     for attempt in [*tries, None]:  # None: the whole row, sorted
         if attempt is None:
             vals, ids = pick(z).sort(dim=-1, descending=True)
