@@ -17,8 +17,8 @@ import gc
 import itertools
 import logging
 import time
-from pathlib import Path
 from collections.abc import Container, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,19 +32,19 @@ from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
-from vllmini.engine.profiler import Profiler, ProfilerConfig
-from vllmini.engine.thinking_budget import ThinkingBudget
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooler import Pooler, PoolingRequestState, resolve_pooler_config
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.pooling_step import pool_step, prepare_pooling
+from vllmini.engine.profiler import Profiler, ProfilerConfig
 from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampler import Sampler
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
+from vllmini.engine.thinking_budget import ThinkingBudget
 from vllmini.lora.adapter import LoRAAdapter
 from vllmini.lora.request import LoRARequest
 from vllmini.metrics.reader import Metric, get_metrics_snapshot
