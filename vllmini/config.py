@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from vllmini.engine.profiler import ProfilerConfig
+from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
 
 logger = logging.getLogger("vllmini")
@@ -151,37 +152,6 @@ class PoolerConfig:
         if value is None or isinstance(value, PoolerConfig):
             return value
         return cls(**config_fields(value, "pooler_config", cls))
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """vLLM's ``StructuredOutputsConfig``, the parts built here: ``backend`` ("auto" or
-    "xgrammar", the one backend here), ``reasoning_parser`` (as vLLM's: a grammar then waits out
-    the reasoning; it gives ``EngineArgs.reasoning_config`` when that is not set),
-    ``enable_in_reasoning`` (the grammar binds the reasoning too: engine/structured_outputs.py)
-    and ``disable_any_whitespace`` (every request's JSON without optional whitespace)."""
-
-    backend: str = "auto"
-    reasoning_parser: str = ""
-    enable_in_reasoning: bool = False
-    disable_any_whitespace: bool = False
-
-    def __post_init__(self) -> None:
-        if self.backend not in ("auto", "xgrammar"):
-            raise ValueError(f"structured_outputs_config.backend must be 'auto' or 'xgrammar' (the one backend "
-                             f"built here), got {self.backend!r}")  # fmt: skip
-        if not isinstance(self.reasoning_parser, str):
-            raise ValueError(f"structured_outputs_config.reasoning_parser must be a string, got {self.reasoning_parser!r}")
-        for flag in ("enable_in_reasoning", "disable_any_whitespace"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"structured_outputs_config.{flag} must be True or False, got {getattr(self, flag)!r}")
-
-    @classmethod
-    def coerce(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
-        """A StructuredOutputsConfig from itself, a dict or its JSON text (None: the defaults)."""
-        if value is None or isinstance(value, StructuredOutputsConfig):
-            return value or cls()
-        return cls(**config_fields(value, "structured_outputs_config", cls))
 
 
 def config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +42,39 @@ from vllmini.engine.thinking_budget import ThinkingBudget
 
 INSTALL_HINT = "pip install xgrammar"
 CACHE_LIMIT_BYTES = 512 * 2**20  # compiled grammars kept for reuse (vLLM's default cap too; xgrammar's has none)
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's ``StructuredOutputsConfig``, the parts built here: ``backend`` ("auto" or
+    "xgrammar", the one backend here), ``reasoning_parser`` (as vLLM's: a grammar then waits out
+    the reasoning; it gives ``EngineArgs.reasoning_config`` when that is not set),
+    ``enable_in_reasoning`` (the grammar binds the reasoning too: engine/structured_outputs.py)
+    and ``disable_any_whitespace`` (every request's JSON without optional whitespace)."""
+
+    backend: str = "auto"
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "xgrammar"):
+            raise ValueError(f"structured_outputs_config.backend must be 'auto' or 'xgrammar' (the one backend "
+                             f"built here), got {self.backend!r}")  # fmt: skip
+        if not isinstance(self.reasoning_parser, str):
+            raise ValueError(f"structured_outputs_config.reasoning_parser must be a string, got {self.reasoning_parser!r}")
+        for flag in ("enable_in_reasoning", "disable_any_whitespace"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"structured_outputs_config.{flag} must be True or False, got {getattr(self, flag)!r}")
+
+    @classmethod
+    def coerce(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
+        """A StructuredOutputsConfig from itself, a dict or its JSON text (None: the defaults)."""
+        from vllmini.config import config_fields  # (config.py imports this module)
+
+        if value is None or isinstance(value, StructuredOutputsConfig):
+            return value or cls()
+        return cls(**config_fields(value, "structured_outputs_config", cls))
 
 
 def load_xgrammar() -> Any:
