@@ -10,6 +10,7 @@ dequantized with ``gguf.quants.dequantize`` and renamed to HF names here.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -109,8 +110,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        config = _write_config(gguf_path, reader, arch, tmp)
-        _write_tokenizer(gguf_path, reader, tmp)
+        with _parsed_once(gguf, gguf_path, reader):
+            config = _write_config(gguf_path, reader, arch, tmp)
+            _write_tokenizer(gguf_path, reader, tmp)
         _write_weights(reader, config, arch, tmp, max_shard_bytes)
         try:
             os.rename(tmp, out_dir)
@@ -121,6 +123,26 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+@contextlib.contextmanager
+def _parsed_once(gguf: Any, gguf_path: Path, reader: Any) -> Iterator[None]:
+    """transformers' config and tokenizer readers each build a ``gguf.GGUFReader`` of the file
+    again (4.5 s apiece for SmolLM2's file, most of it its 49152-token vocabulary's fields): while
+    they run, a reader asked for this file is the one already built (read-only: a memory map).
+    Readers of other files, and every reader after the block, are built as usual."""
+    real = gguf.GGUFReader
+
+    def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and Path(path).resolve() == gguf_path:
+            return reader
+        return real(path, *args, **kwargs)
+
+    gguf.GGUFReader = reader_of
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
 
 
 def _remove_stale_tmp(out_dir: Path) -> None:
