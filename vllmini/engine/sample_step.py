@@ -86,10 +86,10 @@ def sample(
     else:
         outputs = outputs_with_drafts([s.output_token_ids for s in seqs], drafts or {})
     states = [engine.requests[s.request_id] for s in seqs]
-    rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
-                        _forced_token(engine, s, out, state))
-            for s, out, state in zip(seqs, outputs, states)]  # fmt: skip
     matchers = [engine.structured.matcher(state, s) for s, state in zip(seqs, states)]
+    rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
+                        None if matcher is not None else _forced_token(engine, s, out, state))
+            for s, out, state, matcher in zip(seqs, outputs, states, matchers)]  # fmt: skip
     if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
         logits = engine.structured.mask(logits, matchers, drafts)
     tensors = SamplingTensors.from_rows(rows, logits.shape[-1], logits.device)
@@ -102,11 +102,12 @@ def sample(
 
 
 def _forced_token(engine: LLMEngine, seq: Sequence, output: list[int], state: RequestState) -> int | None:
-    """The token a thinking budget forces on this row (engine/thinking_budget.py), if any. Not
-    while a structured-output grammar decides the tokens (it starts after the reasoning, unless
-    ``enable_in_reasoning``): a forced end it does not allow would only fail the request."""
+    """The token a thinking budget forces on this row (engine/thinking_budget.py), if any. (Not
+    asked while a structured-output grammar decides the row's tokens: it starts after the
+    reasoning, unless ``enable_in_reasoning``, and a forced end it does not allow would only
+    fail the request.)"""
     budget, rule = seq.params.thinking_token_budget, engine.thinking
-    if budget is None or rule is None or engine.structured.matcher(state, seq) is not None:
+    if budget is None or rule is None:
         return None
     # the sequence's own tokens are scanned once, on from the last step's Marks; ``output`` may
     # go on past them (drafts)
