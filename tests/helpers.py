@@ -5,6 +5,7 @@ import contextlib
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import (AutoTokenizer, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                           Qwen3Config, Qwen3MoeConfig, SmolLM3Config)  # fmt: skip
 
 from vllmini.models.base import AttentionMetadata
@@ -195,10 +196,15 @@ def randomize_biases(hf_model, std: float = 0.5):
     return hf_model
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
 def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
     """An HF directory (safetensors + the default model's tokenizer) that the engine can load."""
     hf_model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out_dir)
+    for name in TOKENIZER_FILES:  # copied as they are (a re-save by transformers 5 drops added_tokens_decoder)
+        if (Path(tokenizer_dir) / name).is_file():
+            shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
     return out_dir
 
 

@@ -480,6 +480,15 @@ def test_default_model_converts_from_scratch(tmp_path: Path, default_gguf: Path)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_end|>") == 2
+    # tokenizer_config.json lists the added tokens (no legacy re-read of tokenizer.json at load),
+    # and the tokenizer loads the same as transformers' own rebuild from the GGUF file
+    listed = json.loads((out / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert {int(i): t["content"] for i, t in listed.items()} == {i: t.content for i, t in tok.added_tokens_decoder.items()}
+    rebuilt = AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    assert tok.added_tokens_decoder == rebuilt.added_tokens_decoder
+    sample = "<|im_start|>user\nnaïve café, 2 + 2?<|im_end|>\n<|endoftext|> done"
+    assert tok(sample).input_ids == rebuilt(sample).input_ids
+    assert tok.decode(tok(sample).input_ids, skip_special_tokens=True) == rebuilt.decode(rebuilt(sample).input_ids, skip_special_tokens=True)
 
     got = _read_all(out)
     oracle = _transformers_gguf_tensors(default_gguf, out)

@@ -28,7 +28,8 @@ from vllmini.models import gguf_moe
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
-CONVERTER_VERSION = 4  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling
+CONVERTER_VERSION = 5  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling;
+# 5: tokenizer_config.json lists the added tokens
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py); a ``llama`` file
 # with ``llama.expert_count`` is Mixtral (gguf_moe.py).
@@ -268,6 +269,21 @@ def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
         raise ValueError(f"{gguf_path}: cannot rebuild its tokenizer with transformers: {exc}") from exc
     _pin_special_tokens(tok, reader)
     tok.save_pretrained(out)
+    _list_added_tokens(out)
+
+
+def _list_added_tokens(out: Path) -> None:
+    """Copy tokenizer.json's added tokens into tokenizer_config.json as ``added_tokens_decoder``,
+    as hub checkpoints have it (transformers 5 no longer writes it). Without it every load takes
+    transformers' legacy path, which parses all of tokenizer.json again in Python: SmolLM2's
+    tokenizer then loads in 0.25 s instead of 0.16 s, at every engine start."""
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "added_tokens_decoder" in config:
+        return
+    added = json.loads((out / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens", [])
+    config["added_tokens_decoder"] = {str(t["id"]): {k: v for k, v in t.items() if k != "id"} for t in added}
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 _SPECIAL_TOKEN_FIELDS = {
