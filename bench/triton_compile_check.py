@@ -45,7 +45,8 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> 
     attention = "_paged_attention_kernel"
     return {
         "decode": (attention, decode),
-        "decode-split": (attention, {**decode, "SPLIT": True}),
+        "decode-split": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True,
+                                                     split=True)),  # fmt: skip
         "merge-splits": ("_merge_splits_kernel", {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": decode["HEAD_DIM_PAD"],
                                                   "SPLITS_PAD": _next_pow2(SPLIT_MAX)}),  # fmt: skip
         "decode-in-mixed-step": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=False, paged=True)),

@@ -202,11 +202,14 @@ def kernel_constants(
     split: bool = False,
 ) -> dict:  # fmt: skip
     """The compile-time constants of one launch: what the launcher passes, and what
-    bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have."""
+    bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have.
+    An fp32 split-KV launch takes 16 keys a step, not 32: with 32, Triton 3.6 (the GPU image's)
+    gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers)."""
+    block_n = BLOCK_N // _shrink(dtype) // (2 if split and dtype == torch.float32 else 1)
     return {
         "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
-        "BLOCK_N": BLOCK_N // _shrink(dtype), "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
+        "BLOCK_N": block_n, "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split,
     }  # fmt: skip
 
