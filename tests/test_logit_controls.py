@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from test_engine import assert_no_leaks
-from test_sampler import logits_st
 from vllmini import LLM, SamplingParams
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors
+from vllmini.testing import logits as logits_st
 
 FAST = settings(deadline=None, max_examples=60)
 TEMPS = st.sampled_from([0.0, 0.0, 0.7, 1.5])
@@ -27,7 +27,7 @@ def controlled_params(draw, vocab: int):
 
 
 @FAST
-@given(logits_st(max_v=24), st.data())
+@given(logits_st(max_vocab=24), st.data())
 def test_bias_and_allowed_tokens_steer_every_row(logits, data):
     """Greedy rows take the argmax of the biased logits among the allowed tokens; sampled rows
     draw only allowed tokens that are not biased down to (almost) nothing."""

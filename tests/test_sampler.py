@@ -16,9 +16,10 @@ from hypothesis import strategies as st
 
 from vllmini.engine.sampler import Sampler, SamplingRow, SamplingTensors, apply_penalties, row_seed
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.testing import logits as logits_st
+from vllmini.testing import sampling_params as params_st
 
 INF = float("inf")
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FAST = settings(deadline=None, max_examples=40)
 
 
@@ -33,41 +34,6 @@ def rows_for(params, prompts=None, outputs=None, eos=None, offsets=None):
 def run(logits, params, *, mode="raw", gen=None, **kw):
     t = SamplingTensors.from_rows(rows_for(params, **kw), logits.shape[1], generator=gen)
     return Sampler(mode)(logits, t)
-
-
-@st.composite
-def logits_st(draw, max_b=6, max_v=48, extreme=False):
-    dtype = draw(st.sampled_from(DTYPES))
-    b, v = draw(st.integers(1, max_b)), draw(st.integers(1, max_v))
-    if extreme:
-        lim = torch.finfo(dtype).max
-        elem = st.one_of(st.floats(-lim, lim, width=32), st.sampled_from([lim, -lim, 1e-30, -1e-30, 0.0, 1e4]),
-                         st.integers(-20, 20).map(float), st.just(-INF))  # fmt: skip
-    else:
-        elem = st.one_of(st.integers(-160, 160).map(lambda i: i / 8), st.integers(-3, 3).map(float), st.just(-INF))
-    vals = draw(st.lists(st.lists(elem, min_size=v, max_size=v), min_size=b, max_size=b))
-    for row in vals:
-        if all(x == -INF for x in row):
-            row[draw(st.integers(0, v - 1))] = 0.0
-    return torch.tensor(vals, dtype=torch.float32).to(dtype)
-
-
-def params_st(seeded=True, greedy_ok=True):
-    temps = st.sampled_from([0.05, 0.5, 1.0, 2.0]) | st.floats(0.05, 3.0)
-    if greedy_ok:
-        temps = temps | st.just(0.0)
-    return st.builds(
-        SamplingParams,
-        temperature=temps,
-        top_k=st.sampled_from([0, -1, 1, 2, 3, 5, 50]),
-        top_p=st.sampled_from([1.0, 0.5, 0.9]) | st.floats(0.01, 1.0),
-        min_p=st.sampled_from([0.0, 0.1]) | st.floats(0.0, 1.0),
-        seed=st.integers(0, 2**40) if seeded else st.none(),
-        logprobs=st.none() | st.integers(0, 5),
-        repetition_penalty=st.sampled_from([1.0, 1.3, 0.7]),
-        presence_penalty=st.sampled_from([0.0, 0.5, -1.0]),
-        frequency_penalty=st.sampled_from([0.0, 0.3, -0.5]),
-    )
 
 
 def ref_keep(z: list[float], k: int, p: float, min_p: float) -> set[int]:
@@ -140,7 +106,7 @@ def test_top_k_1_is_greedy(logits, seed):
 @given(logits_st(), st.data())
 def test_sampled_token_satisfies_top_k_top_p_min_p(logits, data):
     b = logits.shape[0]
-    ps = [data.draw(params_st(seeded=data.draw(st.booleans()), greedy_ok=False)) for _ in range(b)]
+    ps = [data.draw(params_st(seeded=data.draw(st.booleans()), greedy=False)) for _ in range(b)]
     ps = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed)
           for p in ps]  # fmt: skip
     out = run(logits, ps, gen=torch.Generator().manual_seed(0))
@@ -185,7 +151,7 @@ def test_top_k_and_top_p_keep_ties_and_the_top_token():
 
 
 @FAST
-@given(logits_st(max_b=5), st.data())
+@given(logits_st(max_rows=5), st.data())
 def test_each_row_equals_sampling_it_alone(logits, data):
     b = logits.shape[0]
     ps = [data.draw(params_st()) for _ in range(b)]
@@ -201,7 +167,7 @@ def test_each_row_equals_sampling_it_alone(logits, data):
 
 
 @FAST
-@given(logits_st(max_b=5), st.data())
+@given(logits_st(max_rows=5), st.data())
 def test_seeded_rows_are_batch_invariant(logits, data):
     b, v = logits.shape
     ps = [data.draw(params_st()) for _ in range(b)]
