@@ -18,7 +18,7 @@ Every drawn row keeps at least one finite logit (a row with none is refused by t
 ``invalid``, a different property). Plain logits lie on a 1/8 grid in [-20, 20], which float32,
 bfloat16 and float16 all hold exactly, so a float64 reference can be compared with a small slack;
 ``extreme=True`` draws anything a dtype holds (huge, tiny, its max, -inf) for robustness properties.
-Needs ``hypothesis`` (``pip install hypothesis``), which vllmini itself does not depend on.
+Needs ``hypothesis`` (the ``testing`` extra), which vllmini itself does not depend on.
 """
 from __future__ import annotations
 
