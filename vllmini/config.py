@@ -15,6 +15,7 @@ import torch
 from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
+from vllmini.vllm_args import VllmEngineArgs, parse_hf_overrides, resolve_kv_cache_memory
 
 logger = logging.getLogger("vllmini")
 
@@ -207,8 +208,9 @@ MAX_BLOCK_SIZE = 1024
 
 
 @dataclass
-class EngineArgs:
-    """Engine settings, with vLLM's names."""
+class EngineArgs(VllmEngineArgs):
+    """Engine settings, with vLLM's names (and, keyword-only, vLLM's that name a choice vllmini does
+    not have: vllm_args.py)."""
 
     model: str = "default"
     tokenizer: str | None = None
@@ -283,6 +285,14 @@ class EngineArgs:
     # start_profile()/stop_profile() write torch profiler traces there (engine/profiler.py); None:
     # $VLLMINI_TORCH_PROFILER_DIR when set, else off
     profiler_config: ProfilerConfig | dict | str | None = None
+    # vLLM's: config.json fields to change before the model is built ({"max_position_embeddings": 4096}; a
+    # dict-valued field such as rope_scaling is updated key by key); a dict or its JSON text (vllm_args.py)
+    hf_overrides: dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = self.kv_cache_memory_bytes = resolve_kv_cache_memory(
+            self.kv_cache_memory, self.kv_cache_memory_bytes
+        )
 
     def resolved_reasoning_config(self) -> ReasoningConfig | None:
         """``reasoning_config``, else the one ``structured_outputs_config.reasoning_parser`` names."""
@@ -309,6 +319,8 @@ class EngineArgs:
 
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be 'default', a local path or a hub id, got {self.model!r}")
+        self.check_vllm_args()
+        parse_hf_overrides(self.hf_overrides)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)

@@ -17,6 +17,7 @@ from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, res
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
 from vllmini.spec_decode.config import SpeculativeConfig
+from vllmini.vllm_args import apply_hf_overrides
 
 logger = logging.getLogger("vllmini")
 
@@ -38,7 +39,7 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
         logger.warning("trust_remote_code=True is ignored: vllmini runs only its built-in architectures, "
                        "never code shipped with a model")  # fmt: skip
     model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
-    config = load_config(model_dir)
+    config = apply_hf_overrides(load_config(model_dir), args.hf_overrides)
     runner = resolve_runner(args, config.architectures)
     checkpoint_dtype = getattr(config, "dtype", None)
     dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)

@@ -1,0 +1,94 @@
+"""vLLM engine arguments that name a choice vllmini does not have, or another name for one it has.
+
+Code and command lines written for vLLM pass these (``LLM(model, tensor_parallel_size=1,
+enable_chunked_prefill=True)``, ``vllm serve --kv-cache-dtype auto``): they are accepted at the
+values that describe what vllmini does, and any other value is refused by name, with the reason,
+rather than ignored. ``EngineArgs`` inherits them (keyword-only, after its own fields).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# name -> (accepted values, what vllmini does instead of the others)
+FIXED = {
+    "tensor_parallel_size": ((1,), "vllmini runs a model on one device"),
+    "pipeline_parallel_size": ((1,), "vllmini runs a model on one device"),
+    "data_parallel_size": ((1,), "an engine is one process on one device (run several servers behind a load balancer)"),
+    "enable_chunked_prefill": ((True,), "vllmini always splits a prompt longer than max_num_batched_tokens into chunks"),
+    "quantization": ((None,), "weights load in the engine's dtype (a GGUF file's are dequantized as it is converted)"),
+    "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
+    "tokenizer_mode": (("auto", "hf"), "tokenizers are transformers' (AutoTokenizer)"),
+    "load_format": (("auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files only"),
+    "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
+    "enable_sleep_mode": ((False,), "the engine has no sleep mode"),
+    "skip_tokenizer_init": ((False,), "the engine always loads its tokenizer (stop strings, EOS, chat templates)"),
+}  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class VllmEngineArgs:
+    """The fields of ``FIXED`` at vLLM's defaults (where vLLM's would be refused here, vllmini's
+    only value), and ``kv_cache_memory_bytes``, vLLM's name for ``EngineArgs.kv_cache_memory``."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_chunked_prefill: bool = True
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    cpu_offload_gb: float = 0
+    enable_sleep_mode: bool = False
+    skip_tokenizer_init: bool = False
+    kv_cache_memory_bytes: int | None = None
+
+    def check_vllm_args(self) -> None:
+        """A ValueError naming the first field set to a value vllmini cannot honour."""
+        for name, (accepted, reason) in FIXED.items():
+            value = getattr(self, name)
+            if not any(_same(value, ok) for ok in accepted):
+                shown = " or ".join(repr(ok) for ok in accepted)
+                raise ValueError(f"{name}={value!r} is not supported: {reason} (accepted: {shown})")
+
+
+def resolve_kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | None) -> int | None:
+    """The one KV budget the two names give (the same number twice is fine; two numbers are not)."""
+    if kv_cache_memory_bytes is None:
+        return kv_cache_memory
+    if kv_cache_memory is not None and kv_cache_memory != kv_cache_memory_bytes:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} and kv_cache_memory_bytes={kv_cache_memory_bytes} "
+                         "disagree; they are one setting (vLLM's name is kv_cache_memory_bytes): give one")  # fmt: skip
+    return kv_cache_memory_bytes
+
+
+def _same(value: Any, accepted: Any) -> bool:
+    """Equal, with True not taken for 1 (nor None for anything else)."""
+    if isinstance(value, bool) or isinstance(accepted, bool) or value is None or accepted is None:
+        return value is accepted
+    return value == accepted
+
+
+def parse_hf_overrides(value: dict | str | None) -> dict[str, Any]:
+    """``EngineArgs.hf_overrides`` as a dict: a dict, or its JSON text (the CLI's)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
+        raise ValueError(f"hf_overrides must map config.json field names to values, got {value!r}")
+    return value
+
+
+def apply_hf_overrides(config: Any, overrides: dict | str | None) -> Any:
+    """vLLM's ``hf_overrides``: set these fields of the model's transformers config before the model is
+    built from it; a field holding a dict (``rope_scaling``) is updated key by key, not replaced."""
+    for name, value in parse_hf_overrides(overrides).items():
+        current = getattr(config, name, None)
+        setattr(config, name, {**current, **value} if isinstance(current, dict) and isinstance(value, dict) else value)
+    return config
