@@ -2,12 +2,14 @@
 refused by name otherwise), kv_cache_memory_bytes, and hf_overrides (checked against transformers)."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
 from helpers import assert_greedy_matches, hf_greedy
-from vllmini import LLM, EngineArgs, SamplingParams
+from vllmini import LLM, AsyncEngineArgs, AsyncLLMEngine, EngineArgs, SamplingParams
 from vllmini.cli import main
 from vllmini.vllm_args import FIXED
 
@@ -99,3 +101,15 @@ def test_hf_overrides_change_the_model_as_transformers_would(tiny_dir):
 def test_bad_hf_overrides_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="hf_overrides must"):
         EngineArgs(hf_overrides=bad).validate()
+
+
+def test_async_engine_args_is_vllms_name_for_the_same_fields(tiny_dir):
+    async def run() -> list[int]:
+        args = AsyncEngineArgs(model=str(tiny_dir), tensor_parallel_size=1, kv_cache_memory_bytes=1 << 24)
+        async with AsyncLLMEngine.from_engine_args(args) as engine:
+            async for out in engine.generate(PROMPT, GREEDY, "r"):
+                pass
+        return list(out.outputs[0].token_ids)
+
+    want = LLM(model=str(tiny_dir), kv_cache_memory=1 << 24).generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    assert asyncio.run(run()) == list(want.outputs[0].token_ids)

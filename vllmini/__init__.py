@@ -21,7 +21,7 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-from vllmini.config import EngineArgs, PoolerConfig
+from vllmini.config import AsyncEngineArgs, EngineArgs, PoolerConfig
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from vllmini.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from vllmini.engine.llm import LLM
@@ -39,6 +39,7 @@ __all__ = [
     "AsyncLLMEngine",
     "LLMEngine",
     "EngineArgs",
+    "AsyncEngineArgs",
     "SamplingParams",
     "StructuredOutputsParams",
     "RepetitionDetectionParams",

@@ -385,3 +385,7 @@ class EngineArgs(VllmEngineArgs):
         PoolerConfig.coerce(self.pooler_config)
         device = resolve_device(self.device)
         resolve_dtype(self.dtype, device)
+
+
+# vLLM's name for the async engine's arguments (``vllm.AsyncEngineArgs``): the same fields here
+AsyncEngineArgs = EngineArgs
