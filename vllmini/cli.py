@@ -31,7 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     p.add_argument("--log-level", type=str.upper, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR"],
                    help="logging level (default: $VLLMINI_LOGGING_LEVEL, else INFO: load and KV cache sizes)")
-    for f in dataclasses.fields(EngineArgs):
+    for f in sorted(dataclasses.fields(EngineArgs), key=lambda f: f.kw_only):  # (vllm_args.py's last)
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         if isinstance(default, bool):
@@ -301,6 +301,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from vllmini import AsyncLLMEngine
     from vllmini.entrypoints.openai.api_server import run_server
+    from vllmini.entrypoints.openai.cors import cors_from_flags
     from vllmini.entrypoints.openai.serving_models import check_lora_modules, parse_lora_module
 
     served_name = _engine_args(ns).get_served_model_name()
@@ -310,30 +311,18 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     if ns.max_request_body_size < 0:
         raise ValueError(f"--max-request-body-size must be >= 0 bytes (0: no limit), got {ns.max_request_body_size}")
+    cors = cors_from_flags(ns.allowed_origins, ns.allowed_methods, ns.allowed_headers, ns.allow_credentials)
     engine = AsyncLLMEngine.from_engine_args(_serve_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
     run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules,
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size,
-               enable_prompt_tokens_details=ns.enable_prompt_tokens_details)  # fmt: skip
+               enable_prompt_tokens_details=ns.enable_prompt_tokens_details, cors=cors)  # fmt: skip
     return 0
 
 
-def _add_parser_args(p: argparse.ArgumentParser) -> None:
-    """vLLM's flags for tool calls and reasoning in chat responses."""
-    from vllmini.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-    from vllmini.entrypoints.openai.tool_parsers import TOOL_PARSERS
-
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
-    p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
-                   help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x)")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
-    from vllmini.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
+    from vllmini.entrypoints.openai.cli_args import add_serve_args
 
     parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -351,18 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/responses, "
                            "/v1/embeddings and the other pooling routes, /tokenize, /metrics...)")
     serve.add_argument("model_tag", nargs="?", default=None, help="the model (as --model; default: the bundled one)")
-    serve.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
-    serve.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $VLLMINI_API_KEY, else none)")
-    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
-                       help='LoRA adapters served under their own names (needs --enable-lora): NAME=PATH or '
-                            '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
-    serve.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE, metavar="BYTES",
-                       help="larger request bodies are answered 413 (default: 32 MiB; 0: no limit)")
-    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
-                       help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
-    _add_parser_args(serve)
+    add_serve_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
     sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")

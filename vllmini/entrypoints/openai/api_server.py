@@ -40,6 +40,7 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest,
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
+from vllmini.entrypoints.openai.cors import CorsOptions
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -175,11 +176,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None,
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
-              enable_prompt_tokens_details: bool = False) -> Starlette:  # fmt: skip
+              enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
-    ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``."""
+    ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``. ``cors``:
+    answer browsers' cross-origin requests from those origins (None: no CORS headers at all)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -276,7 +278,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                        "client can make the server read a folder; for local development only")  # fmt: skip
         routes += [Route("/v1/load_lora_adapter", handler(LoadLoRAAdapterRequest, models.load), methods=["POST"]),
                    Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
-    middleware = [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
+    # outermost first: CORS answers a browser's preflight before any check, and its headers reach
+    # the checks' own refusals (401, 413), which a page must be able to read
+    middleware = [] if cors is None else [cors.middleware()]
+    middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
 
@@ -286,7 +291,7 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                lora_modules: list[LoRAModulePath] | None = None, **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details)."""
+    enable_prompt_tokens_details, cors)."""
     import uvicorn
 
     try:
