@@ -247,14 +247,14 @@ def save_tiny_lora(model_dir: Path, out_dir: Path, seed: int, r: int = 8, **lora
 
 @contextlib.contextmanager
 def vllmini_serve(*args: str) -> Iterator[str]:
-    """``vllmini serve *args --port 0`` as a user runs it: yields its base URL once uvicorn listens,
-    then stops it with Ctrl-C (SIGINT) and checks that it exited cleanly."""
+    """``vllmini serve *args --port 0`` as a user runs it: yields its base URL (http, or https with
+    --ssl-*) once uvicorn listens, then stops it with Ctrl-C (SIGINT) and checks that it exited cleanly."""
     cmd = [sys.executable, "-m", "vllmini", "serve", *args, "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
     try:
         log = ""
-        while (m := re.search(r"Uvicorn running on (http://\S+)", log)) is None:
+        while (m := re.search(r"Uvicorn running on (https?://\S+)", log)) is None:
             line = proc.stdout.readline()
             assert line, f"the server did not start:\n{log}"
             log += line

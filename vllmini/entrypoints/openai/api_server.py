@@ -288,10 +288,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str, port: int,
                chat_template: str | None = None, api_key: str | None = None,
-               lora_modules: list[LoRAModulePath] | None = None, **options: Any) -> None:  # fmt: skip
+               lora_modules: list[LoRAModulePath] | None = None, uvicorn_options: dict | None = None,
+               **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details, cors)."""
+    enable_prompt_tokens_details, cors); ``uvicorn_options``: uvicorn.run's (root_path, log_level,
+    access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 
     try:
@@ -300,5 +302,7 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
     except BaseException:  # (a bad --chat-template or adapter): stop the engine's thread before exiting
         engine.shutdown()
         raise
-    logger.info("serving %s on http://%s:%d/v1", served_model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    settings = {"log_level": "info", "timeout_graceful_shutdown": 5, **(uvicorn_options or {})}
+    scheme = "https" if settings.get("ssl_certfile") else "http"
+    logger.info("serving %s on %s://%s:%d%s/v1", served_model_name, scheme, host, port, settings.get("root_path", ""))
+    uvicorn.run(app, host=host, port=port, **settings)

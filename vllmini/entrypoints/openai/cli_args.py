@@ -3,6 +3,7 @@ call it, and how chat responses are parsed, with vLLM's names (as vLLM's entrypo
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from vllmini.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
 
@@ -28,6 +29,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-methods", default=None, metavar="JSON", help='CORS methods (default: ["*"])')
     p.add_argument("--allowed-headers", default=None, metavar="JSON", help='CORS request headers (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS requests may carry credentials")
+    # uvicorn's own settings, under vLLM's flags
+    p.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under (ASGI root_path)")
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (with --ssl-keyfile)")
     # how chat responses are parsed: tool calls and reasoning
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
@@ -35,3 +42,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
+
+
+def uvicorn_options(ns: argparse.Namespace) -> dict:
+    """``uvicorn.run``'s keywords from the flags above, checked before the model loads."""
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    for flag, path in (("--ssl-keyfile", ns.ssl_keyfile), ("--ssl-certfile", ns.ssl_certfile)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{flag} {path!r} is not a file")
+    if ns.root_path and (not ns.root_path.startswith("/") or ns.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with '/' and not end with one, got {ns.root_path!r}")
+    return {"root_path": ns.root_path, "log_level": ns.uvicorn_log_level, "access_log": not ns.disable_uvicorn_access_log,
+            "ssl_keyfile": ns.ssl_keyfile, "ssl_certfile": ns.ssl_certfile}  # fmt: skip
