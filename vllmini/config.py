@@ -285,6 +285,10 @@ class EngineArgs(VllmEngineArgs):
     # start_profile()/stop_profile() write torch profiler traces there (engine/profiler.py); None:
     # $VLLMINI_TORCH_PROFILER_DIR when set, else off
     profiler_config: ProfilerConfig | dict | str | None = None
+    # vLLM's AsyncEngineArgs: the async engine logs each request it accepts (prompt, token ids and params,
+    # each cut to max_log_len; None: whole) and each abort, at INFO (engine/request_logger.py)
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     # vLLM's: config.json fields to change before the model is built ({"max_position_embeddings": 4096}; a
     # dict-valued field such as rope_scaling is updated key by key); a dict or its JSON text (vllm_args.py)
     hf_overrides: dict[str, Any] | str | None = None
@@ -328,6 +332,7 @@ class EngineArgs(VllmEngineArgs):
         if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        positive_int("max_log_len", self.max_log_len, allow_none=True)
         if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
             raise ValueError(f"revision must be a hub branch, tag or commit (or None), got {self.revision!r}")
         positive_int("max_loras", self.max_loras)
@@ -336,7 +341,8 @@ class EngineArgs(VllmEngineArgs):
         positive_int("max_cpu_loras", self.max_cpu_loras, allow_none=True)
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code", "enable_lora"):
+        for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code", "enable_lora",
+                     "enable_log_requests"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -29,6 +29,7 @@ from vllmini.engine.engine_stats import EngineStats, GenerationRate
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.engine.request_logger import RequestLogger
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.structured_outputs import load_xgrammar
 from vllmini.lora.request import LoRARequest
@@ -67,6 +68,7 @@ class AsyncLLMEngine:
         self._shutdown_task: asyncio.Task | None = None
         self._executor_closed = False
         self._rate = GenerationRate(engine.num_generated_tokens)
+        self._request_logger = RequestLogger(engine.args.max_log_len) if engine.args.enable_log_requests else None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLMEngine:
@@ -317,6 +319,8 @@ class AsyncLLMEngine:
             if state.grammar is not None:  # (refused: no need to compile its grammar)
                 state.grammar.cancel()
             raise ValueError(f"request_id {rid!r} is already in use")
+        if self._request_logger is not None:
+            self._request_logger.log_inputs(rid, state.prompt, state.prompt_token_ids, state.params, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         with self._lock:
@@ -364,6 +368,8 @@ class AsyncLLMEngine:
         and a closing stream's id stays taken until its abort is done."""
         if self._dead:
             return  # shutdown aborts everything
+        if self._request_logger is not None:
+            self._request_logger.log_aborts(request_ids)
         if not self._loop_running:
             await self._abort_without_loop(request_ids)
             return
