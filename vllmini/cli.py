@@ -316,7 +316,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     server = uvicorn_options(ns)
     engine = AsyncLLMEngine.from_engine_args(_serve_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
-    run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules, server,
+    run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules, uvicorn_options=server,
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size,
                enable_prompt_tokens_details=ns.enable_prompt_tokens_details, cors=cors)  # fmt: skip
