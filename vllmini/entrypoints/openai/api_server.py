@@ -176,12 +176,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None,
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
-              enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None) -> Starlette:  # fmt: skip
+              enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None,
+              response_role: str = "assistant", return_tokens_as_token_ids: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
     ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``. ``cors``:
-    answer browsers' cross-origin requests from those origins (None: no CORS headers at all)."""
+    answer browsers' cross-origin requests from those origins (None: no CORS headers at all).
+    ``response_role``: a chat answer's role after a generation prompt; ``return_tokens_as_token_ids``:
+    the default of requests that do not say (both vLLM's server flags)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -192,6 +195,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                              reasoning_parser=reasoning_parser)  # fmt: skip
 
     completion.prompt_tokens_details = chat.prompt_tokens_details = enable_prompt_tokens_details
+    completion.return_tokens_as_token_ids = chat.return_tokens_as_token_ids = return_tokens_as_token_ids
+    if not isinstance(response_role, str) or not response_role:
+        raise ValueError(f"response_role must be a non-empty role name, got {response_role!r}")
+    chat.response_role = response_role
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
     responses = OpenAIServingResponses(chat)
@@ -292,7 +299,7 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details, cors); ``uvicorn_options``: uvicorn.run's (root_path, log_level,
+    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids); ``uvicorn_options``: uvicorn.run's (root_path, log_level,
     access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 

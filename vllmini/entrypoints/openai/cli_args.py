@@ -29,6 +29,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-methods", default=None, metavar="JSON", help='CORS methods (default: ["*"])')
     p.add_argument("--allowed-headers", default=None, metavar="JSON", help='CORS request headers (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS requests may carry credentials")
+    p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name tokens "token_id:<id>" unless a request says otherwise')
     # uvicorn's own settings, under vLLM's flags
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under (ASGI root_path)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -54,6 +54,7 @@ class OpenAIServingChat(OpenAIServing):
         if enable_auto_tools and tool_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         self.enable_auto_tools = enable_auto_tools
+        self.response_role = "assistant"  # vLLM's --response-role (build_app's)
         self.tool_parser = None if tool_parser is None else get_tool_parser(tool_parser)
         self.reasoning_parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         # the engine's grammars wait out the reasoning (its reasoning_config, without enable_in_reasoning)
@@ -131,12 +132,12 @@ class OpenAIServingChat(OpenAIServing):
         """A whole choice's message and finish reason."""
         echo = self._echo(request)
         if make is None:
-            return {"role": "assistant", "content": echo + c.text}, c.finish_reason
+            return {"role": self._role(request), "content": echo + c.text}, c.finish_reason
         parser = make()
         reasoning, content, calls = parser.parse(c.text)
         if choice.mode in ("named", "required"):
             content = content or ""  # (as vLLM)
-        message: dict[str, Any] = {"role": "assistant", "content": echo + (content or "") if echo else content}
+        message: dict[str, Any] = {"role": self._role(request), "content": echo + (content or "") if echo else content}
         if self.reasoning_parser is not None:  # (None with include_reasoning=false)
             message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
@@ -165,10 +166,15 @@ class OpenAIServingChat(OpenAIServing):
                 options[name] = value
         return render_chat(self.tokenizer, request.messages, **options)
 
+    def _role(self, request: ChatCompletionRequest) -> str:
+        """The answer's role, as vLLM's: the server's response role after a generation prompt,
+        else the last message's (the message being continued)."""
+        return self.response_role if request.add_generation_prompt else str(request.messages[-1].get("role"))
+
     def _echo(self, request: ChatCompletionRequest) -> str:
-        """With ``echo``, the last message's content when it is the assistant's (being continued)."""
+        """With ``echo``, the last message's content when it has the answer's role (being continued)."""
         last = request.messages[-1]
-        if not request.echo or last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+        if not request.echo or last.get("role") != self._role(request) or not isinstance(last.get("content"), str):
             return ""
         return last["content"]
 
@@ -218,7 +224,7 @@ class OpenAIServingChat(OpenAIServing):
                 body["usage"] = usage.body()
             return sse(body)
 
-        role = {"role": "assistant", "content": self._echo(request)}
+        role = {"role": self._role(request), "content": self._echo(request)}
         first = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
         yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)],
                     **first)  # fmt: skip
@@ -248,7 +254,7 @@ class OpenAIServingChat(OpenAIServing):
         ``top_logprobs`` most likely tokens there."""
         if request.num_logprobs is None and not request.logprob_token_ids:
             return None
-        as_ids = bool(request.return_tokens_as_token_ids)
+        as_ids = self.tokens_as_ids(request)
         return {"content": [self._token(token, entry, request.num_logprobs or 0, request.logprob_token_ids, as_ids)
                             for token, entry in zip(c.token_ids, c.logprobs or [])]}  # fmt: skip
 

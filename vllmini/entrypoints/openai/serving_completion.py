@@ -113,7 +113,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is None and not request.logprob_token_ids:
             return text, None
         return text, self._logprobs(token_ids, entries, request.logprobs or 0, offset or 0, request.logprob_token_ids,
-                                    echoed, bool(request.return_tokens_as_token_ids))  # fmt: skip
+                                    echoed, self.tokens_as_ids(request))  # fmt: skip
 
     def _logprobs(
         self, token_ids: list[int], entries: list[LogprobsEntry | None], num: int, offset: int,

@@ -181,6 +181,13 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.max_logprobs = engine.engine.input_processor.max_logprobs
         self.prompt_tokens_details = False  # usage.prompt_tokens_details (build_app's enable_prompt_tokens_details)
+        self.return_tokens_as_token_ids = False  # the default of requests that do not say (build_app's)
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """``return_tokens_as_token_ids``: the request's when it says, else the server's
+        (vLLM's ``--return-tokens-as-token-ids``)."""
+        own = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if own is None else bool(own)
 
     def check_context(self, num_prompt_tokens: int, params: SamplingParams, name: str = "max_tokens") -> None:
         """A request's max_tokens (the request's ``name`` for it) must fit in the context after its

@@ -1,7 +1,10 @@
-"""CORS on the server (vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials):
-off unless origins are given; then a browser's preflight is answered before the API key check, and the
-key's refusals carry the headers a page needs to read them."""
+"""Server-wide options, with vLLM's flags. CORS (--allowed-origins, --allowed-methods, --allowed-headers,
+--allow-credentials): off unless origins are given; then a browser's preflight is answered before the API
+key check, and the key's refusals carry the headers a page needs to read them. --response-role and
+--return-tokens-as-token-ids."""
 from __future__ import annotations
+
+import json
 
 import httpx
 import pytest
@@ -77,3 +80,38 @@ def test_bad_cors_options_are_refused_by_name():
 def test_serve_refuses_bad_cors_flags_before_loading_the_model(capsys):
     assert main(["serve", "--allowed-origins", "http://localhost:3000"]) == 2
     assert "--allowed-origins must be a JSON list" in capsys.readouterr().err
+
+
+async def test_the_response_role_and_the_role_of_a_continued_message(engine):
+    app = build_app(engine, response_role="bot")
+    hi = [{"role": "user", "content": "hi"}]
+    async with client(app) as c:
+        whole = (await c.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2})).json()
+        assert whole["choices"][0]["message"]["role"] == "bot"
+        streamed = await c.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 2, "stream": True})
+        first = json.loads(streamed.text.split("data: ")[1])
+        assert first["choices"][0]["delta"]["role"] == "bot"
+        # no generation prompt: the answer continues the last message, in its role (vLLM's rule)
+        body = {"messages": hi, "max_tokens": 2, "add_generation_prompt": False}
+        assert (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]["role"] == "user"
+        said = [*hi, {"role": "assistant", "content": "Well,"}]
+        body = {"messages": said, "max_tokens": 2, "add_generation_prompt": False, "continue_final_message": True, "echo": True}
+        message = (await c.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        assert message["role"] == "assistant" and message["content"].startswith("Well,")
+    with pytest.raises(ValueError, match="response_role must be a non-empty role name"):
+        build_app(engine, response_role="")
+
+
+async def test_tokens_as_token_ids_by_default_unless_a_request_says(engine):
+    async with client(build_app(engine, return_tokens_as_token_ids=True)) as c:
+        body = {"prompt": "hi", "max_tokens": 3, "logprobs": 1}
+        tokens = (await c.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]["tokens"]
+        assert len(tokens) == 3 and all(t.startswith("token_id:") for t in tokens)
+        own = (await c.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False})).json()
+        assert not any(t.startswith("token_id:") for t in own["choices"][0]["logprobs"]["tokens"])
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True}
+        content = (await c.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]["content"]
+        assert all(entry["token"].startswith("token_id:") for entry in content)
+    async with client(build_app(engine)) as c:  # (the default: text)
+        tokens = (await c.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]["tokens"]
+        assert not any(t.startswith("token_id:") for t in tokens)
