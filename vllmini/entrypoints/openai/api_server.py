@@ -299,8 +299,8 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids); ``uvicorn_options``: uvicorn.run's (root_path, log_level,
-    access_log, ssl_keyfile, ssl_certfile)."""
+    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids);
+    ``uvicorn_options``: uvicorn.run's (root_path, log_level, access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 
     try:
