@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from vllmini.models.backend_select import triton_interpreter_problem
+
 # (batch, context): one long single stream, the GPU check's timing batch, the full batch of
 # the offline workload at its mean decode context
 CASES = ((1, 2048), (64, 562), (256, 843))
@@ -166,6 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.tiny:
             ap.error("on CPU the kernel runs in Triton's interpreter: use --tiny")
         os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel module is first imported
+        if (problem := triton_interpreter_problem()) is not None:
+            ap.error(f"on CPU the kernel runs in Triton's interpreter, and {problem}: use triton >= 3.7 here "
+                     "(on a GPU the kernel compiles instead)")  # fmt: skip
     if args.out:
         path = Path(args.out)
     elif os.environ.get("OUT"):

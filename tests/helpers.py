@@ -16,6 +16,7 @@ import torch
 from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
                           Qwen3Config, Qwen3MoeConfig, SmolLM3Config)  # fmt: skip
 
+from vllmini.models.backend_select import triton_interpreter_problem
 from vllmini.models.base import AttentionMetadata
 
 NEAR_TIE = 1e-4
@@ -27,15 +28,12 @@ def triton_skip_reason(cpu_tensors: bool = False) -> str | None:
     """Why the Triton kernel cannot run in this process (None: it can). ``cpu_tensors``: the
     test hands it CPU tensors, which only the interpreter takes."""
     try:
-        import triton
+        import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
     if cpu_tensors and not TRITON_INTERPRETED:
         return "CPU tensors need Triton's interpreter (this machine has CUDA: tests/test_cuda.py runs the kernel)"
-    if TRITON_INTERPRETED and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7):
-        # older interpreters call int() on 1-element arrays, which NumPy >= 2.4 refuses
-        return f"triton {triton.__version__}'s interpreter predates NumPy 2.4 support"
-    return None
+    return triton_interpreter_problem() if TRITON_INTERPRETED else None
 
 
 def prompt_forward(model, prompts: list[list[int]]) -> torch.Tensor:

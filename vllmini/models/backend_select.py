@@ -49,6 +49,19 @@ def _triton_importable() -> bool:
         return False
 
 
+def triton_interpreter_problem() -> str | None:
+    """Why Triton's interpreter (the kernel on CPU tensors, ``TRITON_INTERPRET=1``) cannot run here,
+    or None: interpreters before Triton 3.7 call int() on 1-element arrays, which NumPy 2.4 refuses."""
+    import numpy
+    import triton
+
+    old_triton = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+    new_numpy = tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
+    if old_triton and new_numpy:
+        return f"triton {triton.__version__}'s interpreter predates NumPy 2.4 support (numpy {numpy.__version__})"
+    return None
+
+
 def _flash_attn_importable() -> bool:
     """flash-attn with a paged varlen kernel. A wheel built for another torch fails at import
     (undefined symbol) or at first attribute access: either way we fall back, never crash."""
