@@ -187,12 +187,14 @@ async def drive(url: str, wl: Workload, offsets: list[float], concurrency: int |
     return records, span_s(start, (r.chunk_times for r in records))
 
 
-def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], args) -> ServingMetrics:
+def measure(server: Server, wl: Workload, warm: Workload, offsets: list[float], args, cap: int | None,
+            options: dict) -> ServingMetrics:  # fmt: skip
+    """``cap``: the requests in flight at most (in_flight_cap); ``options``: compute_metrics' (metric_options)."""
     with server:
         server.wait_ready(args.startup_timeout)
         asyncio.run(drive(server.url, warm, [0.0] * len(warm.prompts), None))
-        records, duration = asyncio.run(drive(server.url, wl, offsets, in_flight_cap(args)))
-        metrics = compute_metrics(records, duration, **metric_options(args))
+        records, duration = asyncio.run(drive(server.url, wl, offsets, cap))
+        metrics = compute_metrics(records, duration, **options)
         metrics.peak_rss_bytes = server.peak_rss_bytes() if sys.platform == "linux" else 0
         return metrics
 
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> RunRecord:
     if args.num_requests < 1:
         ap.error("--num-requests must be >= 1")
     try:
-        in_flight_cap(args), metric_options(args)
+        cap, options = in_flight_cap(args), metric_options(args)
     except ValueError as exc:
         ap.error(str(exc))
     rate = args.rate if args.workload == "poisson" else math.inf
@@ -233,12 +235,12 @@ def main(argv: list[str] | None = None) -> RunRecord:
     stamp = time.strftime("%Y%m%d-%H%M%S")
 
     with tempfile.TemporaryDirectory(prefix="vllmini-http-bench-") as logs:  # (a failure prints its tail)
-        metrics = measure(vllmini_server(args, free_port(), Path(logs, "vllmini.log")), wl, warm, offsets, args)
+        metrics = measure(vllmini_server(args, free_port(), Path(logs, "vllmini.log")), wl, warm, offsets, args, cap, options)
         baselines = []
         for mode in modes:
             server = vllm_server(args, mode, model_dir, max_model_len, free_port(), Path(logs, f"vllm-{mode}.log"))
             try:
-                m = measure(server, wl, warm, offsets, args)
+                m = measure(server, wl, warm, offsets, args, cap, options)
             except RuntimeError as exc:  # a baseline that fails gets a row saying so
                 print(f"{server.name} failed: {exc}", file=sys.stderr)
                 baselines.append(Baseline(server.name, 0.0, 0.0, None, error=str(exc)[-2000:]))
