@@ -91,16 +91,6 @@ def test_sliding_window_keys_the_architecture_ignores(tmp_path_factory, default_
     torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
-def test_phi3_long_rope_is_refused(tmp_path_factory, default_model_dir):
-    """Phi-3-*-128k and Phi-3.5 scale RoPE with "longrope", which vllmini does not implement: a
-    clear error at load, not wrong tokens."""
-    long = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
-            "original_max_position_embeddings": 256}  # fmt: skip
-    model_dir, _ = tiny_dir(tmp_path_factory, default_model_dir, "phi3", num_attention_heads=8, rope_scaling=long)
-    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
-        LLM(model=model_dir)
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "mistral", "phi3"])
 def test_bias_keys_these_architectures_ignore(tmp_path_factory, default_model_dir, arch):
     """transformers' Qwen2, Mistral and Phi3 fix their biases (Qwen2: q/k/v only) whatever

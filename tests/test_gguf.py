@@ -376,12 +376,19 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"ssm\.gguf.*'blk\.0\.ssm_a\.weight'"):
         convert_gguf(path, tmp_path / "out")
     path = tmp_path / "yarn.gguf"
-    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn"})
-    with pytest.raises(ValueError, match=r"yarn\.gguf.*rope scaling 'yarn'"):
-        convert_gguf(path, tmp_path / "out")
-    path = tmp_path / "yarn2.gguf"  # a factor does not make another type linear
     write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0})
-    with pytest.raises(ValueError, match=r"rope scaling 'yarn'"):
+    with pytest.raises(ValueError, match=r"yarn\.gguf: yarn rope scaling needs llama\.rope\.scaling\.factor and "
+                                         r"llama\.rope\.scaling\.original_context_length"):  # fmt: skip
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "yarn2.gguf"  # llama.cpp's own attention factor: not transformers'
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+                                    "llama.rope.scaling.original_context_length": 32,
+                                    "llama.rope.scaling.yarn_log_multiplier": 0.1})  # fmt: skip
+    with pytest.raises(ValueError, match=r"rope scaling 'yarn' with yarn_log_multiplier is not supported"):
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "ntk.gguf"  # a factor does not make another type linear
+    write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope scaling 'longrope' is not supported"):
         convert_gguf(path, tmp_path / "out")
     path = tmp_path / "phi35.gguf"  # Phi-3.5 / Phi-3-128k: LongRoPE factors
     write_tiny_gguf(path, "phi3", extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
@@ -402,12 +409,14 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
         ({"llama.rope.scale_linear": 8.0}, 8.0),  # the old key (2023 convert.py)
         ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
         ({"llama.rope.scaling.factor": 1.0}, None),
+        ({"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,  # Qwen3's long-context GGUFs
+          "llama.rope.scaling.original_context_length": 32, "llama.rope.scaling.yarn_beta_fast": 16.0}, 4.0),
     ],
 )
-def test_linear_rope_scaling_is_converted(tmp_path: Path, extra_kv: dict, factor: float | None) -> None:
+def test_rope_scaling_is_converted(tmp_path: Path, extra_kv: dict, factor: float | None) -> None:
     """transformers' GGUF config reader drops rope scaling; the converter writes it as
-    rope_parameters, and the model then matches transformers on the converted directory at
-    positions where the scaling changes the angles."""
+    rope_parameters (linear, or yarn with its original context and betas), and the model then
+    matches transformers on the converted directory at positions where the scaling changes the angles."""
     from transformers import AutoModelForCausalLM
 
     from helpers import prompt_forward
@@ -417,7 +426,10 @@ def test_linear_rope_scaling_is_converted(tmp_path: Path, extra_kv: dict, factor
     model_dir = resolve_model_dir(str(gguf_path), tmp_path / "cache")
     model, config = load_model(model_dir, torch.float32, torch.device("cpu"))
     params = config.rope_parameters
-    assert (params["rope_type"], params.get("factor")) == (("linear", factor) if factor else ("default", None))
+    kind = extra_kv.get("llama.rope.scaling.type", "linear")
+    assert (params["rope_type"], params.get("factor")) == ((kind, factor) if factor else ("default", None))
+    if kind == "yarn":
+        assert (params["original_max_position_embeddings"], params["beta_fast"]) == (32, 16.0)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompt = [(7 * i) % 250 + 3 for i in range(40)]
     with torch.no_grad():

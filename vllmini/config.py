@@ -89,9 +89,10 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     """``max_model_len``: the model's context length when unset; a longer one is refused, as vLLM does.
 
     The context length is derived as vLLM derives it: the smallest length key of config.json, times
-    the factor of a linear rope scaling, whose ``max_position_embeddings`` is the unscaled length
-    (Vicuna-v1.5-16k: 4096 with factor 4); llama3 configs already state the scaled one."""
-    from vllmini.models.layers import rope_parameters
+    the factor of a linear or dynamic rope scaling, whose ``max_position_embeddings`` is the unscaled
+    length (Vicuna-v1.5-16k: 4096 with factor 4); YaRN's ``original_max_position_embeddings`` times
+    its factor (Qwen3 with 32768 x 4); llama3 and LongRoPE configs already state the scaled one."""
+    from vllmini.models.rotary import rope_parameters, scaled_context_len
 
     values = [getattr(hf_config, key, None) for key in _MAX_LEN_KEYS]
     lengths = [int(v) for v in values if isinstance(v, (int, float)) and v > 0]
@@ -102,9 +103,9 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
         if requested is None:
             logger.warning("config.json states no context length (%s); assuming %d tokens",
                            ", ".join(_MAX_LEN_KEYS), DEFAULT_MAX_MODEL_LEN)  # fmt: skip
-    rope = rope_parameters(hf_config)
-    if rope["rope_type"] == "linear" and rope.get("factor"):
-        derived, source = int(derived * float(rope["factor"])), f"{source}, x{rope['factor']} linear rope scaling"
+    scaled, why = scaled_context_len(rope_parameters(hf_config), derived)
+    if why:
+        derived, source = scaled, f"{source}, {why}"
     if requested is None:
         return derived
     if requested > derived:

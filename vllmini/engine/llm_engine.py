@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from vllmini.config import EngineArgs, PoolerConfig, StructuredOutputsConfig, resolve_device, resolve_max_model_len
+from vllmini.config import EngineArgs, PoolerConfig, StructuredOutputsConfig, resolve_device
 from vllmini.engine import prompt_logprobs, sample_step
 from vllmini.engine.async_scheduling import launch_continuation, step_async
 from vllmini.engine.detokenizer import IncrementalDetokenizer
@@ -74,7 +74,7 @@ class LLMEngine:
             logger.info("pooling runner: tasks %s, %s pooling, normalize / activation=%s", list(self.pooler.tasks),
                         config.pooling_type, config.normalize)  # fmt: skip
 
-        self.max_model_len = resolve_max_model_len(args.max_model_len, self.hf_config)
+        self.max_model_len = loaded.max_model_len
         if (window := getattr(self.model, "sliding_window", None)) is not None:
             released = "released behind it" if self.model.kv_window else "kept: some layers attend to all tokens"
             logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)

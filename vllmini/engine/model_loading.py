@@ -30,6 +30,7 @@ class LoadedModel:
     dtype: torch.dtype
     tokenizer: Any
     runner: str = "generate"  # or "pooling": the model has no lm_head then
+    max_model_len: int = 0  # resolved before the model is built: its rope may depend on it (models/rotary.py)
 
 
 def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
@@ -47,12 +48,14 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
         name = str(checkpoint_dtype).removeprefix("torch.")
         logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
                     str(dtype).removeprefix("torch."), device.type, name)  # fmt: skip
-    model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling")
+    max_model_len = resolve_max_model_len(args.max_model_len, config)  # (a bad one is refused before the weights load)
+    model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling",
+                                  max_model_len=max_model_len)  # fmt: skip
     if packing_available(device, dtype):
         logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
-    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner)
+    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, max_model_len)
 
 
 def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target: LoadedModel, max_model_len: int) -> Any:
@@ -80,7 +83,7 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
                    "here (the KV blocks behind a window are released, and the two caches share them)")  # fmt: skip
     if target.model.sliding_window is not None:
         raise ValueError(f"{field}: the target model {unsupported}")
-    model, _ = load_model(model_dir, target.dtype, device, config)
+    model, _ = load_model(model_dir, target.dtype, device, config, max_model_len=max_model_len)
     if model.sliding_window is not None:
         raise ValueError(f"{field}: the draft model {unsupported}")
     if packing_available(device, target.dtype):

@@ -175,19 +175,36 @@ def _architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
+# llama.cpp's YaRN keys beyond the HF ones; their meaning differs from transformers' attention factor
+_YARN_UNMAPPED = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
+
+
 def _rope_scaling(reader, gguf_path: Path, arch: str) -> dict | None:
     """The GGUF's rope scaling as HF ``rope_parameters`` (None: none), read as llama.cpp does:
     a factor without a type (``rope.scaling.factor``, or the old ``rope.scale_linear``) means
-    linear scaling. transformers' GGUF config reader drops these keys; other types are refused."""
-    kind = gguf_moe.field_value(reader, f"{arch}.rope.scaling.type")
-    factor = gguf_moe.field_value(reader, f"{arch}.rope.scaling.factor")
+    linear scaling; ``yarn`` (Qwen3's long-context GGUFs) keeps its factor, original context and
+    betas. transformers' GGUF config reader drops these keys; other types are refused."""
+    def key(name: str):
+        return gguf_moe.field_value(reader, f"{arch}.rope.{name}")
+
+    kind, factor = key("scaling.type"), key("scaling.factor")
     if factor is None:
-        factor = gguf_moe.field_value(reader, f"{arch}.rope.scale_linear")
-    if kind not in (None, "", "none", "linear"):
+        factor = key("scale_linear")
+    unmapped = [name for name in _YARN_UNMAPPED if key(f"scaling.{name}") is not None] if kind == "yarn" else []
+    if kind not in (None, "", "none", "linear", "yarn") or unmapped:
+        what = f"{kind!r}" + (f" with {', '.join(unmapped)}" if unmapped else "")
         raise ValueError(
-            f"{gguf_path}: rope scaling {kind!r} is not supported by the GGUF conversion; "
+            f"{gguf_path}: rope scaling {what} is not supported by the GGUF conversion; "
             "use the model's HF safetensors checkpoint instead"
         )
+    if kind == "yarn":
+        original = key("scaling.original_context_length")
+        if factor is None or original is None:
+            raise ValueError(f"{gguf_path}: yarn rope scaling needs {arch}.rope.scaling.factor and "
+                             f"{arch}.rope.scaling.original_context_length")  # fmt: skip
+        betas = {hf: float(v) for hf, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"))
+                 if (v := key(f"scaling.{name}")) is not None}  # fmt: skip
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original), **betas}
     if kind in ("none", "") or factor is None or float(factor) in (0.0, 1.0):
         return None
     return {"rope_type": "linear", "factor": float(factor)}

@@ -14,7 +14,8 @@ from torch import nn
 
 from vllmini.models.attention import Attention, KVCache
 from vllmini.models.base import AttentionMetadata
-from vllmini.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, rope_parameters
+from vllmini.models.layers import GatedMLP, RMSNorm
+from vllmini.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vllmini.models.moe import FusedMoE, expert_tensor, expert_tensor_name, grouped_mm_supported
 
 logger = logging.getLogger("vllmini")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vllmini.models import registry
+from vllmini.models.rotary import fit_rope_context
 from vllmini.models.score_head import ScoreHead
 
 if TYPE_CHECKING:
@@ -275,7 +276,7 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, config: PretrainedConfig | None = None,
-    pooling: bool = False,
+    pooling: bool = False, max_model_len: int | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:  # fmt: skip
     """Build the model with no memory (meta), allocate it once on ``device``, stream the weights in.
 
@@ -284,7 +285,9 @@ def load_model(
     the caller read it already. ``pooling``: for the pooling runner, which never projects to
     logits: the model gets no lm_head (as vLLM's embedding models), see ``_body_weights``; a
     ``*ForSequenceClassification`` (or ``*ForTokenClassification``) checkpoint's ``score.`` head fills
-    ``model.score`` instead (models/score_head.py).
+    ``model.score`` instead (models/score_head.py). ``max_model_len``: the longest sequence the
+    engine will run, which picks the frequencies of a length-dependent rope (models/rotary.py);
+    None keeps the model's own context.
     """
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
@@ -311,6 +314,8 @@ def load_model(
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
+    if max_model_len is not None:
+        fit_rope_context(model, max_model_len)
     missing = _missing_parameters(model, set(loaded))
     if callable(names := getattr(model, "checkpoint_names", None)):  # fused parameters: name the checkpoint's tensors
         missing = [tensor for param in missing for tensor in names(param)]
