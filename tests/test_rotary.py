@@ -73,6 +73,8 @@ def test_longrope_picks_its_factors_from_the_engine_context():
     rope.fit_context(33)
     torch.testing.assert_close(rope.inv_freq, long_freq, rtol=0, atol=0)
     assert not torch.equal(short_freq, long_freq)
+    su = SimpleNamespace(**{**PHI4_MINI, "rope_scaling": {**LONG, "type": "su"}})  # Phi-3's first name for it
+    assert rope_parameters(su)["rope_type"] == "longrope"
     bad = SimpleNamespace(**{**PHI4_MINI, "rope_scaling": {**LONG, "long_factor": [1.0] * 8}})  # (transformers refuses it)
     with pytest.raises(ValueError, match="longrope long_factor has 8 values; the rotary dims need 6"):
         RotaryEmbedding(16, rope_parameters(bad))
