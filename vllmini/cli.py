@@ -324,8 +324,16 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(ns: argparse.Namespace) -> int:
+    """Answer an OpenAI batch file (entrypoints/openai/run_batch.py)."""
+    from vllmini.entrypoints.openai.run_batch import main as run_batch
+
+    return _run(run_batch(ns, _serve_engine_args(ns)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllmini.entrypoints.openai.cli_args import add_serve_args
+    from vllmini.entrypoints.openai.run_batch import add_run_batch_args
 
     parser = argparse.ArgumentParser(prog="vllmini", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -346,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+    batch = sub.add_parser("run-batch", help="OpenAI batch file (JSONL) in, one response per line out, as vLLM's")
+    add_run_batch_args(batch)
+    _add_engine_args(batch)
+    batch.set_defaults(func=cmd_run_batch)
     sub.add_parser("bench", add_help=False, help="the serving benchmark (bench/ of a source checkout; see --help)")
     return parser
 
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         return cmd_bench(argv[1:])
-    if not argv or argv[0] not in ("generate", "chat", "serve", "-h", "--help"):
+    if not argv or argv[0] not in ("generate", "chat", "serve", "run-batch", "-h", "--help"):
         argv = ["generate", *argv]  # the default job
     ns = parser.parse_args(argv)
     if getattr(ns, "model_tag", None) is not None:  # `vllmini serve MODEL`, as `vllm serve MODEL`
@@ -380,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("vllmini").setLevel(ns.log_level)
     try:
         _engine_args(ns).validate()  # bad flags fail before the model loads
-        if ns.command != "serve":
+        if ns.command not in ("serve", "run-batch"):
             _given_sampling_flags(ns)
         return ns.func(ns)
     except (ValueError, FileNotFoundError) as exc:
