@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
 from safetensors import safe_open
 
-from vllmini.models import gguf_convert, weight_loader
+from vllmini.models import gguf_convert, gguf_rope, weight_loader
 from vllmini.models.gguf_convert import convert_gguf, hf_tensor_name, unpermute_rotary
 from vllmini.models.weight_loader import load_model, resolve_model_dir
 
@@ -390,13 +390,21 @@ def test_unknown_tensor_and_rope_scaling_refused(tmp_path: Path) -> None:
     write_tiny_gguf(path, extra_kv={"llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 4.0})
     with pytest.raises(ValueError, match=r"rope scaling 'longrope' is not supported"):
         convert_gguf(path, tmp_path / "out")
-    path = tmp_path / "phi35.gguf"  # Phi-3.5 / Phi-3-128k: LongRoPE factors
+    path = tmp_path / "phi35.gguf"  # LongRoPE: both factor tensors and the original context, or nothing
     write_tiny_gguf(path, "phi3", extra_tensors={"rope_factors_long.weight": np.ones(8, np.float32)})
-    with pytest.raises(ValueError, match=r"phi35\.gguf: LongRoPE"):
+    with pytest.raises(ValueError, match=r"phi35\.gguf: LongRoPE scaling \(rope_factors_long/short\) needs "
+                                         r"rope_factors_short\.weight"):  # fmt: skip
         convert_gguf(path, tmp_path / "out")
-    path = tmp_path / "partial.gguf"  # Phi-4-mini style: RoPE over part of each head
-    write_tiny_gguf(path, "phi3", rope_dims=12)
-    with pytest.raises(ValueError, match=r"partial rotary embedding \(12 of 16 dims\)"):
+    write_tiny_gguf(path, "phi3", extra_tensors=dict.fromkeys(gguf_rope.LONGROPE_TENSORS, np.ones(8, np.float32)))
+    with pytest.raises(ValueError, match=r"needs phi3\.rope\.scaling\.original_context_length"):
+        convert_gguf(path, tmp_path / "out")
+    write_tiny_gguf(path, "phi3", extra_tensors=dict.fromkeys(gguf_rope.LONGROPE_TENSORS, np.ones(5, np.float32)),
+                    extra_kv={"phi3.rope.scaling.original_context_length": 32})  # fmt: skip
+    with pytest.raises(ValueError, match=r"rope_factors_long\.weight has 5 factors; 16 rotary dims need 8"):
+        convert_gguf(path, tmp_path / "out")
+    path = tmp_path / "partial.gguf"  # llama files' q/k are permuted over the whole head
+    write_tiny_gguf(path, extra_kv={"llama.rope.dimension_count": 12})
+    with pytest.raises(ValueError, match=r"partial rotary embedding \(12 of 16 dims\) is not supported for 'llama'"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -435,6 +443,35 @@ def test_rope_scaling_is_converted(tmp_path: Path, extra_kv: dict, factor: float
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
+
+
+def test_phi4_mini_longrope_gguf_is_converted(tmp_path: Path) -> None:
+    """A phi3 file with LongRoPE factor tensors and a partial rotary embedding (Phi-4-mini: 3/4 of each
+    head; Phi-3.5-mini: the factors): the config gets longrope, its factors, the original context, the
+    attention factor and partial_rotary_factor, and the model matches transformers on the converted folder,
+    with the long factors at the file's full context and the short ones within the original context."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import prompt_forward
+
+    long, short = np.linspace(1.0, 4.0, 6, dtype=np.float32), np.linspace(1.0, 1.5, 6, dtype=np.float32)
+    gguf_path = tmp_path / "phi4mini.gguf"
+    write_tiny_gguf(gguf_path, "phi3", rope_dims=12,
+                    extra_tensors={"rope_factors_long.weight": long, "rope_factors_short.weight": short},
+                    extra_kv={"phi3.rope.scaling.original_context_length": 32, "phi3.rope.scaling.attn_factor": 1.15})
+    model_dir = resolve_model_dir(str(gguf_path), tmp_path / "cache")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    params = hf.config.rope_parameters
+    assert (params["rope_type"], params["original_max_position_embeddings"], params["attention_factor"]) == (
+        "longrope", 32, pytest.approx(1.15))
+    assert params["long_factor"] == pytest.approx(long.tolist()) and hf.config.partial_rotary_factor == 0.75
+    for max_model_len, n in ((None, 40), (32, 30)):  # (the file's context is 256: long factors unless capped)
+        model, _ = load_model(model_dir, torch.float32, torch.device("cpu"), max_model_len=max_model_len)
+        assert model.model.rotary_emb.rotary_dim == 12
+        prompt = [(7 * i) % 250 + 3 for i in range(n)]
+        with torch.no_grad():
+            want = hf(torch.tensor([prompt])).logits[0, -1]
+        torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
 def test_failed_conversion_leaves_nothing_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vllmini.models import gguf_moe
+from vllmini.models import gguf_moe, gguf_rope
 
 logger = logging.getLogger(__name__)
 
@@ -175,64 +175,15 @@ def _architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
-# llama.cpp's YaRN keys beyond the HF ones; their meaning differs from transformers' attention factor
-_YARN_UNMAPPED = ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier")
-
-
-def _rope_scaling(reader, gguf_path: Path, arch: str) -> dict | None:
-    """The GGUF's rope scaling as HF ``rope_parameters`` (None: none), read as llama.cpp does:
-    a factor without a type (``rope.scaling.factor``, or the old ``rope.scale_linear``) means
-    linear scaling; ``yarn`` (Qwen3's long-context GGUFs) keeps its factor, original context and
-    betas. transformers' GGUF config reader drops these keys; other types are refused."""
-    def key(name: str):
-        return gguf_moe.field_value(reader, f"{arch}.rope.{name}")
-
-    kind, factor = key("scaling.type"), key("scaling.factor")
-    if factor is None:
-        factor = key("scale_linear")
-    unmapped = [name for name in _YARN_UNMAPPED if key(f"scaling.{name}") is not None] if kind == "yarn" else []
-    if kind not in (None, "", "none", "linear", "yarn") or unmapped:
-        what = f"{kind!r}" + (f" with {', '.join(unmapped)}" if unmapped else "")
-        raise ValueError(
-            f"{gguf_path}: rope scaling {what} is not supported by the GGUF conversion; "
-            "use the model's HF safetensors checkpoint instead"
-        )
-    if kind == "yarn":
-        original = key("scaling.original_context_length")
-        if factor is None or original is None:
-            raise ValueError(f"{gguf_path}: yarn rope scaling needs {arch}.rope.scaling.factor and "
-                             f"{arch}.rope.scaling.original_context_length")  # fmt: skip
-        betas = {hf: float(v) for hf, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"))
-                 if (v := key(f"scaling.{name}")) is not None}  # fmt: skip
-        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original), **betas}
-    if kind in ("none", "") or factor is None or float(factor) in (0.0, 1.0):
-        return None
-    return {"rope_type": "linear", "factor": float(factor)}
-
-
 def _check_supported(reader, gguf_path: Path, arch: str) -> None:
-    """Fail before writing anything on what the conversion would silently get wrong:
-    rope scaling (transformers' GGUF config reader drops it for llama/qwen3), LongRoPE factors,
-    a partial rotary embedding, unknown tensor names, quant types gguf cannot dequantize."""
+    """Fail before writing anything on what the conversion would silently get wrong: rope settings
+    it cannot map (gguf_rope.py), unknown tensor names, quant types gguf cannot dequantize."""
     from gguf.quants import dequantize
 
-    _rope_scaling(reader, gguf_path, arch)
+    gguf_rope.rope_config(reader, gguf_path, arch)
     gguf_moe.check_experts(reader, gguf_path, arch)
-    if any(t.name.startswith("rope_factors_") for t in reader.tensors):
-        raise ValueError(f"{gguf_path}: LongRoPE scaling (rope_factors_long/short: Phi-3-128k, Phi-3.5, Phi-4-mini) "
-                         "is not supported")  # fmt: skip
-    rotary = reader.fields.get(f"{arch}.rope.dimension_count")
-    key_length = reader.fields.get(f"{arch}.attention.key_length")
-    if rotary is not None:
-        heads = int(reader.fields[f"{arch}.attention.head_count"].contents())
-        head_dim = int(key_length.contents()) if key_length is not None else (
-            int(reader.fields[f"{arch}.embedding_length"].contents()) // heads)  # fmt: skip
-        if int(rotary.contents()) != head_dim:
-            raise ValueError(f"{gguf_path}: partial rotary embedding ({rotary.contents()} of {head_dim} dims) "
-                             "is not supported")  # fmt: skip
-
     probed: set = set()
-    for t in reader.tensors:
+    for t in _weight_tensors(reader):
         if t.name == "rope_freqs.weight":
             raise ValueError(
                 f"{gguf_path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling factors) is not supported "
@@ -264,8 +215,8 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path):
     window = reader.fields.get(f"{arch}.attention.sliding_window")
     if window is not None:  # transformers' GGUF config reader drops it (phi3 has one: 2047 for -mini-4k)
         config.sliding_window = int(window.contents())
-    if (scaling := _rope_scaling(reader, gguf_path, arch)) is not None:
-        config.rope_parameters = {**(config.rope_parameters or {}), **scaling}
+    for name, value in gguf_rope.rope_config(reader, gguf_path, arch).items():
+        setattr(config, name, {**(config.rope_parameters or {}), **value} if name == "rope_parameters" else value)
     config.dtype = "float32"
     config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
     config.save_pretrained(out)
@@ -332,7 +283,7 @@ def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -
     expert at a time, so its experts may land in different shards), then name files like HF does."""
     from safetensors.torch import save_file
 
-    shards = _plan_shards(_weight_items(reader.tensors), max_shard_bytes)
+    shards = _plan_shards(_weight_items(_weight_tensors(reader)), max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -347,6 +298,11 @@ def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _weight_tensors(reader) -> list:
+    """The file's tensors that become HF tensors (LongRoPE's factors become config.json fields)."""
+    return [t for t in reader.tensors if t.name not in gguf_rope.LONGROPE_TENSORS]
 
 
 def _weight_items(tensors: list) -> list[tuple[object, int | None]]:
