@@ -474,6 +474,69 @@ def test_phi4_mini_longrope_gguf_is_converted(tmp_path: Path) -> None:
         torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
 
 
+def _llama_cpp_rope_freqs(params: dict, base: float, dim: int) -> np.ndarray:
+    """What llama.cpp's converter writes as rope_freqs.weight for Llama 3 rope parameters."""
+    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old = params["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 8.0, "original_max_position_embeddings": 1024},
+    {"factor": 32.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0, "original_max_position_embeddings": 4096},
+])  # fmt: skip
+def test_llama3_rope_freqs_are_read_back(tmp_path: Path, params: dict) -> None:
+    """Llama 3.1/3.2 files hold llama3 scaling only as rope_freqs.weight (a divisor per frequency): the
+    converter reads the parameters back, and the model equals transformers running the true parameters
+    on the same weights (a low factor of 2 comes back as an equivalent 1, with old and high halved)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from helpers import prompt_forward
+
+    gguf_path = tmp_path / "llama31.gguf"
+    write_tiny_gguf(gguf_path, extra_tensors={"rope_freqs.weight": _llama_cpp_rope_freqs(params, 10000.0, 16)},
+                    extra_kv={"llama.context_length": 8192})  # fmt: skip
+    model_dir = resolve_model_dir(str(gguf_path), tmp_path / "cache")
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"))
+    got = config.rope_parameters
+    scale = params["low_freq_factor"]
+    assert (got["rope_type"], got["factor"], got["low_freq_factor"]) == ("llama3", params["factor"], 1.0)
+    assert got["high_freq_factor"] == pytest.approx(params["high_freq_factor"] / scale)
+    assert got["original_max_position_embeddings"] == params["original_max_position_embeddings"] / scale
+    truth = AutoConfig.from_pretrained(model_dir)
+    truth.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, **params}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, config=truth, dtype=torch.float32).eval()
+    prompt = [(7 * i) % 250 + 3 for i in range(60)]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(prompt_forward(model, [prompt])[0], want, atol=1e-4, rtol=0)
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    with torch.no_grad():  # (the scaling matters at these positions)
+        assert (plain(torch.tensor([prompt])).logits[0, -1] - want).abs().max() > 1e-3
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "odd.gguf"
+    write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.linspace(1.0, 3.0, 8, dtype=np.float32) ** 2})
+    with pytest.raises(ValueError, match=r"odd\.gguf: rope_freqs\.weight does not follow Llama 3's rope scaling"):
+        convert_gguf(path, tmp_path / "out")
+    write_tiny_gguf(path, extra_tensors={"rope_freqs.weight": np.ones(5, np.float32)})
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight has 5 values; 16 rotary dims need 8"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_failed_conversion_leaves_nothing_in_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gguf_path = tmp_path / "tiny.gguf"
     write_tiny_gguf(gguf_path)

@@ -184,11 +184,6 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
     gguf_moe.check_experts(reader, gguf_path, arch)
     probed: set = set()
     for t in _weight_tensors(reader):
-        if t.name == "rope_freqs.weight":
-            raise ValueError(
-                f"{gguf_path}: tensor 'rope_freqs.weight' (Llama-3.1-style rope scaling factors) is not supported "
-                "by the GGUF conversion; use the model's HF safetensors checkpoint instead"
-            )
         if hf_tensor_name(t.name, arch, expert=0) is None:
             raise ValueError(f"{gguf_path}: GGUF tensor {t.name!r} has no known HF name for architecture {arch!r}")
         if t.tensor_type in probed:
@@ -301,8 +296,8 @@ def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -
 
 
 def _weight_tensors(reader) -> list:
-    """The file's tensors that become HF tensors (LongRoPE's factors become config.json fields)."""
-    return [t for t in reader.tensors if t.name not in gguf_rope.LONGROPE_TENSORS]
+    """The file's tensors that become HF tensors (rope factors become config.json fields)."""
+    return [t for t in reader.tensors if t.name not in gguf_rope.ROPE_TENSORS]
 
 
 def _weight_items(tensors: list) -> list[tuple[object, int | None]]:
