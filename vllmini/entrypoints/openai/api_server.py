@@ -5,7 +5,7 @@ Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``PO
 (with ``GET /v1/responses/{id}`` and its ``/cancel``), ``POST /v1/embeddings``, ``/score``,
 ``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too), ``/pooling`` (with ``--runner
 pooling``, which answers the generating routes 404), ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
+``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``,
 ``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
 and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
 (serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
@@ -13,7 +13,10 @@ hangs up (streaming or not) has its requests aborted, so their KV blocks are fre
 step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``. A request body over
 ``max_request_body_size`` bytes (32 MiB unless told) is answered 413 without being read whole.
 The served model name is the engine's (``EngineArgs.served_model_name``, else its model), the name
-its metrics carry too.
+its metrics carry too. The engine request behind a generating or pooling request is named as vLLM
+names it, ``cmpl-<base>`` (``chatcmpl-``, ``embd-``, ...; the response's ``id``), its base the
+request's ``X-Request-Id`` header, else its ``request_id`` field, else a fresh uuid; an id still in
+use is a 400 naming it.
 """
 from __future__ import annotations
 
@@ -204,7 +207,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     responses = OpenAIServingResponses(chat)
 
     def handler(kind: type[msgspec.Struct] | None, create: Callable[[Any], Awaitable[Any]]) -> Callable:
-        """``kind`` None: ``create`` takes the path's id (``/v1/responses/{id}``) instead of a body."""
+        """``kind`` None: ``create`` takes the path's id (``/v1/responses/{id}``) instead of a body.
+        A request with a ``request_id`` takes the ``X-Request-Id`` header's over its own, as vLLM's
+        (not /v1/responses, whose id is the stored response's, as vLLM's)."""
+        takes_header = kind not in (None, ResponsesRequest) and "request_id" in kind.__struct_fields__
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -212,6 +218,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                     body, ignored = request.path_params["id"], []
                 else:
                     body, ignored = decode_request(await request.body(), kind)
+                    if takes_header and (given := request.headers.get("x-request-id")):
+                        body.request_id = given
                 if ignored:
                     logger.warning("fields of the request ignored (not supported): %s", ", ".join(ignored))
                 result = await _until_disconnect(request, create(body))
