@@ -1,6 +1,7 @@
 """Request ids, as vLLM's server: an ``X-Request-Id`` header (else the body's ``request_id``) is the
 base of the engine request's id and the response's (``cmpl-<base>``...); an id still running
-refuses a second request (400 naming it) without disturbing the first."""
+refuses a second request (400 naming it) without disturbing the first; ``--enable-request-id-headers``
+puts ``X-Request-Id`` on every response."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from vllmini import AsyncLLMEngine, EngineArgs
+from vllmini.cli import build_parser
 from vllmini.entrypoints.openai.api_server import build_app
 
 HI = [{"role": "user", "content": "hi"}]
@@ -70,3 +72,22 @@ async def test_a_live_id_refuses_a_second_request_and_the_first_completes(engine
         assert done["usage"]["completion_tokens"] == 96
         again = await c.post("/v1/completions", json={**body, "max_tokens": 2}, headers={"X-Request-Id": "dup"})
         assert again.status_code == 200 and again.json()["id"] == "cmpl-dup"
+
+
+async def test_enable_request_id_headers_puts_the_id_on_every_response(engine):
+    app = build_app(engine, api_key="k", enable_request_id_headers=True)
+    key = {"Authorization": "Bearer k"}
+    async with client(app) as c:
+        mine = {**key, "X-Request-Id": "abc-123"}
+        r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=mine)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "abc-123" and r.json()["id"] == "cmpl-abc-123"
+        streamed = await c.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 2, "stream": True}, headers=mine)
+        assert streamed.headers["x-request-id"] == "abc-123" and streamed.text.endswith("data: [DONE]\n\n")
+        for refused in (await c.post("/v1/completions", json={"prompt": "hi", "temperature": -1}, headers=mine),
+                        await c.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "abc-123"}),
+                        await c.get("/nowhere", headers=mine)):  # fmt: skip
+            assert refused.status_code in (400, 401, 404) and refused.headers["x-request-id"] == "abc-123"
+        fresh = [(await c.get("/health")).headers["x-request-id"] for _ in range(2)]
+        assert all(re.fullmatch(r"[0-9a-f]{32}", h) for h in fresh) and fresh[0] != fresh[1]
+    ns = build_parser().parse_args(["serve", "--enable-request-id-headers"])
+    assert ns.enable_request_id_headers and not build_parser().parse_args(["serve"]).enable_request_id_headers

@@ -16,7 +16,7 @@ The served model name is the engine's (``EngineArgs.served_model_name``, else it
 its metrics carry too. The engine request behind a generating or pooling request is named as vLLM
 names it, ``cmpl-<base>`` (``chatcmpl-``, ``embd-``, ...; the response's ``id``), its base the
 request's ``X-Request-Id`` header, else its ``request_id`` field, else a fresh uuid; an id still in
-use is a 400 naming it.
+use is a 400 naming it. With ``enable_request_id_headers`` every response carries ``X-Request-Id``.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import uuid
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -138,6 +139,28 @@ class LimitRequestBody:
             await self._refusal()(scope, receive, send)
 
 
+class RequestIdHeader:
+    """vLLM's ``--enable-request-id-headers``: every response, streamed or refused, carries
+    ``X-Request-Id``: the request's own when it sent one, else a fresh uuid hex."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == b"x-request-id" and value), None)
+        header = (b"x-request-id", given or uuid.uuid4().hex.encode())
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _check_body_limit(value: int | None) -> int | None:
     """``max_request_body_size``: bytes, 0 or None for no limit."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -180,14 +203,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               reasoning_parser: str | None = None,
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
               enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None,
-              response_role: str = "assistant", return_tokens_as_token_ids: bool = False) -> Starlette:  # fmt: skip
+              response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
+              enable_request_id_headers: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
     ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``. ``cors``:
     answer browsers' cross-origin requests from those origins (None: no CORS headers at all).
     ``response_role``: a chat answer's role after a generation prompt; ``return_tokens_as_token_ids``:
-    the default of requests that do not say (both vLLM's server flags)."""
+    the default of requests that do not say; ``enable_request_id_headers``: every response carries
+    ``X-Request-Id`` (vLLM's server flags)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -295,7 +320,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                    Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
     # outermost first: CORS answers a browser's preflight before any check, and its headers reach
     # the checks' own refusals (401, 413), which a page must be able to read
-    middleware = [] if cors is None else [cors.middleware()]
+    # (the request id header outermost of all: every answer carries it)
+    middleware = [Middleware(RequestIdHeader)] if enable_request_id_headers else []
+    middleware += [] if cors is None else [cors.middleware()]
     middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
@@ -307,7 +334,8 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids);
+    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids,
+    enable_request_id_headers);
     ``uvicorn_options``: uvicorn.run's (root_path, log_level, access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 
