@@ -6,8 +6,9 @@ Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``PO
 ``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too), ``/pooling`` (with ``--runner
 pooling``, which answers the generating routes 404), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``,
-``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
-and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
+``GET /version``, SageMaker's ``GET``/``POST /ping`` and ``POST /invocations`` (invocations.py); with
+``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
 (serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
 hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
 step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``. A request body over
@@ -45,6 +46,7 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllmini.entrypoints.openai.cors import CorsOptions
+from vllmini.entrypoints.openai.invocations import sagemaker_routes
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -311,6 +313,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                *OpenAIServingPoolingRoute(engine, served_model_name, chat, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
+    routes += sagemaker_routes(routes, engine.engine.supported_tasks, health, error_response)
     if engine.engine.profiler.config.profiler:  # (vLLM's: only when profiling is configured)
         routes += [Route("/start_profile", start_profile, methods=["POST"]), Route("/stop_profile", stop_profile, methods=["POST"])]
     if runtime_lora_updating():
