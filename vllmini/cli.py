@@ -320,7 +320,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
                reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size,
                enable_prompt_tokens_details=ns.enable_prompt_tokens_details, cors=cors,
-               response_role=ns.response_role, return_tokens_as_token_ids=ns.return_tokens_as_token_ids)  # fmt: skip
+               response_role=ns.response_role, return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
+               enable_request_id_headers=ns.enable_request_id_headers)  # fmt: skip
     return 0
 
 

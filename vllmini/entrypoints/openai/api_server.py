@@ -5,15 +5,19 @@ Routes, as vLLM's: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``PO
 (with ``GET /v1/responses/{id}`` and its ``/cancel``), ``POST /v1/embeddings``, ``/score``,
 ``/rerank`` and ``/classify`` (each also under ``/v1``; ``/v2/rerank`` too), ``/pooling`` (with ``--runner
 pooling``, which answers the generating routes 404), ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health`` and
-``GET /version``; with ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter``
-and ``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
+``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``,
+``GET /version``, SageMaker's ``GET``/``POST /ping`` and ``POST /invocations`` (invocations.py); with
+``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
 (serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
 hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
 step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``. A request body over
 ``max_request_body_size`` bytes (32 MiB unless told) is answered 413 without being read whole.
 The served model name is the engine's (``EngineArgs.served_model_name``, else its model), the name
-its metrics carry too.
+its metrics carry too. The engine request behind a generating or pooling request is named as vLLM
+names it, ``cmpl-<base>`` (``chatcmpl-``, ``embd-``, ...; the response's ``id``), its base the
+request's ``X-Request-Id`` header, else its ``request_id`` field, else a fresh uuid; an id still in
+use is a 400 naming it. With ``enable_request_id_headers`` every response carries ``X-Request-Id``.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import uuid
 from typing import Any, Awaitable, Callable
 
 import msgspec
@@ -41,6 +46,7 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllmini.entrypoints.openai.cors import CorsOptions
+from vllmini.entrypoints.openai.invocations import sagemaker_routes
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
 from vllmini.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -135,6 +141,28 @@ class LimitRequestBody:
             await self._refusal()(scope, receive, send)
 
 
+class RequestIdHeader:
+    """vLLM's ``--enable-request-id-headers``: every response, streamed or refused, carries
+    ``X-Request-Id``: the request's own when it sent one, else a fresh uuid hex."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((value for name, value in scope["headers"] if name == b"x-request-id" and value), None)
+        header = (b"x-request-id", given or uuid.uuid4().hex.encode())
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _check_body_limit(value: int | None) -> int | None:
     """``max_request_body_size``: bytes, 0 or None for no limit."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -177,14 +205,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               reasoning_parser: str | None = None,
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
               enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None,
-              response_role: str = "assistant", return_tokens_as_token_ids: bool = False) -> Starlette:  # fmt: skip
+              response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
+              enable_request_id_headers: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
     ``served_model_name`` other than the engine's, or a bad ``max_request_body_size``. ``cors``:
     answer browsers' cross-origin requests from those origins (None: no CORS headers at all).
     ``response_role``: a chat answer's role after a generation prompt; ``return_tokens_as_token_ids``:
-    the default of requests that do not say (both vLLM's server flags)."""
+    the default of requests that do not say; ``enable_request_id_headers``: every response carries
+    ``X-Request-Id`` (vLLM's server flags)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -204,7 +234,10 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     responses = OpenAIServingResponses(chat)
 
     def handler(kind: type[msgspec.Struct] | None, create: Callable[[Any], Awaitable[Any]]) -> Callable:
-        """``kind`` None: ``create`` takes the path's id (``/v1/responses/{id}``) instead of a body."""
+        """``kind`` None: ``create`` takes the path's id (``/v1/responses/{id}``) instead of a body.
+        A request with a ``request_id`` takes the ``X-Request-Id`` header's over its own, as vLLM's
+        (not /v1/responses, whose id is the stored response's, as vLLM's)."""
+        takes_header = kind not in (None, ResponsesRequest) and "request_id" in kind.__struct_fields__
 
         async def endpoint(request: Request) -> Response:
             try:
@@ -212,6 +245,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                     body, ignored = request.path_params["id"], []
                 else:
                     body, ignored = decode_request(await request.body(), kind)
+                    if takes_header and (given := request.headers.get("x-request-id")):
+                        body.request_id = given
                 if ignored:
                     logger.warning("fields of the request ignored (not supported): %s", ", ".join(ignored))
                 result = await _until_disconnect(request, create(body))
@@ -278,6 +313,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                *OpenAIServingPoolingRoute(engine, served_model_name, chat, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
+    routes += sagemaker_routes(routes, engine.engine.supported_tasks, health, error_response)
     if engine.engine.profiler.config.profiler:  # (vLLM's: only when profiling is configured)
         routes += [Route("/start_profile", start_profile, methods=["POST"]), Route("/stop_profile", stop_profile, methods=["POST"])]
     if runtime_lora_updating():
@@ -287,7 +323,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                    Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
     # outermost first: CORS answers a browser's preflight before any check, and its headers reach
     # the checks' own refusals (401, 413), which a page must be able to read
-    middleware = [] if cors is None else [cors.middleware()]
+    # (the request id header outermost of all: every answer carries it)
+    middleware = [Middleware(RequestIdHeader)] if enable_request_id_headers else []
+    middleware += [] if cors is None else [cors.middleware()]
     middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
@@ -299,7 +337,8 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
                **options: Any) -> None:  # fmt: skip
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
-    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids);
+    enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids,
+    enable_request_id_headers);
     ``uvicorn_options``: uvicorn.run's (root_path, log_level, access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 

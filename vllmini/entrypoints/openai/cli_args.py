@@ -32,6 +32,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:<id>" unless a request says otherwise')
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own, else a fresh uuid hex")
     # uvicorn's own settings, under vLLM's flags
     p.add_argument("--root-path", default="", help="the path prefix a proxy serves the server under (ASGI root_path)")
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])

@@ -228,7 +228,11 @@ class OpenAIServing:
 
     @staticmethod
     def new_id(prefix: str, given: str | None) -> str:
-        return given if given is not None else f"{prefix}-{uuid.uuid4().hex}"
+        """vLLM's request id, ``<prefix>-<base>`` (``cmpl-``, ``chatcmpl-``, ``embd-``...): the base is
+        the request's ``request_id`` (which an ``X-Request-Id`` header overrides: build_app's
+        handler puts it there, as vLLM's ``_base_request_id``), else a fresh uuid. The engine runs
+        the request under this id, and the response's ``id`` is it."""
+        return f"{prefix}-{given or uuid.uuid4().hex}"
 
     def token_text(self, token_id: int, entry: LogprobsEntry | None = None, as_id: bool = False) -> str:
         """A token as logprobs name it: its text, or (``as_id``: a request's
