@@ -83,3 +83,20 @@ def test_defaults_are_copies_clamped_and_lenient(model_dir, tmp_path):
         LLM(model=str(model_dir), generation_config=str(broken))
     with pytest.raises(ValueError, match="no generation_config.json in that folder"):
         LLM(model=str(model_dir), generation_config="no-such-folder")  # a local folder, never a hub id
+
+
+def test_override_generation_config(model_dir):
+    """vLLM's override_generation_config: merged over the model's generation config ("auto"), the
+    only defaults with generation_config="vllm"; a dict or JSON text (the CLI's); a field or value it
+    cannot take is refused by name before the model loads."""
+    merged = LLM(model=str(model_dir), override_generation_config={"temperature": 0.2, "max_new_tokens": 3})
+    defaults = merged.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.max_tokens) == (0.2, 1, 3)  # top_k: the model's
+    assert len(merged.generate(PROMPT, use_tqdm=False)[0].outputs[0].token_ids) == 3
+    alone = LLM(model=str(model_dir), generation_config="vllm", override_generation_config='{"top_p": 0.8}')
+    assert alone.get_default_sampling_params() == SamplingParams(top_p=0.8)
+    for bad, message in (({"seed": 3}, r"override_generation_config: 'seed' cannot be set; accepted: "),
+                         ({"temperature": -1}, r"override_generation_config: temperature must be"),
+                         ("[1]", r"override_generation_config must map generation config fields to values")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(model=str(model_dir), override_generation_config=bad).validate()

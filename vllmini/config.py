@@ -244,6 +244,9 @@ class EngineArgs(VllmEngineArgs):
     # default sampling parameters for requests without any: "auto" (the model's generation_config.json,
     # as vLLM), "vllm" (SamplingParams' own defaults) or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # vLLM's: generation config fields set over that source's ({"temperature": 0.5, "max_new_tokens": 256});
+    # with generation_config="vllm" they are the only defaults; a dict or its JSON text (engine/input_processor.py)
+    override_generation_config: dict[str, Any] | str | None = None
     attention_backend: str | None = None  # None: auto (models/backend_select.py): cpu, torch, flash_attn, torch_varlen, triton
     cache_dir: str | None = None  # where converted models live (default: $VLLMINI_CACHE)
     # LoRA adapters (vllmini/lora/): requests bring a LoRARequest; at most max_loras adapters run in a
@@ -326,6 +329,9 @@ class EngineArgs(VllmEngineArgs):
             raise ValueError(f"model must be 'default', a local path or a hub id, got {self.model!r}")
         self.check_vllm_args()
         parse_hf_overrides(self.hf_overrides)
+        from vllmini.engine.input_processor import generation_overrides
+
+        generation_overrides(self.override_generation_config)
         positive_int("max_num_seqs", self.max_num_seqs)
         positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         positive_int("max_model_len", self.max_model_len, allow_none=True)

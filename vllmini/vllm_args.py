@@ -71,18 +71,24 @@ def _same(value: Any, accepted: Any) -> bool:
     return value == accepted
 
 
-def parse_hf_overrides(value: dict | str | None) -> dict[str, Any]:
-    """``EngineArgs.hf_overrides`` as a dict: a dict, or its JSON text (the CLI's)."""
+def parse_json_dict(name: str, value: dict | str | None, keys: str) -> dict[str, Any]:
+    """An EngineArgs field that maps ``keys`` (named in the error) to values, as a dict: a dict,
+    or its JSON text (the CLI's); None is {}."""
     if value is None:
         return {}
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as exc:
-            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}: {exc}") from None
+            raise ValueError(f"{name} must be a JSON object, got {value!r}: {exc}") from None
     if not isinstance(value, dict) or not all(isinstance(k, str) and k for k in value):
-        raise ValueError(f"hf_overrides must map config.json field names to values, got {value!r}")
+        raise ValueError(f"{name} must map {keys} to values, got {value!r}")
     return value
+
+
+def parse_hf_overrides(value: dict | str | None) -> dict[str, Any]:
+    """``EngineArgs.hf_overrides`` as a dict: a dict, or its JSON text (the CLI's)."""
+    return parse_json_dict("hf_overrides", value, "config.json field names")
 
 
 def apply_hf_overrides(config: Any, overrides: dict | str | None) -> Any:

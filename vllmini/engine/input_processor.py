@@ -53,6 +53,25 @@ def load_generation_config(folder: str | Path) -> Any | None:
         raise ValueError(f"{path} cannot be read: {exc}") from exc
 
 
+def generation_overrides(value: dict | str | None) -> dict[str, Any]:
+    """``EngineArgs.override_generation_config`` as SamplingParams fields (max_new_tokens ->
+    max_tokens); a field vLLM does not take from a generation config, or a value SamplingParams
+    refuses, is a ValueError naming it."""
+    from vllmini.vllm_args import parse_json_dict
+
+    name = "override_generation_config"
+    overrides = dict(parse_json_dict(name, value, "generation config fields"))
+    if unknown := [k for k in overrides if k not in _GENERATION_DEFAULTS]:
+        raise ValueError(f"{name}: {', '.join(map(repr, unknown))} cannot be set; accepted: {', '.join(_GENERATION_DEFAULTS)}")
+    if "max_new_tokens" in overrides:
+        overrides["max_tokens"] = overrides.pop("max_new_tokens")
+    try:
+        SamplingParams(**overrides)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name}: {exc}") from None
+    return overrides
+
+
 def generation_defaults(config: Any | None) -> dict[str, Any]:
     """The sampling fields the generation config sets away from transformers' defaults; a value
     SamplingParams refuses is dropped with a warning (requests with their own params need none)."""
@@ -71,15 +90,17 @@ def generation_defaults(config: Any | None) -> dict[str, Any]:
     return found
 
 
-def default_sampling_params(source: str, model_config: Any | None) -> SamplingParams:
+def default_sampling_params(source: str, model_config: Any | None, overrides: dict | str | None = None) -> SamplingParams:
     """SamplingParams() updated with what EngineArgs.generation_config points at ("auto": the
-    model's generation config, ``model_config``; "vllm": none; or a folder holding one), as vLLM."""
-    if source == "vllm":
-        return SamplingParams()
-    config = model_config if source == "auto" else load_generation_config(source)
-    if config is None and source != "auto":
-        raise ValueError(f"generation_config={source!r}: no generation_config.json in that folder")
-    defaults = generation_defaults(config)
+    model's generation config, ``model_config``; "vllm": none; or a folder holding one), then
+    with EngineArgs.override_generation_config, as vLLM."""
+    defaults: dict[str, Any] = {}
+    if source != "vllm":
+        config = model_config if source == "auto" else load_generation_config(source)
+        if config is None and source != "auto":
+            raise ValueError(f"generation_config={source!r}: no generation_config.json in that folder")
+        defaults = generation_defaults(config)
+    defaults.update(generation_overrides(overrides))
     if defaults:
         logger.info("default sampling parameters from the generation config: %s", defaults)
     return SamplingParams(**defaults)

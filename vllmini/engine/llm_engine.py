@@ -92,7 +92,8 @@ class LLMEngine:
         self.block_manager, self.scheduler, self.runner = rt.block_manager, rt.scheduler, rt.runner
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
-            default_sampling_params(args.generation_config, self.generation_config), self.eos_token_ids,
+            default_sampling_params(args.generation_config, self.generation_config, args.override_generation_config),
+            self.eos_token_ids,
         )  # fmt: skip
         self.sampler = Sampler(args.logprobs_mode)
         # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
