@@ -115,3 +115,22 @@ async def test_tokens_as_token_ids_by_default_unless_a_request_says(engine):
     async with client(build_app(engine)) as c:  # (the default: text)
         tokens = (await c.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]["tokens"]
         assert not any(t.startswith("token_id:") for t in tokens)
+
+
+def _sse(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+@pytest.mark.parametrize("forced", [False, True])
+async def test_force_include_usage(engine, forced):
+    """--enable-force-include-usage (vLLM's): every stream ends with a usage chunk, even unasked;
+    continuous usage still needs include_usage (or the flag), as in vLLM's should_include_usage."""
+    base = {"max_tokens": 3, "ignore_eos": True, "stream": True}
+    async with client(build_app(engine, enable_force_include_usage=forced)) as c:
+        for url, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            chunks = _sse((await c.post(url, json={**base, **body})).text)
+            assert ("usage" in chunks[-1] and chunks[-1]["usage"]["completion_tokens"] == 3) is forced
+            assert chunks[-1]["choices"] == [] if forced else chunks[-1]["choices"]
+            continuous = {"stream_options": {"continuous_usage_stats": True}}
+            chunks = _sse((await c.post(url, json={**base, **body, **continuous})).text)
+            assert all(("usage" in chunk) is forced for chunk in chunks)

@@ -536,7 +536,7 @@ def test_the_serve_flags(tiny_dir, engine, capsys, monkeypatch):
     assert seen == {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
                     "max_request_body_size": 32 << 20, "enable_prompt_tokens_details": False, "cors": None,
                     "response_role": "assistant", "return_tokens_as_token_ids": False,
-                    "enable_request_id_headers": False}  # (the defaults)
+                    "enable_request_id_headers": False, "enable_force_include_usage": False}  # (the defaults)
     assert main(["serve", str(tiny_dir), "--max-request-body-size", "1000", "--kv-cache-memory", str(KV)]) == 0
     assert seen["max_request_body_size"] == 1000
     assert main(["serve", str(tiny_dir), "--enable-prompt-tokens-details", "--kv-cache-memory", str(KV)]) == 0

@@ -301,7 +301,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from vllmini import AsyncLLMEngine
     from vllmini.entrypoints.openai.api_server import run_server
-    from vllmini.entrypoints.openai.cli_args import uvicorn_options
+    from vllmini.entrypoints.openai.cli_args import app_options, uvicorn_options
     from vllmini.entrypoints.openai.cors import cors_from_flags
     from vllmini.entrypoints.openai.serving_models import check_lora_modules, parse_lora_module
 
@@ -317,11 +317,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(_serve_engine_args(ns))
     api_key = ns.api_key or os.environ.get("VLLMINI_API_KEY") or None
     run_server(engine, served_name, ns.host, ns.port, ns.chat_template, api_key, lora_modules, uvicorn_options=server,
-               enable_auto_tool_choice=ns.enable_auto_tool_choice, tool_call_parser=ns.tool_call_parser,
-               reasoning_parser=ns.reasoning_parser, max_request_body_size=ns.max_request_body_size,
-               enable_prompt_tokens_details=ns.enable_prompt_tokens_details, cors=cors,
-               response_role=ns.response_role, return_tokens_as_token_ids=ns.return_tokens_as_token_ids,
-               enable_request_id_headers=ns.enable_request_id_headers)  # fmt: skip
+               cors=cors, **app_options(ns))  # fmt: skip
     return 0
 
 

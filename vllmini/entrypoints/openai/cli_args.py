@@ -32,6 +32,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:<id>" unless a request says otherwise')
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream ends with a usage chunk, as if stream_options.include_usage were set")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else a fresh uuid hex")
     # uvicorn's own settings, under vLLM's flags
@@ -47,6 +49,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
+
+
+def app_options(ns: argparse.Namespace) -> dict:
+    """``build_app``'s keywords from the flags above (the ones checked or parsed in cli.py aside)."""
+    names = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "max_request_body_size",
+             "enable_prompt_tokens_details", "response_role", "return_tokens_as_token_ids",
+             "enable_request_id_headers", "enable_force_include_usage")  # fmt: skip
+    return {name: getattr(ns, name) for name in names}
 
 
 def uvicorn_options(ns: argparse.Namespace) -> dict:

@@ -215,7 +215,7 @@ class OpenAIServingChat(OpenAIServing):
         """First a chunk per choice with the role (and any echo; with ``return_token_ids`` the
         prompt's token ids), then the text as it comes (with parsers: its reasoning, content and
         tool-call deltas; a chunk with none, nor new token ids to return, is not sent)."""
-        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        continuous = self.stream_usage(request.stream_options)[1]
         parsers: dict[int, ChatOutputParser] = {}
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:

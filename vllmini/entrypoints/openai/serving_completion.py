@@ -63,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         sent: dict[int, int] = {}  # each choice's text length so far
         prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
-        continuous = request.stream_options is not None and request.stream_options.continuous_usage_stats
+        continuous = self.stream_usage(request.stream_options)[1]
         async for i, out in group:
             usage.add(i, out)  # (delta outputs: the new tokens only)
             if out.prompt_logprobs:  # for the choices that start in a later output

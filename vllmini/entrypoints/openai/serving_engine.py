@@ -182,6 +182,13 @@ class OpenAIServing:
         self.max_logprobs = engine.engine.input_processor.max_logprobs
         self.prompt_tokens_details = False  # usage.prompt_tokens_details (build_app's enable_prompt_tokens_details)
         self.return_tokens_as_token_ids = False  # the default of requests that do not say (build_app's)
+        self.force_include_usage = False  # a stream's usage chunk even unasked (build_app's enable_force_include_usage)
+
+    def stream_usage(self, options: StreamOptions | None) -> tuple[bool, bool]:
+        """(a last usage chunk, usage in every chunk) for a stream, as vLLM's ``should_include_usage``:
+        ``include_usage`` (or ``--enable-force-include-usage``), and ``continuous_usage_stats`` with it."""
+        include = self.force_include_usage or (options is not None and options.include_usage)
+        return include, include and options is not None and options.continuous_usage_stats
 
     def tokens_as_ids(self, request: Any) -> bool:
         """``return_tokens_as_token_ids``: the request's when it says, else the server's
@@ -216,7 +223,7 @@ class OpenAIServing:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
-            if options is not None and options.include_usage:
+            if self.stream_usage(options)[0]:
                 yield sse({**self.header(request_id, kind, model), "choices": [], "usage": usage.body()})
         except Exception as exc:
             yield sse(error_body(str(exc), type(exc).__name__, 500))
