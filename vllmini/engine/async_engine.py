@@ -19,12 +19,13 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+from typing import Any, AsyncIterator, Iterable
 
 from vllmini.config import EngineArgs
 from vllmini.engine.async_beam_search import start_beam_search
 from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import render_chat
+from vllmini.engine.engine_client import EngineClient, EngineDeadError  # noqa: F401 (re-exported, as before)
 from vllmini.engine.engine_stats import EngineStats, GenerationRate
 from vllmini.engine.llm_engine import LLMEngine, PromptType, RequestState, StepError
 from vllmini.engine.outputs import PoolingRequestOutput, RequestOutput
@@ -34,13 +35,7 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.structured_outputs import load_xgrammar
 from vllmini.lora.request import LoRARequest
 
-T = TypeVar("T")
-
 logger = logging.getLogger("vllmini")
-
-
-class EngineDeadError(RuntimeError):
-    """Raised by calls made after ``shutdown()``."""
 
 
 @dataclass
@@ -54,7 +49,10 @@ class _Abort:
     queue: asyncio.Queue | None = None
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
+    """Request streams over an ``LLMEngine`` stepped on one worker thread (engine_client.py: the
+    calls besides streams)."""
+
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
@@ -84,75 +82,10 @@ class AsyncLLMEngine:
             raise
         return cls(engine, executor)
 
-    def run_on_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """Call ``fn(*args)`` on the engine's worker thread, between steps, and wait for it
-        (blocking: for set-up and measurement code, not for the event loop's hot path)."""
-        return self._executor.submit(fn, *args).result()
-
     # ---- lifecycle ------------------------------------------------------------------------
-    @property
-    def is_running(self) -> bool:
-        """True until ``shutdown()``, as vLLM's (before the first request too: the step loop
-        starts then, and again after an event loop that ran it has ended)."""
-        return not self._dead
-
-    @property
-    def is_stopped(self) -> bool:
-        """True once ``shutdown()`` was called: new requests are refused."""
-        return self._dead
-
-    @property
-    def errored(self) -> bool:
-        """vLLM's name: the engine takes no more requests (here: it was shut down; a failed
-        step fails only its own requests)."""
-        return self._dead
-
-    @property
-    def dead_error(self) -> BaseException:
-        return EngineDeadError("the engine is shut down; create a new AsyncLLMEngine")
-
     @property
     def _loop_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
-
-    async def check_health(self) -> None:
-        """Raise ``EngineDeadError`` once the engine is shut down (vLLM's health probe). A failed
-        step does not kill the engine: only its requests fail."""
-        if self._dead:
-            raise self.dead_error
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, between two steps; False (nothing done) while requests
-        are unfinished, as in vLLM."""
-        await self.check_health()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
-
-    async def start_profile(self, profile_prefix: str | None = None) -> None:
-        """vLLM's: record the steps with the torch profiler, on the engine's thread (needs
-        ``EngineArgs.profiler_config``; engine/profiler.py)."""
-        await self.check_health()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.start_profile, profile_prefix)
-
-    async def stop_profile(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.stop_profile)
-
-    async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter ahead of its requests, off the event loop (vLLM's name)."""
-        await self.check_health()
-        return await asyncio.to_thread(self.engine.add_lora, lora_request)
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return self.engine.remove_lora(lora_id)
-
-    async def list_loras(self) -> set[int]:
-        return self.engine.list_loras()
 
     async def __aenter__(self) -> AsyncLLMEngine:
         return self
