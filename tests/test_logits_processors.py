@@ -156,6 +156,7 @@ class FakeSeq:
     def __init__(self, seq_id: int) -> None:
         self.seq_id, self.params = seq_id, SamplingParams(extra_args={"id": seq_id})
         self.prompt_token_ids, self.output_token_ids = [seq_id], []
+        self.known_prompt_ids = self.prompt_token_ids  # (Sequence: none for a prompt given as embeddings)
 
 
 @settings(max_examples=200, deadline=None)

@@ -259,6 +259,9 @@ class EngineArgs(VllmEngineArgs):
     # "prompt_lookup_max": 5, "prompt_lookup_min": 5}, or a draft model: {"model": path, "num_speculative_tokens": k}
     # (method "draft_model") (spec_decode/)
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's: prompts may be given as embeddings ({"prompt_embeds": tensor [L, hidden]}) instead of tokens
+    # (engine/prompt_embeds.py)
+    enable_prompt_embeds: bool = False
     # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
     # "auto" (vLLM's default: pooling for a *Model or *ForSequenceClassification architecture, else
     # generate); ``task`` is vLLM's older spelling ("embed", "classify", "score" = runner "pooling");
@@ -377,6 +380,8 @@ class EngineArgs(VllmEngineArgs):
                                  "come from the tokens the previous step sampled)")  # fmt: skip
             if self.logits_processors:  # (as vLLM: a draft's row would need the processors' state after it)
                 raise ValueError("logits_processors cannot be combined with speculative_config")
+            if self.enable_prompt_embeds:  # (drafts need the prompt's tokens, or a draft model fed the embeddings)
+                raise ValueError("enable_prompt_embeds cannot be combined with speculative_config")
         from vllmini.engine.logits_processor_state import load_logits_processors
 
         load_logits_processors(self.logits_processors)

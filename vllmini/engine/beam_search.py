@@ -115,6 +115,8 @@ class BeamSearch:
         # every prompt is checked as generate checks it (its length too) before any work is done: with
         # concurrency_limit, a bad prompt of a later group would otherwise fail after the earlier searches
         inputs = [engine.input_processor.process(p, self.step_params) for p in prompts]
+        if any(inp.prompt_embeds is not None for inp in inputs):  # (its beams go on as token prompts)
+            raise ValueError("prompt_embeds is taken by generate requests only (not by pooling or beam search)")
         self.searches = [_Search(len(inp.prompt_token_ids), [BeamSearchSequence(inp.prompt_token_ids)], lora=lora,
                                  cache_salt=inp.cache_salt) for inp, lora in zip(inputs, loras)]  # fmt: skip
         self._beams: list[tuple[_Search, BeamSearchSequence]] = []

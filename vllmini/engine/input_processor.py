@@ -13,14 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from vllmini.engine.pooling_params import PoolingParams
+from vllmini.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, salted
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
 
 logger = logging.getLogger("vllmini")
 
 PromptType = str | list[int] | dict[str, Any]
-_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})  # vLLM's TextPrompt / TokensPrompt, text only
+# vLLM's TextPrompt / TokensPrompt / EmbedsPrompt, text only
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
 
 
 def as_prompt_list(prompts: PromptType | Any) -> list[PromptType]:
@@ -122,14 +126,16 @@ class ProcessedInput:
     max_tokens: int  # resolved: params.max_tokens, or what max_model_len leaves
     bad_words_token_ids: list[tuple[int, ...]]
     cache_salt: str | None = None  # the prompt dict's (vLLM's): its prefix-cache blocks are shared only with the same salt
+    prompt_embeds: torch.Tensor | None = None  # the prompt as embeddings (engine/prompt_embeds.py): ids are placeholders
 
 
 class InputProcessor:
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_model_len: int, capacity_tokens: int, max_logprobs: int,
-        default_params: SamplingParams, eos_token_ids: tuple[int, ...] = (),
+        default_params: SamplingParams, eos_token_ids: tuple[int, ...] = (), prompt_embeds_width: int | None = None,
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.prompt_embeds_width = prompt_embeds_width  # the hidden size, when enable_prompt_embeds (else None)
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -160,9 +166,11 @@ class InputProcessor:
         if not from_defaults:  # (the defaults were just copied for this request)
             params = params.clone()  # the request's own copy: the caller may change theirs meanwhile
         self._check_params(params)
-        text, ids = self.tokenize(prompt)
+        embeds = self._prompt_embeds(prompt, params)
+        text, ids = (None, [PLACEHOLDER_ID] * len(embeds)) if embeds is not None else self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
+            embeds = None if embeds is None else embeds[len(embeds) - len(ids) :]
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
@@ -181,7 +189,22 @@ class InputProcessor:
             )
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         self._check_something_allowed(params, bad_words)
-        return ProcessedInput(text, ids, params, max_tokens, bad_words, cache_salt_of(prompt))
+        salt = cache_salt_of(prompt)
+        if embeds is not None:
+            salt = salted(embeds, salt)
+        return ProcessedInput(text, ids, params, max_tokens, bad_words, salt, embeds)
+
+    def _prompt_embeds(self, prompt: PromptType, params: SamplingParams) -> torch.Tensor | None:
+        """A prompt dict's ``prompt_embeds``, checked (None: the prompt is text or tokens)."""
+        if not isinstance(prompt, dict) or "prompt_embeds" not in prompt:
+            return None
+        if self.prompt_embeds_width is None:
+            raise ValueError("prompt_embeds needs an engine started with enable_prompt_embeds=True")
+        if others := sorted(set(prompt) & {"prompt", "prompt_token_ids"}):
+            raise ValueError(f"prompt_embeds cannot be given with {others}: a prompt is embeddings or tokens")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not available for a prompt given as prompt_embeds (it has no tokens)")
+        return check_prompt_embeds(prompt["prompt_embeds"], self.prompt_embeds_width)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
@@ -189,6 +212,8 @@ class InputProcessor:
             if unknown := sorted(set(prompt) - _PROMPT_KEYS, key=str):
                 # e.g. vLLM's multi_modal_data: ignoring it would silently change the request
                 raise ValueError(f"prompt dict has unsupported key(s) {unknown}; accepted: {sorted(_PROMPT_KEYS)}")
+            if "prompt_embeds" in prompt:  # (process() takes them; nothing else does)
+                raise ValueError("prompt_embeds is taken by generate requests only (not by pooling or beam search)")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)):

@@ -93,7 +93,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config, args.override_generation_config),
-            self.eos_token_ids,
+            self.eos_token_ids, self.hf_config.hidden_size if args.enable_prompt_embeds else None,
         )  # fmt: skip
         self.sampler = Sampler(args.logprobs_mode)
         # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
@@ -208,13 +208,15 @@ class LLMEngine:
         request_id, now = self._id_and_arrival(request_id, arrival_time)
         seqs = [
             Sequence(next(self._seq_ids), request_id, ids, params, max_tokens, index=i, arrival_time=now,
-                     priority=priority, lora=adapter, cache_salt=inp.cache_salt)  # fmt: skip
+                     priority=priority, lora=adapter, cache_salt=inp.cache_salt, prompt_embeds=inp.prompt_embeds)
             for i in range(params.n)
-        ]
-        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) for _ in seqs]
+        ]  # fmt: skip
+        known = seqs[0].known_prompt_ids  # (none for prompt_embeds: the outputs' prompt_token_ids is None, as vLLM's)
+        detoks = [IncrementalDetokenizer(self.tokenizer, known, params.skip_special_tokens) for _ in seqs]
         # the outputs' prompt_token_ids is a copy: a caller changing it cannot reach the sequences'
         # list, which the sampler's penalties and the prompt logprobs read
-        state = RequestState(request_id, inp.text, list(ids), params, seqs, detoks, now)
+        state = RequestState(request_id, inp.text, None if inp.prompt_embeds is not None else list(ids), params, seqs,
+                             detoks, now)  # fmt: skip
         state.logprobs = [[] for _ in seqs]
         state.cumulative_logprobs = [0.0 for _ in seqs]
         state.sent = [(0, 0) for _ in seqs]
@@ -403,5 +405,5 @@ class LLMEngine:
         out = state.output() if isinstance(state, PoolingRequestState) else self.output_processor.make_output(state)
         if state.finished and self.requests.pop(state.request_id, None) is not None:  # (leaves once)
             if self.stat_logger is not None:
-                self.stat_logger.record_finished(state.seqs, len(state.prompt_token_ids), state.params)
+                self.stat_logger.record_finished(state.seqs, state.seqs[0].num_prompt_tokens, state.params)
         return out

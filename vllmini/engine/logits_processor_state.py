@@ -115,7 +115,7 @@ class LogitsProcessors:
             if row == len(self.rows):
                 self.rows.append(None)
             self.rows[row] = sid
-            added.append((row, seq.params, seq.prompt_token_ids, seq.output_token_ids))
+            added.append((row, seq.params, seq.known_prompt_ids, seq.output_token_ids))
         moved = []
         for hole in free:  # condense: the last row moves down into each row still free
             while self.rows and self.rows[-1] is None:

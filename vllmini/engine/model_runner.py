@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from vllmini.engine.cuda_graph import DecodeGraphRunner
+from vllmini.engine.prompt_embeds import stacked
 from vllmini.kv.block_manager import BlockManager
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.base import AttentionMetadata, slot_of
@@ -23,6 +24,7 @@ class ModelInput:
     positions: torch.Tensor  # [T]
     attn_metadata: AttentionMetadata
     sample_indices: list[int]  # indices into scheduler_output.scheduled that get a logits row, in row order
+    inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # prompt_embeds: (rows, [n, hidden]) replacing theirs
 
 
 @dataclass
@@ -43,6 +45,9 @@ class FlatBatch:
     prompt_rows: list[tuple[int, int, int]] = field(default_factory=list)
     loras: list[Any] = field(default_factory=list)  # each sequence's LoRA adapter (None: the base model)
     seq_indices: list[int] = field(default_factory=list)  # each sequence's index into scheduled, in row order
+    # prompts given as embeddings (engine/prompt_embeds.py): (first row, [n, hidden]) per chunk, whose
+    # rows' input embeddings these replace
+    embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -57,15 +62,16 @@ class FlatBatch:
     @property
     def is_decode_only(self) -> bool:
         """Every row is one new token whose logits are sampled (what a decode graph computes)."""
-        return not self.prompt_rows and len(self.logits_rows) == len(self.query_lens) == len(self.ids)
+        return not self.prompt_rows and not self.embeds and len(self.logits_rows) == len(self.query_lens) == len(self.ids)
 
     def to_model_input(self, device: torch.device) -> ModelInput:
         meta = AttentionMetadata.paged(
             self.query_lens, self.seq_lens, self.slots, self.block_tables, self.logits_rows, device
         )
         as_long = {"dtype": torch.long, "device": device}
+        embeds = stacked(self.embeds, device) if self.embeds else None
         return ModelInput(
-            torch.tensor(self.ids, **as_long), torch.tensor(self.positions, **as_long), meta, self.sample_indices
+            torch.tensor(self.ids, **as_long), torch.tensor(self.positions, **as_long), meta, self.sample_indices, embeds
         )
 
 
@@ -81,7 +87,8 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
         seq, start = s.seq, s.seq.num_computed_tokens
         end = start + s.num_new_tokens
         table = block_manager.block_table(seq.seq_id)
-        if end == seq.num_tokens == start + 1 and seq.prompt_logits_from is None:  # a decode row: the common case
+        if end == seq.num_tokens == start + 1 and seq.prompt_logits_from is None and \
+                (seq.prompt_embeds is None or start >= seq.num_prompt_tokens):  # a decode row: the common case
             flat.logits_rows.append(len(flat.ids))
             flat.sample_indices.append(i)
             flat.ids.append(seq.token_ids[start])
@@ -99,6 +106,8 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
                 flat.prompt_rows.append((i, first, last - first))
                 row0 = len(flat.ids) - start
                 prompt_logits_rows.extend(range(row0 + first, row0 + last))
+        if seq.prompt_embeds is not None and start < seq.num_prompt_tokens:  # its rows take these embeddings
+            flat.embeds.append((len(flat.ids), seq.prompt_embeds[start : min(end, seq.num_prompt_tokens)]))
         if s.spec_token_ids:  # a decode and its drafts: every position is sampled
             flat.logits_rows.extend(range(len(flat.ids), len(flat.ids) + s.num_new_tokens))
             flat.sample_indices.append(i)
@@ -207,4 +216,6 @@ class ModelRunner:
         inp = flat.to_model_input(self.device)
         if token_ids is not None:
             inp.input_ids.copy_(token_ids)
+        if inp.inputs_embeds is not None:
+            return self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches, inp.inputs_embeds)
         return self.model(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches)

@@ -27,7 +27,7 @@ class RequestState:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]  # what the outputs show (the sequences hold their own list)
+    prompt_token_ids: list[int] | None  # what the outputs show (the sequences hold their own list; None: prompt_embeds)
     params: SamplingParams
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]

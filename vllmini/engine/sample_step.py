@@ -87,7 +87,7 @@ def sample(
         outputs = outputs_with_drafts([s.output_token_ids for s in seqs], drafts or {})
     states = [engine.requests[s.request_id] for s in seqs]
     matchers = [engine.structured.matcher(state, s) for s, state in zip(seqs, states)]
-    rows = [SamplingRow(s.params, s.prompt_token_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
+    rows = [SamplingRow(s.params, s.known_prompt_ids, out, engine.eos_token_ids, s.index, state.bad_words_token_ids,
                         None if matcher is not None else _forced_token(engine, s, out, state))
             for s, out, state, matcher in zip(seqs, outputs, states, matchers)]  # fmt: skip
     if any(m is not None for m in matchers):  # structured outputs: the grammars' masks, before the sampler
@@ -111,7 +111,7 @@ def _forced_token(engine: LLMEngine, seq: Sequence, output: list[int], state: Re
         return None
     # the sequence's own tokens are scanned once, on from the last step's Marks; ``output`` may
     # go on past them (drafts)
-    return rule.forced_token(seq.prompt_token_ids, output, budget, rule.seq_marks(seq, state.thinking_marks))
+    return rule.forced_token(seq.known_prompt_ids, output, budget, rule.seq_marks(seq, state.thinking_marks))
 
 
 def complete(engine: LLMEngine, launched: LaunchedStep) -> list[RequestOutput]:

@@ -142,7 +142,7 @@ class ThinkingBudget:
     def seq_marks(self, seq: Any, cache: dict[int, Marks]) -> Marks:
         """The Marks of a sequence's own tokens (prompt + output), scanned on from the ones
         ``cache`` (a request's, by sequence index) kept at its last look, and kept there."""
-        marks = cache[seq.index] = self.marks(seq.prompt_token_ids, seq.output_token_ids, cache.get(seq.index))
+        marks = cache[seq.index] = self.marks(seq.known_prompt_ids, seq.output_token_ids, cache.get(seq.index))
         return marks
 
     def forced_token(self, prompt: Sequence[int], output: Sequence[int], budget: int, since: Marks | None = None) -> int | None:

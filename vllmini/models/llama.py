@@ -215,8 +215,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache] | None = None,
+        inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(input_ids, positions, attn_metadata, kv_caches))
+        return self.lm_head(self.hidden_states(input_ids, positions, attn_metadata, kv_caches, inputs_embeds))
 
     def hidden_states(
         self,
@@ -224,10 +225,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[KVCache] | None = None,
+        inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states of the rows in ``logits_indices`` (every row when None):
-        what ``forward`` projects to logits, and what the pooling runner pools (engine/pooler.py)."""
+        what ``forward`` projects to logits, and what the pooling runner pools (engine/pooler.py).
+        ``inputs_embeds``: (rows, values) whose input embeddings replace the table's (prompt_embeds)."""
         x = self.model.embed_tokens(input_ids)
+        if inputs_embeds is not None:
+            rows, values = inputs_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
         cos_sin = self.model.rotary_emb.cos_sin(positions)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos_sin, attn_metadata, kv_caches[i] if kv_caches is not None else None)

@@ -38,6 +38,9 @@ class Sequence:
     priority: int = 0  # scheduling_policy="priority": lower is served first (vLLM's convention)
     lora: Any = None  # its LoRA adapter (lora/adapter.py), None: the base model; the scheduler reads lora_key
     cache_salt: str | None = None  # its prompt's (vLLM's): prefix-cache hits only among requests with the same
+    # the prompt as embeddings [num_prompt_tokens, hidden] (engine/prompt_embeds.py); its prompt_token_ids
+    # are then placeholders, which the forward replaces and nothing else reads
+    prompt_embeds: Any = None
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -66,6 +69,12 @@ class Sequence:
         """Its adapter's key (0: none; unique per loaded adapter): the scheduler caps the adapters
         running at once, and the prefix cache keeps each adapter's blocks apart (``prefix_root``)."""
         return 0 if self.lora is None else self.lora.key
+
+    @property
+    def known_prompt_ids(self) -> list[int]:
+        """The prompt's token ids for what reads them (penalties, the thinking budget): none for a
+        prompt given as embeddings."""
+        return [] if self.prompt_embeds is not None else self.prompt_token_ids
 
     @property
     def num_tokens(self) -> int:
