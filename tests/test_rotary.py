@@ -12,10 +12,9 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from helpers import (assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model, tiny_llama_config,
-                     tiny_phi3_config, tiny_qwen3_config)  # fmt: skip
-from test_engine import assert_no_leaks
-from vllmini import LLM, SamplingParams
+from helpers import prompt_forward, save_tiny_model, tiny_llama_config, tiny_phi3_config, tiny_qwen3_config
+from test_architectures import assert_engine_greedy
+from vllmini import LLM
 from vllmini.config import resolve_max_model_len
 from vllmini.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -119,12 +118,7 @@ def _assert_logits(llm, hf, prompt: list[int]) -> None:
 def _assert_greedy(llm, hf, prompts, max_tokens: int, what: str) -> None:
     """Greedy tokens equal transformers' (near-tie rule), and the longest prompt's logits too."""
     _assert_logits(llm, hf, max(prompts, key=len))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-    for p, out in zip(prompts, outs):
-        want, gaps = hf_greedy(hf, p, max_tokens)
-        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{what}, prompt of {len(p)}")
-    assert_no_leaks(llm)
+    assert_engine_greedy(llm, hf, prompts, max_tokens, what)
 
 
 def test_qwen3_with_yarn_matches_transformers(tmp_path_factory, default_model_dir):
