@@ -25,9 +25,11 @@ from vllmini.entrypoints.openai.tool_parsers import get_tool_parser
 from vllmini.entrypoints.openai.tool_parsers.forced_tool_parser import NamedToolParser, RequiredToolParser
 from vllmini.entrypoints.openai.tool_parsers.json_stream import JsonStream
 from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from vllmini.entrypoints.openai.tool_parsers.xlam_tool_parser import XLAMToolParser
 
 NAME = "m"
 VLLM_ID, MISTRAL_ID = r"chatcmpl-tool-[0-9a-f]{32}", r"[A-Za-z0-9]{9}"  # vLLM's call ids; Mistral's
+XLAM_ID = r"call_\d+_[0-9a-f]{32}"  # (vLLM's xlam parser's)
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- the parsers, whole and streamed
@@ -53,7 +55,7 @@ def streamed(parser: ChatOutputParser, deltas: list[str]) -> dict:
     """What a client puts together from the streamed deltas; checks each call's first delta
     carries its index, id, type and name and the later ones only arguments."""
     got: dict = {"content": "", "reasoning": "", "calls": {}}
-    ids = MISTRAL_ID if isinstance(parser.tools, MistralToolParser) else VLLM_ID
+    ids = {MistralToolParser: MISTRAL_ID, XLAMToolParser: XLAM_ID}.get(type(parser.tools), VLLM_ID)
     messages = [parser.delta(d) for d in deltas[:-1]] + [parser.delta(deltas[-1], final=True)]
     for m in messages:
         if m is None:
@@ -221,7 +223,7 @@ def test_only_the_first_call_is_kept_without_parallel_tool_calls():
 def test_unknown_parser_names_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, mistral, qwen3"):
         get_reasoning_parser("nope")
 
 
@@ -338,20 +340,23 @@ async def test_llama3_json_calls_and_parallel_tool_calls_false(engine):
     await wait_idle(engine)
 
 
-async def test_reasoning_and_content_apart_whole_and_streamed(engine):
-    text = "<think>The user wants the weather.</think>\n\nIt is sunny."
+@pytest.mark.parametrize("name, text, content", [
+    ("deepseek_r1", "<think>The user wants the weather.</think>\n\nIt is sunny.", "\n\nIt is sunny."),
+    ("mistral", "[THINK]The user wants the weather.[/THINK]It is sunny.", "It is sunny."),  # (Magistral's)
+])  # fmt: skip
+async def test_reasoning_and_content_apart_whole_and_streamed(engine, name, text, content):
     body = {"messages": MESSAGES, "max_tokens": 200, **forced(text)}
-    async with http(engine, reasoning_parser="deepseek_r1") as h:
+    async with http(engine, reasoning_parser=name) as h:
         whole_msg = (await h.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
         chunks = events((await h.post("/v1/chat/completions", json={**body, "stream": True})).text)
     assert whole_msg["reasoning"] == whole_msg["reasoning_content"] == "The user wants the weather."
-    assert whole_msg["content"] == "\n\nIt is sunny." and "tool_calls" not in whole_msg
+    assert whole_msg["content"] == content and "tool_calls" not in whole_msg
     deltas = [ch["delta"] for chunk in chunks[1:] for ch in chunk["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == whole_msg["reasoning"]
     assert "".join(d.get("content", "") for d in deltas) == whole_msg["content"]
     first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
     assert not any(d.get("reasoning") for d in deltas[first_content:])  # reasoning first, then content
-    async with http(engine, reasoning_parser="deepseek_r1") as h:  # vLLM's include_reasoning=false: left out
+    async with http(engine, reasoning_parser=name) as h:  # vLLM's include_reasoning=false: left out
         hidden = (await h.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()["choices"][0]["message"]
         chunks = events((await h.post("/v1/chat/completions", json={**body, "include_reasoning": False, "stream": True})).text)
     assert hidden["reasoning"] is None and hidden["content"] == whole_msg["content"]

@@ -46,9 +46,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
-                   help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x)")
+                   help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x), "
+                        "xlam (xLAM-2)...")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
+                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
+                        "reasoning_content)")  # fmt: skip
 
 
 def app_options(ns: argparse.Namespace) -> dict:

@@ -8,6 +8,9 @@
   left a ``<think>`` open (newer Qwen templates write it); with ``enable_thinking=False`` (a
   ``chat_template_kwargs``) Qwen3's template closes an empty think block in the prompt, so the
   whole output is content.
+- ``mistral`` (Magistral): ``[THINK]`` and ``[/THINK]`` instead, read as qwen3's, but a
+  ``[THINK]`` after some content still opens the (one) reasoning section, and the tags, special
+  tokens there, are kept in the text (``skip_special_tokens=False``).
 
 A request with structured outputs is constrained from its first token (here the grammar does not
 wait for the reasoning to end, as vLLM's does), so its output starts in content unless it opens
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, partial_tag
 
 
 class ReasoningParser:
     START, END = "<think>", "</think>"
+    UNOPENED = "content"  # the state of an output that does not start in reasoning (Mistral's: "before")
 
     def __init__(self, tokenizer: Any = None, in_reasoning: bool = False) -> None:
         self.tokenizer = tokenizer
@@ -30,6 +35,11 @@ class ReasoningParser:
         self._state = "start"  # start (a <think> may open the output), reasoning, content
         self._buf = ""
         self._out: list[Piece] = []
+
+    @classmethod
+    def adjust_request(cls, params: SamplingParams) -> SamplingParams:
+        """The sampling parameters this parser needs (e.g. its tags, special tokens, left in the text)."""
+        return params
 
     @classmethod
     def starts_in_reasoning(cls, prompt: str) -> bool:
@@ -47,35 +57,40 @@ class ReasoningParser:
     def extract_reasoning_streaming(self, delta_text: str) -> list[Piece]:
         """``("reasoning", text)`` and ``("content", text)`` pieces of the output's next text."""
         self._buf += delta_text
-        while self._buf:
-            if self._state == "start":
-                head = self._buf.lstrip()
-                if head.startswith(self.START):
-                    self._buf, self._state = head[len(self.START) :], "reasoning"
-                    continue
-                if self.START.startswith(head):  # whitespace or part of the tag so far
-                    break
-                self._state = "reasoning" if self.in_reasoning else "content"
-            elif self._state == "reasoning":
-                i = self._buf.find(self.END)
-                if i < 0:
-                    keep = len(self._buf) - partial_tag(self._buf, self.END)
-                    self._emit("reasoning", self._buf[:keep])
-                    self._buf = self._buf[keep:]
-                    break
-                self._emit("reasoning", self._buf[:i])
-                self._buf, self._state = self._buf[i + len(self.END) :], "content"
-            else:
-                self._emit("content", self._buf)
-                self._buf = ""
+        while self._buf and self._step():
+            pass
         out, self._out = self._out, []
         return out
+
+    def _step(self) -> bool:
+        """Read some of ``_buf`` in the current state; False: wait for more text."""
+        if self._state == "start":
+            head = self._buf.lstrip()
+            if head.startswith(self.START):
+                self._buf, self._state = head[len(self.START) :], "reasoning"
+                return True
+            if self.START.startswith(head):  # whitespace or part of the tag so far
+                return False
+            self._state = "reasoning" if self.in_reasoning else self.UNOPENED
+        elif self._state == "reasoning":
+            i = self._buf.find(self.END)
+            if i < 0:
+                keep = len(self._buf) - partial_tag(self._buf, self.END)
+                self._emit("reasoning", self._buf[:keep])
+                self._buf = self._buf[keep:]
+                return False
+            self._emit("reasoning", self._buf[:i])
+            self._buf, self._state = self._buf[i + len(self.END) :], "content"
+        else:
+            self._emit("content", self._buf)
+            self._buf = ""
+        return True
 
     def finish_streaming(self) -> list[Piece]:
         """What was held back, once the output is complete."""
         if self._state == "start":
-            self._state = "reasoning" if self.in_reasoning else "content"
-        self._emit(self._state, self._buf)
+            self._state = "reasoning" if self.in_reasoning else self.UNOPENED
+        self._emit("reasoning" if self._state == "reasoning" else "content", self._buf)
         self._buf = ""
         out, self._out = self._out, []
         return out
@@ -95,8 +110,41 @@ class Qwen3ReasoningParser(ReasoningParser):
     pass
 
 
+class MistralReasoningParser(ReasoningParser):
+    """Magistral's ``[THINK]...[/THINK]`` (special tokens: kept in the text). As vLLM's, the output
+    is content unless it writes ``[THINK]`` (anywhere: the text before it is content), one
+    section only (after ``[/THINK]`` all is content), a ``[/THINK]`` before any ``[THINK]`` is
+    dropped, and a ``[THINK]`` without its end makes the rest reasoning."""
+
+    START, END = "[THINK]", "[/THINK]"
+    UNOPENED = "before"  # content in which a [THINK] may still open the section
+
+    @classmethod
+    def adjust_request(cls, params: SamplingParams) -> SamplingParams:
+        # the tags are special tokens of Magistral's tokenizer: skipped, no reasoning could be read
+        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+
+    def _step(self) -> bool:
+        if self._state != "before":
+            return super()._step()
+        i, j = self._buf.find(self.START), self._buf.find(self.END)
+        if i < 0 and j < 0:
+            keep = len(self._buf) - max(partial_tag(self._buf, self.START), partial_tag(self._buf, self.END))
+            self._emit("content", self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        if j >= 0 and (i < 0 or j < i):  # an end without a start: dropped
+            self._emit("content", self._buf[:j])
+            self._buf = self._buf[j + len(self.END) :]
+            return True
+        self._emit("content", self._buf[:i])
+        self._buf, self._state = self._buf[i + len(self.START) :], "reasoning"
+        return True
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "mistral": MistralReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 

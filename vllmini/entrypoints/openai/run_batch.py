@@ -71,7 +71,8 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> goes to message.reasoning (and reasoning_content)")  # fmt: skip
+                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
+                        "reasoning_content)")  # fmt: skip
 
 
 def check_batch_file(path: Path) -> int:

@@ -113,6 +113,8 @@ class OpenAIServingChat(OpenAIServing):
         # a forced call's output is the call, unless its grammar waits out the reasoning
         forced = choice.mode not in ("none", "auto") and not self.grammar_after_reasoning
         reasoning = None if forced else self.reasoning_parser
+        if reasoning is not None:
+            params = reasoning.adjust_request(params)
         if tools is None and reasoning is None:
             return params, None
         # a grammar bound from the first token: such an output is not in reasoning unless it opens <think>

@@ -8,6 +8,7 @@ from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralT
 from vllmini.entrypoints.openai.tool_parsers.phi4mini_tool_parser import Phi4MiniJsonToolParser
 from vllmini.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
 from vllmini.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import Qwen3CoderToolParser
+from vllmini.entrypoints.openai.tool_parsers.xlam_tool_parser import XLAMToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": Hermes2ProToolParser,
@@ -18,6 +19,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # (vLLM's second parser of the same Qwen3-Coder format)
+    "xlam": XLAMToolParser,
 }
 
 
@@ -29,4 +31,4 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 __all__ = ["TOOL_PARSERS", "ToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser",
-           "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "get_tool_parser"]
+           "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "XLAMToolParser", "get_tool_parser"]

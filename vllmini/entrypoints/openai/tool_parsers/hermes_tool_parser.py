@@ -34,12 +34,7 @@ class Hermes2ProToolParser(ToolParser):
 
     def _step(self) -> bool:
         if self._closing:
-            rest = self._buf.lstrip()
-            if self.END.startswith(rest):  # whitespace or part of the closing tag so far
-                return False
-            self._buf = rest.removeprefix(self.END)  # (a block without its closing tag ends at its JSON)
-            self._closing, self._lead = False, True
-            return True
+            return self._close(self.END)
         i = self._buf.find(self.START)
         if i < 0:
             keep = len(self._buf) - partial_tag(self._buf, self.START)
@@ -49,6 +44,15 @@ class Hermes2ProToolParser(ToolParser):
         self._text(self._buf[:i])
         self._begin_call(self._ws + self.START, array=self.ARRAY)
         self._buf, self._ws = self._buf[i + len(self.START) :], ""
+        return True
+
+    def _close(self, end: str) -> bool:
+        """After a block's JSON: its closing tag ``end`` (if any) is read; False: wait for more text."""
+        rest = self._buf.lstrip()
+        if end.startswith(rest):  # whitespace or part of the closing tag so far
+            return False
+        self._buf = rest.removeprefix(end)  # (a block without its closing tag ends at its JSON)
+        self._closing, self._lead = False, True
         return True
 
     def _call_ended(self) -> None:
