@@ -2,7 +2,8 @@
 (float32, where a tiny random model's greedy tokens do not depend on the device): n-gram and
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
-streams, embeddings from the pooling runner, and a thinking token budget. bench/gpu_check.sh runs them; without CUDA
+streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings and
+a YaRN-scaled rope. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -244,3 +245,36 @@ def test_thinking_token_budget_on_the_device(model_dir):
     cpu, dev = on_both(model_dir, lambda llm: token_ids(llm.generate(ps, params, use_tqdm=False)), reasoning_config=config)
     assert dev == cpu
     assert [dev[i][b] for i, b in enumerate((0, 3, 6))] == [6, 6, 6]
+
+
+def test_prompt_embeds_match_the_cpu_path(model_dir):
+    """Prompts given as embeddings (the model's own table's rows: the tokens' answers), prefilled
+    in chunks on the device (eager: a step holding them never replays a decode graph), then
+    decoded: the same tokens as the CPU path and as the token prompts."""
+    from safetensors.torch import load_file
+
+    table = load_file(next(model_dir.glob("*.safetensors")))["model.embed_tokens.weight"]
+    ps = [p["prompt_token_ids"] for p in prompts(4)]
+
+    def run(llm: LLM):
+        by_embeds = llm.generate([{"prompt_embeds": table[p]} for p in ps], greedy(16), use_tqdm=False)
+        return token_ids(by_embeds), token_ids(llm.generate([{"prompt_token_ids": p} for p in ps], greedy(16),
+                                                             use_tqdm=False))  # fmt: skip
+
+    (cpu, cpu_tokens), (dev, dev_tokens) = on_both(model_dir, run, enable_prompt_embeds=True, max_num_batched_tokens=32)
+    assert dev == dev_tokens == cpu == cpu_tokens
+
+
+def test_yarn_rope_matches_the_cpu_path(tmp_path):
+    """A YaRN-scaled model (Qwen3's long-context recipe): its cos/sin carry the attention factor,
+    in eager prefill and in captured decode steps alike."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_llama_config(max_position_embeddings=2048, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    save_word_level_tokenizer(VOCAB, tmp_path)
+    cpu, dev = on_both(tmp_path, lambda llm: token_ids(llm.generate(prompts(6), greedy(20), use_tqdm=False)))
+    assert dev == cpu
+    assert LLM(model=str(tmp_path), device=DEVICE, kv_cache_memory=KV_BYTES).llm_engine.max_model_len == 1024
