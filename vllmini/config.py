@@ -216,6 +216,8 @@ class EngineArgs(VllmEngineArgs):
     model: str = "default"
     tokenizer: str | None = None
     revision: str | None = None  # a hub id's branch, tag or commit (None: main); local paths ignore it, as in vLLM
+    tokenizer_revision: str | None = None  # vLLM's: the same for a hub-id tokenizer (None: main)
+    download_dir: str | None = None  # vLLM's: the Hugging Face cache hub models are looked up in and fetched to
     # accepted for vLLM's sake, never acted on: only built-in architectures run, and no model's code
     trust_remote_code: bool = False
     dtype: str = "auto"
@@ -343,8 +345,12 @@ class EngineArgs(VllmEngineArgs):
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         positive_int("max_log_len", self.max_log_len, allow_none=True)
-        if self.revision is not None and (not isinstance(self.revision, str) or not self.revision):
-            raise ValueError(f"revision must be a hub branch, tag or commit (or None), got {self.revision!r}")
+        for name in ("revision", "tokenizer_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a hub branch, tag or commit (or None), got {value!r}")
+        if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
+            raise ValueError(f"download_dir must be a folder path (or None), got {self.download_dir!r}")
         positive_int("max_loras", self.max_loras)
         positive_int("stream_interval", self.stream_interval)
         positive_int("max_lora_rank", self.max_lora_rank)

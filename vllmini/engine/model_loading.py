@@ -39,7 +39,7 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
     if args.trust_remote_code:
         logger.warning("trust_remote_code=True is ignored: vllmini runs only its built-in architectures, "
                        "never code shipped with a model")  # fmt: skip
-    model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision)
+    model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision, args.download_dir)
     config = apply_hf_overrides(load_config(model_dir), args.hf_overrides)
     runner = resolve_runner(args, config.architectures)
     checkpoint_dtype = getattr(config, "dtype", None)
@@ -53,7 +53,10 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
                                   max_model_len=max_model_len)  # fmt: skip
     if packing_available(device, dtype):
         logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
-    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    if args.tokenizer_revision is not None and (args.tokenizer is None or Path(args.tokenizer).expanduser().exists()):
+        logger.warning("tokenizer_revision=%r is ignored: the tokenizer is read from a folder (%s), not a hub id",
+                       args.tokenizer_revision, args.tokenizer or model_dir)  # fmt: skip
+    tokenizer = load_tokenizer(args.tokenizer or model_dir, args.tokenizer_revision, args.download_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
     return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, max_model_len)
 
@@ -65,7 +68,7 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
     (the shared blocks behind a window are released), covering ``max_model_len``. A ValueError
     names ``speculative_config.model`` and what differs."""
     field = f"speculative_config.model={draft!r}"
-    model_dir = resolve_model_dir(draft, args.cache_dir)
+    model_dir = resolve_model_dir(draft, args.cache_dir, download_dir=args.download_dir)
     config = load_config(model_dir)
     if resolve_runner(EngineArgs(model=draft), config.architectures) != "generate":
         raise ValueError(f"{field}: {config.architectures} has no language-model head to draft tokens with")

@@ -72,9 +72,12 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "vllmini"
 
 
-def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
+def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision: str | None = None,
+                      download_dir: str | Path | None = None) -> Path:  # fmt: skip
     """Turn ``EngineArgs.model`` into a local HF-format directory (converting or fetching once).
-    ``revision`` (a branch, tag or commit) picks a hub id's version; a local path has only one."""
+    ``revision`` (a branch, tag or commit) picks a hub id's version; a local path has only one.
+    ``download_dir``: the Hugging Face cache a hub id is looked up in and fetched to (None: the
+    default one, ``$HF_HUB_CACHE``)."""
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     if not isinstance(model, str) or not model:
         raise ValueError(f"model must be a non-empty string, got {model!r}; {ACCEPTED_FORMS}")
@@ -96,7 +99,7 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
     if path.exists():
         raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
     if is_hub_id(model):
-        return _hub_snapshot(model, revision)
+        return _hub_snapshot(model, revision, download_dir)
     raise FileNotFoundError(f"model {model!r} is neither an existing path nor a hub id; {ACCEPTED_FORMS}")
 
 
@@ -143,11 +146,12 @@ def _has_weights(d: Path) -> bool:
     return (d / "config.json").is_file() and any(d.glob("*.safetensors"))
 
 
-def _hub_snapshot(repo_id: str, revision: str | None = None) -> Path:
+def _hub_snapshot(repo_id: str, revision: str | None = None, download_dir: str | Path | None = None) -> Path:
     """A hub repo through huggingface_hub's cache: offline first, then online; safetensors only."""
     from huggingface_hub import snapshot_download
 
-    kwargs = dict(allow_patterns=_HUB_PATTERNS, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.pkl"], revision=revision)
+    kwargs = dict(allow_patterns=_HUB_PATTERNS, ignore_patterns=["*.bin", "*.pt", "*.pth", "*.pkl"], revision=revision,
+                  cache_dir=None if download_dir is None else str(Path(download_dir).expanduser()))  # fmt: skip
     try:
         local = Path(snapshot_download(repo_id, local_files_only=True, **kwargs))
         if _has_weights(local):
@@ -199,8 +203,10 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         raise ValueError(f"transformers cannot read {path}{code if 'auto_map' in raw else ''}: {exc}") from exc
 
 
-def load_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model folder or of ``EngineArgs.tokenizer`` (a folder or a hub id).
+def load_tokenizer(source: str | Path, revision: str | None = None, download_dir: str | Path | None = None
+                   ) -> PreTrainedTokenizerBase:  # fmt: skip
+    """The tokenizer of a model folder or of ``EngineArgs.tokenizer`` (a folder or a hub id: then
+    at ``revision`` (EngineArgs.tokenizer_revision), through the ``download_dir`` cache).
 
     ``trust_remote_code=False`` is passed explicitly: left unset, transformers asks on stdin
     whether to run a tokenizer's own code (``auto_map``), and a "y" typed there or piped in runs it.
@@ -211,7 +217,10 @@ def load_tokenizer(source: str | Path) -> PreTrainedTokenizerBase:
     if not path.is_dir() and not is_hub_id(str(source)):
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
-        return AutoTokenizer.from_pretrained(str(path) if path.is_dir() else str(source), trust_remote_code=False)
+        if path.is_dir():
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        cache = None if download_dir is None else str(Path(download_dir).expanduser())
+        return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision, cache_dir=cache)
     except Exception as exc:  # transformers raises assorted types (OSError, ValueError, KeyError, ...)
         raise ValueError(
             f"cannot load a tokenizer from {str(source)!r} ({type(exc).__name__}: {exc}); it needs tokenizer files "
