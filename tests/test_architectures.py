@@ -123,3 +123,19 @@ def test_tied_config_with_its_own_lm_head_is_untied(tmp_path, default_model_dir)
         llm = LLM(model=str(tmp_path))
         assert llm.llm_engine.hf_config.tie_word_embeddings == tied
         assert_engine_greedy(llm, ref, [list(range(300, 320))], 8, f"tied={tied}")
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [("mistral", {"sliding_window": 12}),
+                                                 ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1})])
+def test_disable_sliding_window(tmp_path_factory, default_model_dir, arch, overrides):
+    """vLLM's disable_sliding_window: every layer attends to all earlier tokens and max_model_len is capped at
+    the window, where the two attentions agree: greedy equal to transformers' sliding model."""
+    model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, arch, num_hidden_layers=3, **overrides)
+    llm = LLM(model=model_dir, disable_sliding_window=True)
+    assert [layer.self_attn.attn.window for layer in llm.llm_engine.model.model.layers] == [None] * 3
+    assert llm.llm_engine.max_model_len == 12
+    assert_engine_greedy(llm, hf, [list(range(300, 305)), list(range(400, 403))], 6, f"{arch} without its window")
+    with pytest.raises(ValueError, match=r"max_model_len=20 exceeds .* 12 \(the sliding window, as disable_sliding"):
+        LLM(model=model_dir, disable_sliding_window=True, max_model_len=20)
+    plain, _ = tiny_dir(tmp_path_factory, default_model_dir, "llama")  # no window: nothing changes
+    assert LLM(model=plain, disable_sliding_window=True).llm_engine.max_model_len == 1024

@@ -85,7 +85,7 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's too, for a config that states none
 
 
-def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
+def resolve_max_model_len(requested: int | None, hf_config: Any, window_cap: int | None = None) -> int:
     """``max_model_len``: the model's context length when unset; a longer one is refused, as vLLM does.
 
     The context length is derived as vLLM derives it: the smallest length key of config.json, times
@@ -106,6 +106,8 @@ def resolve_max_model_len(requested: int | None, hf_config: Any) -> int:
     scaled, why = scaled_context_len(rope_parameters(hf_config), derived)
     if why:
         derived, source = scaled, f"{source}, {why}"
+    if window_cap is not None and window_cap < derived:  # disable_sliding_window, as vLLM caps it
+        derived, source = window_cap, "the sliding window, as disable_sliding_window caps it"
     if requested is None:
         return derived
     if requested > derived:
@@ -218,6 +220,9 @@ class EngineArgs(VllmEngineArgs):
     revision: str | None = None  # a hub id's branch, tag or commit (None: main); local paths ignore it, as in vLLM
     tokenizer_revision: str | None = None  # vLLM's: the same for a hub-id tokenizer (None: main)
     download_dir: str | None = None  # vLLM's: the Hugging Face cache hub models are looked up in and fetched to
+    # vLLM's: every layer attends to all earlier tokens, and max_model_len is capped at the sliding window
+    # (so no sequence outgrows it); for a backend or a measurement without windows
+    disable_sliding_window: bool = False
     # accepted for vLLM's sake, never acted on: only built-in architectures run, and no model's code
     trust_remote_code: bool = False
     dtype: str = "auto"

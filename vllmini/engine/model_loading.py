@@ -48,7 +48,8 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
         name = str(checkpoint_dtype).removeprefix("torch.")
         logger.info("dtype auto: %s on %s (config.json says %s; pass dtype= to choose)",
                     str(dtype).removeprefix("torch."), device.type, name)  # fmt: skip
-    max_model_len = resolve_max_model_len(args.max_model_len, config)  # (a bad one is refused before the weights load)
+    window = disable_sliding_window(config) if args.disable_sliding_window else None
+    max_model_len = resolve_max_model_len(args.max_model_len, config, window)  # (refused before the weights load)
     model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling",
                                   max_model_len=max_model_len)  # fmt: skip
     if packing_available(device, dtype):
@@ -59,6 +60,22 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
     tokenizer = load_tokenizer(args.tokenizer or model_dir, args.tokenizer_revision, args.download_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
     return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, max_model_len)
+
+
+def disable_sliding_window(config: Any) -> int | None:
+    """vLLM's ``disable_sliding_window``: the model's window, as its architecture reads the config
+    (None: its attention does not slide), removed from ``config`` so every layer attends to all
+    earlier tokens; max_model_len is then capped at it, where both attentions agree."""
+    from vllmini.models import registry
+    from vllmini.models.llama import layer_windows
+
+    sliding = getattr(getattr(registry.get_model_class(config.architectures), "variant", None), "sliding", "none")
+    windows = [w for w in layer_windows(config, sliding) if w is not None]
+    if not windows:
+        return None
+    config.sliding_window = None
+    logger.info("disable_sliding_window: full attention in every layer, max_model_len at most %d", min(windows))
+    return min(windows)
 
 
 def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target: LoadedModel, max_model_len: int) -> Any:
