@@ -156,8 +156,10 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Logits ``[B, vocab]`` for the rows in ``attn_metadata.logits_indices``."""
+        """Logits ``[B, vocab]`` for the rows in ``attn_metadata.logits_indices``; ``inputs_embeds``
+        (rows, values): those rows' input embeddings instead of their tokens' (engine/prompt_embeds.py)."""
         ...
 
     def hidden_states(
@@ -166,6 +168,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The final-normed hidden states ``[B, hidden]`` of those rows (before the lm_head)."""
         ...
