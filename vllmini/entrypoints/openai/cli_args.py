@@ -8,28 +8,37 @@ from pathlib import Path
 from vllmini.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """How answers are made, shared by ``serve`` and ``run-batch`` (entrypoints/openai/run_batch.py)."""
     from vllmini.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
+    p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
+                        "reasoning_content)")  # fmt: skip
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
     from vllmini.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
     p.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1, this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
+    add_chat_args(p)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (default: $VLLMINI_API_KEY, else none)")
     p.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                    help='LoRA adapters served under their own names (needs --enable-lora): NAME=PATH or '
                         '\'{"name": ..., "path": ..., "base_model_name": ...}\'')  # fmt: skip
     p.add_argument("--max-request-body-size", type=int, default=DEFAULT_MAX_REQUEST_BODY_SIZE, metavar="BYTES",
                    help="larger request bodies are answered 413 (default: 32 MiB; 0: no limit)")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--allowed-origins", default=None, metavar="JSON",
                    help='answer cross-origin (CORS) requests from these origins: \'["http://localhost:3000"]\' '
                         "(default: no CORS headers)")  # fmt: skip
     p.add_argument("--allowed-methods", default=None, metavar="JSON", help='CORS methods (default: ["*"])')
     p.add_argument("--allowed-headers", default=None, metavar="JSON", help='CORS request headers (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS requests may carry credentials")
-    p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help='logprobs name tokens "token_id:<id>" unless a request says otherwise')
     p.add_argument("--enable-force-include-usage", action="store_true",
@@ -47,10 +56,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
                    help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x), "
-                        "xlam (xLAM-2)...")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
-                        "reasoning_content)")  # fmt: skip
+                        "xlam (xLAM-2)...")  # fmt: skip
 
 
 def app_options(ns: argparse.Namespace) -> dict:

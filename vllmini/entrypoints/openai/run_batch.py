@@ -61,18 +61,12 @@ def _is_url(path: str) -> bool:
 
 
 def add_run_batch_args(p: argparse.ArgumentParser) -> None:
-    from vllmini.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from vllmini.entrypoints.openai.cli_args import add_chat_args
 
     p.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL): a path or an http(s) URL (GET)")
     p.add_argument("-o", "--output-file", required=True, help="where the results go: a path or an http(s) URL (PUT)")
     p.add_argument("--output-tmp-dir", default=None, help="where the results wait before they are PUT to a URL")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
-    p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
-    p.add_argument("--enable-prompt-tokens-details", action="store_true",
-                   help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
-    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
-                        "reasoning_content)")  # fmt: skip
+    add_chat_args(p)
 
 
 def check_batch_file(path: Path) -> int:
