@@ -104,7 +104,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     except Exception as exc:  # the reader raises ValueError/AssertionError/struct.error on bad files
         raise ValueError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
     arch = _architecture(reader, gguf_path)
-    _check_supported(reader, gguf_path, arch)
+    rope = _check_supported(reader, gguf_path, arch)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(out_dir)
@@ -112,7 +112,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     tmp.mkdir()
     try:
         with _parsed_once(gguf, gguf_path, reader):
-            config = _write_config(gguf_path, reader, arch, tmp)
+            config = _write_config(gguf_path, reader, arch, tmp, rope)
             _write_tokenizer(gguf_path, reader, tmp)
         _write_weights(reader, config, arch, tmp, max_shard_bytes)
         try:
@@ -175,12 +175,13 @@ def _architecture(reader, gguf_path: Path) -> str:
     return arch
 
 
-def _check_supported(reader, gguf_path: Path, arch: str) -> None:
+def _check_supported(reader, gguf_path: Path, arch: str) -> dict[str, Any]:
     """Fail before writing anything on what the conversion would silently get wrong: rope settings
-    it cannot map (gguf_rope.py), unknown tensor names, quant types gguf cannot dequantize."""
+    it cannot map (gguf_rope.py), unknown tensor names, quant types gguf cannot dequantize. Returns
+    the config.json rope fields (``gguf_rope.rope_config``), read once here."""
     from gguf.quants import dequantize
 
-    gguf_rope.rope_config(reader, gguf_path, arch)
+    rope = gguf_rope.rope_config(reader, gguf_path, arch)
     gguf_moe.check_experts(reader, gguf_path, arch)
     probed: set = set()
     for t in _weight_tensors(reader):
@@ -196,9 +197,10 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> None:
                 "dequantize; accepted: F32, F16, BF16 and the Q*/IQ* quantizations gguf implements"
             ) from exc
         probed.add(t.tensor_type)
+    return rope
 
 
-def _write_config(gguf_path: Path, reader, arch: str, out: Path):
+def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
@@ -210,7 +212,7 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path):
     window = reader.fields.get(f"{arch}.attention.sliding_window")
     if window is not None:  # transformers' GGUF config reader drops it (phi3 has one: 2047 for -mini-4k)
         config.sliding_window = int(window.contents())
-    for name, value in gguf_rope.rope_config(reader, gguf_path, arch).items():
+    for name, value in rope.items():
         setattr(config, name, {**(config.rope_parameters or {}), **value} if name == "rope_parameters" else value)
     config.dtype = "float32"
     config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
