@@ -138,11 +138,11 @@ def test_kernel_reads_only_the_rows_positions():
 
 def test_kernel_refuses_what_it_cannot_read():
     q, k_cache, v_cache, tables, seq_lens = random_paged(2, 2, 2, 16, 4, [6, 3])
-    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or fp8 cache"):
         paged_decode(q, k_cache.double(), v_cache.double(), tables, seq_lens, 0.25)
-    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or fp8 cache"):
         paged_decode(q, k_cache.half(), v_cache.half(), tables, seq_lens, 0.25)
-    with pytest.raises(ValueError, match="float32 or bfloat16 cache"):
+    with pytest.raises(ValueError, match="float32, bfloat16 or fp8 cache"):
         paged_decode(q, k_cache, v_cache.bfloat16(), tables, seq_lens, 0.25)
     with pytest.raises(ValueError, match="int32"):
         paged_decode(q, k_cache, v_cache, tables.long(), seq_lens, 0.25)

@@ -15,6 +15,7 @@ import torch
 from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
+from vllmini.kv.cache_dtype import check_kv_cache_dtype
 from vllmini.vllm_args import VllmEngineArgs, parse_hf_overrides, resolve_kv_cache_memory
 
 logger = logging.getLogger("vllmini")
@@ -236,6 +237,9 @@ class EngineArgs(VllmEngineArgs):
     scheduling_policy: str = "fcfs"
     block_size: int | None = None  # auto: 16 on CPU, 256 on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (auto: 1 GiB)
+    # what the cache stores (vLLM's names): "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2"
+    # (one byte an element, scale 1.0), "bfloat16" (a float32 model's cache halved) (kv/cache_dtype.py)
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -349,6 +353,7 @@ class EngineArgs(VllmEngineArgs):
         if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         positive_int("max_log_len", self.max_log_len, allow_none=True)
         for name in ("revision", "tokenizer_revision"):
             value = getattr(self, name)

@@ -1,7 +1,7 @@
 """vLLM engine arguments that name a choice vllmini does not have, or another name for one it has.
 
 Code and command lines written for vLLM pass these (``LLM(model, tensor_parallel_size=1,
-enable_chunked_prefill=True)``, ``vllm serve --kv-cache-dtype auto``): they are accepted at the
+enable_chunked_prefill=True)``, ``vllm serve --tokenizer-mode auto``): they are accepted at the
 values that describe what vllmini does, and any other value is refused by name, with the reason,
 rather than ignored. ``EngineArgs`` inherits them (keyword-only, after its own fields).
 """
@@ -18,7 +18,7 @@ FIXED = {
     "data_parallel_size": ((1,), "an engine is one process on one device (run several servers behind a load balancer)"),
     "enable_chunked_prefill": ((True,), "vllmini always splits a prompt longer than max_num_batched_tokens into chunks"),
     "quantization": ((None,), "weights load in the engine's dtype (a GGUF file's are dequantized as it is converted)"),
-    "kv_cache_dtype": (("auto",), "the KV cache holds the model's dtype"),
+    "calculate_kv_scales": ((False,), "K/V are cached unscaled (scale 1.0, vLLM's default), saturated at fp8's range"),
     "tokenizer_mode": (("auto", "hf"), "tokenizers are transformers' (AutoTokenizer)"),
     "load_format": (("auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files only"),
     "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
@@ -37,7 +37,7 @@ class VllmEngineArgs:
     data_parallel_size: int = 1
     enable_chunked_prefill: bool = True
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     tokenizer_mode: str = "auto"
     load_format: str = "auto"
     cpu_offload_gb: float = 0

@@ -17,6 +17,7 @@ from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.pooler import Pooler
 from vllmini.kv.block_manager import BlockManager
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -46,9 +47,10 @@ def build_runtime(
     same block ids, so each block costs both caches' bytes."""
     kv_window = model.kv_window  # every layer's window, if they share one: blocks behind it are released
     block_size = args.block_size or (256 if device.type == "cuda" else 16)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     attention_backend, backend = start_backend(
         args.attention_backend, device, dtype, block_size,
-        hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, model.sliding_window,
+        hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, model.sliding_window, cache_dtype,
     )  # fmt: skip
     model.set_attention_backend(backend)
     lora_manager: LoRAManager | None = None
@@ -63,10 +65,10 @@ def build_runtime(
         logger.warning("CUDA graphs off: %s", blocker)
         use_graphs = False
     logger.info(
-        "attention backend: %s (block size %d, %s, CUDA graphs %s)",
-        attention_backend, block_size, dtype, "on" if use_graphs else "off",
+        "attention backend: %s (block size %d, %s, KV cache %s, CUDA graphs %s)",
+        attention_backend, block_size, dtype, cache_dtype, "on" if use_graphs else "off",
     )  # fmt: skip
-    spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, block_size, dtype)
+    spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype)
     max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
     budget = kv_cache_budget(model, spec, args, max_model_len, device, use_graphs, max_prompt_rows,
                              pooling=pooler is not None)  # fmt: skip
@@ -74,11 +76,11 @@ def build_runtime(
     if draft_model is not None:
         draft_backend = start_backend(
             args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
-            draft_model.num_kv_heads, draft_model.head_dim,
+            draft_model.num_kv_heads, draft_model.head_dim, cache_dtype=cache_dtype,
         )[1]  # fmt: skip
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
-                                 block_size, dtype)  # fmt: skip
+                                 block_size, cache_dtype)  # fmt: skip
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
     # then, with a window to release blocks behind, a zeroed null block for released entries

@@ -1,4 +1,4 @@
-/* Decode attention over the paged KV cache, for the CPU (float32 math; float32 or bfloat16 cache).
+/* Decode attention over the paged KV cache, for the CPU (float32 math; float32, bfloat16 or fp8 cache).
 
    One query token per row attends to the first seq_lens[b] positions of its sequence (with
    window > 0, only the last window of them: sliding-window attention), read
@@ -12,8 +12,9 @@
    Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN.
 
    Layouts (all contiguous): q, out [batch, num_kv_heads, group, head_dim], float32;
-   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], float32 or, with
-   cache_bf16 = 1, bfloat16 (each element is widened to float32 as it is read, which is exact);
+   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], of cache_kind: 0 float32,
+   1 bfloat16, 2 fp8 e4m3 (OCP "fn": no infinities), 3 fp8 e5m2; each element is widened to
+   float32 as it is read, which is exact;
    block_tables int32 [batch, table_stride]; seq_lens int32 [batch], each >= 1.
    Limits (checked by the caller): num_kv_heads * group <= MAX_HEADS, head_dim <= MAX_HEAD_DIM,
    block_size <= MAX_BLOCK_SIZE. Built and loaded by vllmini/models/cpu_attention.py. */
@@ -35,15 +36,28 @@ static void prefetch(const char *p, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(p + x); /* one cache line */
 }
 
+enum { KIND_F32, KIND_BF16, KIND_E4M3, KIND_E5M2 };
+
 /* Element i of a cache row as float32. bfloat16 is the top half of a float32, so widening it is
-   a 16-bit shift. ``bf16`` is a constant wherever this is inlined, so each loop is built twice,
-   one per cache type, with no branch inside. */
-static inline float load(const char *row, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)row)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+   a 16-bit shift. An fp8 byte's exponent and mantissa bits, moved to the top of a float32's
+   (shift 20 for e4m3's 3 mantissa bits, 21 for e5m2's 2), read as a float32 whose exponent bias
+   is 127 instead of the format's 7 or 15: multiplying by 2^(127 - bias) rebiases it, and
+   subnormal fp8 values land on float32 subnormals that the multiply makes exact normals (e4m3's
+   NaN bytes would read as 480: the cache never holds them, to_cache saturates). ``kind`` is a
+   constant wherever this is inlined, so each loop is built once per cache type, with no branch
+   inside. */
+static inline float load(const char *row, int64_t i, int kind) {
+    if (kind == KIND_F32) return ((const float *)row)[i];
+    uint32_t bits;
+    if (kind == KIND_BF16) {
+        bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    } else {
+        const uint32_t b = ((const uint8_t *)row)[i];
+        bits = (b & 0x80u) << 24 | (b & 0x7fu) << (kind == KIND_E4M3 ? 20 : 21);
+    }
     float f;
     memcpy(&f, &bits, sizeof f);
-    return f;
+    return kind == KIND_BF16 ? f : f * (kind == KIND_E4M3 ? 0x1p120f : 0x1p112f);
 }
 
 /* Positions [start, end) of one row for all its query heads: m, l, acc hold that range's
@@ -51,8 +65,8 @@ static inline float load(const char *row, int64_t i, int bf16) {
 static inline __attribute__((always_inline)) void attend(
     const float *qb, const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
     int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-    float scale, float *m, float *l, float *acc, int bf16) {
-    const int64_t elem = bf16 ? 2 : 4; /* bytes */
+    float scale, float *m, float *l, float *acc, int kind) {
+    const int64_t elem = kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1; /* bytes */
     const int64_t token_stride = num_kv_heads * head_dim * elem;
     const int64_t block_stride = block_size * token_stride;
     const int64_t heads = num_kv_heads * group;
@@ -85,7 +99,7 @@ static inline __attribute__((always_inline)) void attend(
                 const char *kt = kh + t * token_stride;
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * load(kt, d, bf16);
+                for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * load(kt, d, kind);
                 s[t] = dot * scale;
                 block_max = s[t] > block_max ? s[t] : block_max;
             }
@@ -105,7 +119,7 @@ static inline __attribute__((always_inline)) void attend(
                 const char *vt = vh + t * token_stride;
                 const float p = s[t];
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(vt, d, bf16);
+                for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(vt, d, kind);
             }
         }
     }
@@ -114,7 +128,7 @@ static inline __attribute__((always_inline)) void attend(
 /* Work items are (row, split): with num_splits > 1 each row's blocks are cut into that many
    ranges (so that fewer rows than threads still keep every thread busy), each range's m, l and
    acc go to a scratch buffer, and a second pass merges them per row. */
-void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_bf16,
+void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_kind,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   float *out, int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                   int64_t block_size, float scale, int num_threads, int64_t num_splits, int64_t window) {
@@ -132,12 +146,14 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
         float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_HEAD_DIM];
         const float *qb = q + b * heads * head_dim;
         const int32_t *table = block_tables + b * table_stride;
-        if (cache_bf16) /* two calls with constant flags: two specialised copies of attend */
-            attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, block_size,
-                   scale, m, l, acc, 1);
-        else
-            attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, block_size,
-                   scale, m, l, acc, 0);
+#define ATTEND(kind) attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, \
+                                block_size, scale, m, l, acc, kind)
+        switch (cache_kind) { /* calls with constant kinds: one specialised copy of attend each */
+        case KIND_BF16: ATTEND(KIND_BF16); break;
+        case KIND_E4M3: ATTEND(KIND_E4M3); break;
+        case KIND_E5M2: ATTEND(KIND_E5M2); break;
+        default: ATTEND(KIND_F32);
+        }
         if (!parts) {
             float *o = out + b * heads * head_dim;
             for (int64_t i = 0; i < heads; i++)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmini.kv.cache_dtype import FP8_DTYPES, round_to_cache
 from vllmini.models.base import AttentionMetadata
 
 
@@ -119,19 +120,25 @@ def _plan(meta: AttentionMetadata, block_size: int | None, grouped: bool = True)
     return _TorchPlan(q_starts, prefill, groups)
 
 
-def gather_blocks(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """``cache [num_blocks, bs, Hkv, D]`` rows of ``tables [B, nb]`` -> ``[B, nb * bs, Hkv, D]``.
+def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cache [num_blocks, bs, Hkv, D]`` rows of ``tables [B, nb]`` -> ``[B, nb * bs, Hkv, D]``
+    in ``dtype`` (the cache's own, or wider: an fp8 cache is read in the model's dtype).
     One ``index_select`` over the flattened table: on CPU 2-3x faster than advanced indexing
     (``cache[tables]``), which is most of the cost of decode attention there."""
     batch, num_blocks = tables.shape
-    return cache.index_select(0, tables.reshape(-1)).view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    out = cache.index_select(0, tables.reshape(-1)).view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    return out.to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V at their slots (one indexed copy per tensor)."""
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store the new tokens' K/V at their slots (one indexed copy per tensor), in the cache's
+    dtype (``Attention.forward`` has rounded them to it already, so the cast is exact). torch
+    has no indexed copy for fp8 tensors: those are copied as their bytes."""
+    for new, cache in zip((k, v), kv_cache):
+        new = new.to(cache.dtype)
+        if cache.dtype in FP8_DTYPES:
+            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
 
 
 def torch_attention(
@@ -165,8 +172,8 @@ def torch_attention(
         if decode is not None:
             od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
-            keys = gather_blocks(k_cache, group.block_tables).transpose(1, 2)
-            vals = gather_blocks(v_cache, group.block_tables).transpose(1, 2)
+            keys = gather_blocks(k_cache, group.block_tables, q.dtype).transpose(1, 2)
+            vals = gather_blocks(v_cache, group.block_tables, q.dtype).transpose(1, 2)
             mask = group.mask
             if window is not None:  # the row's query sits at seq_len - 1: keys from seq_len - window
                 pos = torch.arange(mask.shape[-1], device=mask.device)
@@ -184,8 +191,8 @@ def torch_attention(
             if window is not None:
                 first = max(0, seq_len - q_len - window + 1) // block_size * block_size
             blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
-            keys = gather_blocks(kv_cache[0], blocks[None])[0, : seq_len - first]
-            vals = gather_blocks(kv_cache[1], blocks[None])[0, : seq_len - first]
+            keys = gather_blocks(kv_cache[0], blocks[None], q.dtype)[0, : seq_len - first]
+            vals = gather_blocks(kv_cache[1], blocks[None], q.dtype)[0, : seq_len - first]
         qi = q[start : start + q_len].transpose(0, 1)
         keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
         if q_len == seq_len and (window is None or window >= seq_len):
@@ -209,8 +216,8 @@ def _static_decode(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     tables = meta.block_tables.long()
-    keys = gather_blocks(k_cache, tables).transpose(1, 2)
-    vals = gather_blocks(v_cache, tables).transpose(1, 2)
+    keys = gather_blocks(k_cache, tables, q.dtype).transpose(1, 2)
+    vals = gather_blocks(v_cache, tables, q.dtype).transpose(1, 2)
     pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]
     mask = pos < meta.seq_lens[:, None]
     if window is not None:
@@ -318,5 +325,7 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
     ) -> torch.Tensor:
+        if kv_cache is not None:  # an fp8 (or narrower) cache: attend to K/V as it holds them
+            k, v = round_to_cache(k, kv_cache[0].dtype), round_to_cache(v, kv_cache[1].dtype)
         out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

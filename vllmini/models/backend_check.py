@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from vllmini.kv.cache_dtype import round_to_cache, to_cache
 from vllmini.models.attention import torch_attention
 from vllmini.models.backend_select import get_backend, select_backend
 from vllmini.models.base import AttentionMetadata, slot_of
@@ -25,16 +26,17 @@ AttentionFn = Callable[..., torch.Tensor]
 
 def start_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
-    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None,
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None, cache_dtype: torch.dtype | None = None,
 ) -> tuple[str, AttentionFn]:  # fmt: skip
-    """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``.
+    """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``
+    (``cache_dtype``: what the KV cache holds, None: ``dtype``).
     A chosen backend that fails falls back to the torch one with a warning; a forced one
     (``EngineArgs.attention_backend``) that fails is a ValueError naming it and the failure."""
-    name = select_backend(requested, device, dtype, block_size)
+    name = select_backend(requested, device, dtype, block_size, cache_dtype)
     fn = get_backend(name)
     if name == "torch":
         return name, fn
-    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window)
+    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, cache_dtype)
     if problem is None:
         return name, fn
     if requested == name:
@@ -60,17 +62,21 @@ def check_backend(
     head_dim: int,
     block_size: int,
     window: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> str | None:
     """None when ``backend`` matches the torch path on every kind of step, else why not; with a
     model that slides (``window``), each step is also run with a window shorter than its
-    contexts (the value does not matter to a kernel, the masking does)."""
+    contexts (the value does not matter to a kernel, the masking does). The caches hold
+    ``cache_dtype`` (None: ``dtype``), and the new K/V are rounded to it as ``Attention`` does."""
+    cache_dtype = cache_dtype or dtype
     g = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
     tol = 1e-3 if dtype == torch.float32 else 3e-2
 
     def qkv(tokens: int) -> list[torch.Tensor]:
         shapes = ((tokens, num_heads, head_dim), (tokens, num_kv_heads, head_dim), (tokens, num_kv_heads, head_dim))
-        return [torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for shape in shapes]
+        q, k, v = [torch.randn(*shape, generator=g).to(device=device, dtype=dtype) for shape in shapes]
+        return [q, round_to_cache(k, cache_dtype), round_to_cache(v, cache_dtype)]
 
     windows = [None] if window is None else [None, 4]
     try:
@@ -84,8 +90,8 @@ def check_backend(
         for (q_lens, seq_lens), w in ((step, w) for step in _steps(block_size) for w in windows):
             blocks = [-(-n // block_size) for n in seq_lens]
             tables = [list(range(sum(blocks[:i]), sum(blocks[: i + 1]))) for i in range(len(blocks))]
-            cache = [torch.randn(sum(blocks), block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
-                     for _ in range(2)]  # fmt: skip
+            cache = [to_cache(torch.randn(sum(blocks), block_size, num_kv_heads, head_dim, generator=g).to(device),
+                              cache_dtype) for _ in range(2)]  # fmt: skip
             slots = [slot_of(t, p, block_size) for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]
             q, k, v = qkv(sum(q_lens))
             got, want = (

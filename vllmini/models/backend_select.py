@@ -10,7 +10,7 @@ import logging
 import torch
 
 from vllmini.models.attention import AttentionBackend, flash_attention, torch_attention, torch_varlen_backend
-from vllmini.models.cpu_attention import CACHE_DTYPES, cpu_attention
+from vllmini.models.cpu_attention import MODEL_DTYPES, cpu_attention
 
 logger = logging.getLogger("vllmini")
 
@@ -74,7 +74,9 @@ def _flash_attn_importable() -> bool:
         return False
 
 
-def _fused_problems(name: str, device: torch.device, dtype: torch.dtype, block_size: int) -> list[str]:
+def _fused_problems(
+    name: str, device: torch.device, dtype: torch.dtype, block_size: int, cache_dtype: torch.dtype
+) -> list[str]:
     """Why a FlashAttention backend cannot run this configuration (empty: it can)."""
     problems = []
     if device.type != "cuda":
@@ -85,11 +87,17 @@ def _fused_problems(name: str, device: torch.device, dtype: torch.dtype, block_s
         )
     if dtype not in (torch.float16, torch.bfloat16):
         problems.append(f"it supports float16/bfloat16 only (got {dtype}; use dtype='bfloat16' or 'auto')")
+    if cache_dtype != dtype:  # (flash-attn 2 and torch's kernel read K/V in q's dtype; no fp8 there)
+        problems.append(f"it reads the KV cache in the model's dtype only (the cache holds {cache_dtype}: "
+                        "kv_cache_dtype other than 'auto' needs the triton or torch backend)")  # fmt: skip
     return problems
 
 
-def select_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """The backend for this engine. ``requested`` (EngineArgs.attention_backend) is validated:
+def select_backend(
+    requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
+    cache_dtype: torch.dtype | None = None,
+) -> str:  # fmt: skip
+    """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``). ``requested`` (EngineArgs.attention_backend) is validated:
     a configuration it cannot run is a ValueError naming the backend and the constraint.
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
@@ -98,15 +106,16 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
     float32 and bfloat16, else (float16) the torch backend."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
+    cache_dtype = cache_dtype or dtype
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
-        if dtype not in CACHE_DTYPES:
+        if dtype not in MODEL_DTYPES:
             problems.append(f"its decode kernel takes float32 or bfloat16 only (got {dtype}; use dtype='auto')")
         if problems:
             raise ValueError("attention_backend='cpu' cannot be used: " + "; ".join(problems))
         return "cpu"
     if requested is None and device.type == "cpu":
-        return "cpu" if dtype in CACHE_DTYPES else "torch"
+        return "cpu" if dtype in MODEL_DTYPES else "torch"
     if requested == "torch" or (requested is None and device.type != "cuda"):
         return "torch"
     if requested == "triton":
@@ -116,7 +125,7 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
             raise ValueError("attention_backend='triton' but triton is not importable (pip install triton)")
         return "triton"
     if requested is not None:
-        problems = _fused_problems(requested, device, dtype, block_size)
+        problems = _fused_problems(requested, device, dtype, block_size, cache_dtype)
         if problems:
             raise ValueError(f"attention_backend={requested!r} cannot be used: " + "; ".join(problems))
         if requested == "flash_attn" and not _flash_attn_importable():
@@ -127,7 +136,7 @@ def select_backend(requested: str | None, device: torch.device, dtype: torch.dty
                            torch.__version__, fallback)  # fmt: skip
             return fallback
         return requested
-    problems = _fused_problems("flash_attn", device, dtype, block_size)
+    problems = _fused_problems("flash_attn", device, dtype, block_size, cache_dtype)
     if problems:
         logger.info("FlashAttention backends skipped: %s", "; ".join(problems))
     elif _flash_attn_importable():

@@ -37,8 +37,10 @@ SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "paged_decode.c"
 # -ffast-math when compiling only (it lets expf vectorise): linked with it, a shared library
 # pulls in crtfastmath.o, which flushes subnormals to zero for the whole process on load.
 _COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-c")
-# The cache dtypes the kernel reads (its math is float32 for both).
-CACHE_DTYPES = (torch.float32, torch.bfloat16)
+# The cache dtypes the kernel reads, in the order of its cache_kind codes (its math is float32 for all).
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+# The model dtypes the backend runs (float16: the torch backend).
+MODEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class KernelBuildError(RuntimeError):
@@ -111,14 +113,14 @@ def paged_decode(
     """``q [B, Hkv, G, D]``, caches ``[num_blocks, bs, Hkv, D]``, ``block_tables [B, nb]`` int32,
     ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]`` in q's dtype (row b attends to
     its last ``window`` positions, or all ``seq_lens[b]`` with no window); CPU tensors, the
-    caches float32 or bfloat16 (``CACHE_DTYPES``). The math is float32 either way: a bfloat16 q
-    is widened (exact) and the output rounded back. The kernel trusts its inputs, so shapes,
+    caches float32, bfloat16 or fp8 (``CACHE_DTYPES``). The math is float32 either way: a bfloat16 q
+    and the cache's elements are widened (exact) and the output rounded back. The kernel trusts its inputs, so shapes,
     dtypes and layouts are checked here: a wrong one would read out of bounds, not raise."""
     batch, num_kv_heads, group, head_dim = q.shape
     limits = kernel_limits()
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype or not q.dtype.is_floating_point:
         raise ValueError(
-            f"the CPU attention kernel takes a float32 or bfloat16 cache (q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype})"
+            f"the CPU attention kernel takes a float32, bfloat16 or fp8 cache (q {q.dtype}, cache {k_cache.dtype}/{v_cache.dtype})"
         )
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables and seq_lens must be int32")
@@ -139,7 +141,7 @@ def paged_decode(
         keys = min(int(seq_lens.max()), window or 2**62)
         splits = num_splits(batch, -(-keys // block_size) + (window is not None), threads)
         load_kernel().paged_decode(
-            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.dtype == torch.bfloat16,
+            q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPES.index(k_cache.dtype),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
             batch, num_kv_heads, group, head_dim, block_size, scale, threads, splits, window or 0,
         )  # fmt: skip

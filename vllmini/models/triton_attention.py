@@ -5,7 +5,8 @@ attention reads each sequence's K/V straight from the paged cache instead of gat
 One kernel serves decode rows and prefill chunks alike. A program takes a *tile*: up to
 ``BLOCK_Q`` consecutive query tokens of one sequence and one KV head, with that head's GQA
 group of query heads stacked into the tile's rows (``BLOCK_Q x GROUP`` rows, so a KV block
-read once serves the whole group). It streams the sequence's keys/values ``BLOCK_N`` tokens
+read once serves the whole group). An fp8 cache's K/V are widened to q's dtype as they load
+(exact: e4m3's and e5m2's values are all bfloat16 values); tiles are sized by q's dtype. It streams the sequence's keys/values ``BLOCK_N`` tokens
 at a time through the block table with an online softmax (fp32 accumulators). Causal masking
 is lower-right aligned: query ``j`` of a chunk of ``q_len`` new tokens sits at position
 ``seq_len - q_len + j``, which is what a chunk after cached tokens needs. With a sliding
@@ -120,7 +121,7 @@ def _paged_attention_kernel(
             token = (q_begin + pos).to(tl.int64) * stride_ks
         kv_off = token + kv_head * stride_kh
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
         keep = (pos[None, :] <= last_pos[:, None]) & pos_ok[None, :]
         keep = keep & ((window <= 0) | (pos[None, :] > last_pos[:, None] - window))
@@ -129,7 +130,7 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     if SPLIT:  # unnormalised share of row (token, head): acc [S, T, H, D], (max, sum) [S, T, H, 2]
@@ -295,7 +296,7 @@ def triton_attention(
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(
-            meta, keys.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None
+            meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None
         )
     for launch in plan:
         run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window)

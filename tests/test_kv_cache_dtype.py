@@ -1,0 +1,177 @@
+"""``kv_cache_dtype`` (vLLM's fp8 / fp8_e4m3 / fp8_e5m2 / bfloat16 KV caches).
+
+The oracle is transformers with its attention's keys and values rounded to the cache's format
+(an attention function registered with transformers' ``AttentionInterface``: the rounding, then
+its own SDPA attention): the engine must give its greedy tokens and logprobs, which only holds
+if every key and value the engine attends to, the step's own included, went through the same
+rounding. The plain model is further away, so the rounding really happens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from helpers import NEAR_TIE, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from test_attention import BS, D, MIXES, build_batch
+from test_engine import assert_no_leaks
+from vllmini import LLM, EngineArgs, SamplingParams
+from vllmini.kv.cache_dtype import KV_CACHE_DTYPES, resolve_kv_cache_dtype, round_to_cache, to_cache
+from vllmini.models.attention import torch_attention
+from vllmini.models.cpu_attention import cpu_attention
+
+FORMATS = ["fp8_e4m3", "fp8_e5m2", "bfloat16"]
+PROMPTS = [[5, 17, 300, 42, 9, 1200, 77, 3] * 3, [901, 44, 3, 3, 12], list(range(200, 251))]
+
+
+def _register(name: str) -> str:
+    """A transformers attention implementation that rounds K/V as a ``name`` cache holds them."""
+    cache_dtype = KV_CACHE_DTYPES[name]
+
+    def rounded_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, round_to_cache(key, cache_dtype),
+                                      round_to_cache(value, cache_dtype), attention_mask, **kwargs)  # fmt: skip
+
+    impl = f"vllmini_test_kv_{name}"
+    AttentionInterface.register(impl, rounded_sdpa)
+    return impl
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny(request, tmp_path_factory, default_model_dir):
+    make = {"llama": tiny_llama_config, "qwen3": tiny_qwen3_config}[request.param]
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(make(vocab_size=49152, initializer_range=0.05)).eval()
+    return str(save_tiny_model(hf, tmp_path_factory.mktemp("kvdtype"), default_model_dir))
+
+
+def _errors(llm: LLM, hf, max_tokens: int = 12) -> tuple[float, list[str]]:
+    """The largest |logprob - transformers'| over every reported (top-5) token of a greedy run,
+    teacher-forced on the engine's tokens, and where the engine's greedy token is not transformers'
+    top one (outside near ties)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    worst, wrong = 0.0, []
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        done = out.outputs[0]
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + done.token_ids])).logits[0].float()
+        for k, (token, top) in enumerate(zip(done.token_ids, done.logprobs)):
+            row = logits[len(prompt) + k - 1]
+            best2 = row.topk(2).values
+            if token != int(row.argmax()) and float(best2[0] - best2[1]) >= NEAR_TIE:
+                wrong.append(f"prompt {i} step {k}")
+            ref = row.log_softmax(-1)
+            worst = max([worst] + [abs(lp - ref[t].item()) for t, lp in top.items()])
+    return worst, wrong
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_engine_equals_transformers_with_rounded_kv(tiny, name, backend):
+    """Chunked prefill (16-token steps), so most attention reads earlier chunks back from the cache;
+    a second run of the same prompts reads their prefixes from the prefix cache."""
+    llm = LLM(model=tiny, kv_cache_dtype=name, attention_backend=backend, max_num_batched_tokens=16,
+              kv_cache_memory=1 << 22)  # fmt: skip
+    caches = {c.dtype for layer in llm.llm_engine.runner.kv_caches for c in layer}
+    assert caches == {KV_CACHE_DTYPES[name]}
+    rounded = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation=_register(name)).eval()
+    for run in ("first", "prefix-cached"):
+        worst, wrong = _errors(llm, rounded)
+        assert not wrong, f"{run} run: greedy tokens differ from transformers' at {wrong}"
+        assert worst < 2e-4, f"{run} run: logprobs {worst:.2e} from transformers' with rounded K/V"
+    assert llm.llm_engine.block_manager.prefix_cache_hits > 0
+    assert_no_leaks(llm)
+    plain = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    assert _errors(llm, plain)[0] > 1e-3, "the cache's rounding has no visible effect: is it stored rounded?"
+
+
+def test_preempted_requests_recompute_the_same_logprobs(tiny):
+    """A cache too small for every request at once: preempted sequences recompute their K/V and
+    round them again, to the same values."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [7 + i, 300, 42, 9] * 4} for i in range(6)]
+    roomy = LLM(model=tiny, kv_cache_dtype="fp8", kv_cache_memory=1 << 22)
+    want = [o.outputs[0] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    del roomy
+    blocks_for_two = 2 * -(-(16 + 24) // 4)
+    tight = LLM(model=tiny, kv_cache_dtype="fp8", block_size=4,
+                kv_cache_memory=blocks_for_two * _bytes_per_block(tiny, 4))  # fmt: skip
+    got = [o.outputs[0] for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.llm_engine.scheduler.stats.num_preemptions > 0
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+    assert_no_leaks(tight)
+
+
+def _bytes_per_block(model_dir: str, block_size: int) -> int:
+    """One block of an fp8 cache: 2 (K, V) x layers x block_size x KV heads x head_dim bytes."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * head_dim
+
+
+def test_a_narrower_cache_holds_more_tokens(tiny_dir):
+    blocks = {name: LLM(model=str(tiny_dir), kv_cache_dtype=name, kv_cache_memory=1 << 22).llm_engine.num_blocks
+              for name in ("auto", "bfloat16", "fp8", "fp8_e5m2")}  # fmt: skip
+    assert blocks["bfloat16"] // 2 == blocks["auto"]  # (each count is the budget // one block's bytes)
+    assert blocks["fp8"] == blocks["fp8_e5m2"] and blocks["fp8"] // 4 == blocks["auto"]
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_cpu_kernel_reads_fp8_caches_as_the_torch_backend(name, mix):
+    """The C decode kernel widens fp8 bytes itself (bit moves and a rebias, subnormals included);
+    the torch backend gathers and casts with torch. Both see the same values."""
+    cache_dtype = KV_CACHE_DTYPES[name]
+    q, k, v, (kc, vc), meta, _, _ = build_batch(*MIXES[mix], seed=3)
+    kc[0, 0, 0, :4] = torch.tensor([1e-3, -2e-4, 3e-5, 0.0])  # fp8 subnormals (e4m3's start below 2^-6)
+    k, v = round_to_cache(k, cache_dtype), round_to_cache(v, cache_dtype)
+    caches = [(to_cache(kc, cache_dtype), to_cache(vc, cache_dtype)) for _ in range(2)]
+    got = cpu_attention(q, k, v, meta, caches[0], D**-0.5)
+    meta.backend_plan = None  # (plans are per backend)
+    want = torch_attention(q, k, v, meta, caches[1], D**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[0][0].view(torch.uint8), caches[1][0].view(torch.uint8))  # the same bytes written
+    assert BS == caches[0][0].shape[1]
+
+
+def test_fp8_stores_saturate_instead_of_overflowing():
+    x = torch.tensor([1e5, -1e6, 3.0, float("nan")])
+    assert to_cache(x, torch.float8_e4m3fn).float()[:3].tolist() == [448.0, -448.0, 3.0]
+    assert to_cache(x, torch.float8_e5m2).float()[:3].tolist() == [57344.0, -57344.0, 3.0]
+    assert to_cache(x, torch.float8_e5m2).float()[3].isnan()  # (NaN stays NaN, as in the model's dtype)
+
+
+def test_names_and_refusals():
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_cache_dtype("fp8", torch.float32) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    assert resolve_kv_cache_dtype("bfloat16", torch.float32) == torch.bfloat16
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' does not fit a torch.float16 model"):
+        resolve_kv_cache_dtype("bfloat16", torch.float16)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8_inc' is not supported \(vLLM's fp8_inc"):
+        EngineArgs(kv_cache_dtype="fp8_inc").validate()
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' is not supported; accepted: \['auto'"):
+        EngineArgs(kv_cache_dtype="int8").validate()
+    with pytest.raises(ValueError, match=r"calculate_kv_scales=True is not supported"):
+        EngineArgs(calculate_kv_scales=True).validate()
+
+
+def test_fused_cuda_backends_refuse_an_fp8_cache(monkeypatch):
+    """flash-attn 2 and torch's varlen kernel read K/V in q's dtype: forced, an fp8 cache is
+    refused naming the constraint; auto skips them (here: for the Triton kernel)."""
+    from vllmini.models import backend_select
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(backend_select, "_flash_attn_importable", lambda: True)
+    monkeypatch.setattr(backend_select, "_triton_importable", lambda: True)
+    assert backend_select.select_backend(None, cuda, torch.bfloat16, 256) == "flash_attn"
+    assert backend_select.select_backend(None, cuda, torch.bfloat16, 256, torch.float8_e4m3fn) == "triton"
+    with pytest.raises(ValueError, match=r"attention_backend='flash_attn' cannot be used: .*reads the KV cache in the "
+                                         r"model's dtype only \(the cache holds torch.float8_e4m3fn"):  # fmt: skip
+        backend_select.select_backend("flash_attn", cuda, torch.bfloat16, 256, torch.float8_e4m3fn)
