@@ -9,7 +9,9 @@ does not depend on the tokens just sampled) and then processes those tokens, so 
 and device work overlap (engine/async_scheduling.py); the outputs are the same. With
 ``speculative_config``, a decode also verifies the tokens drafted for it (spec_decode/speculator.py). A
 pooling engine's step pools hidden states instead of sampling (engine/pooling_step.py);
-engine/engine_setup.py builds the KV cache, scheduler and runner around the model.
+engine/engine_setup.py builds the KV cache, scheduler and runner around the model; the engine's
+other calls (tokenizer, LoRA adapters, prefix-cache reset, profiling, metrics) are in
+engine/llm_engine_calls.py.
 """
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ import itertools
 import logging
 import time
 from collections.abc import Container, Iterable
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,6 +31,7 @@ from vllmini.engine.engine_setup import build_runtime
 from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
+from vllmini.engine.llm_engine_calls import LLMEngineCalls
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
@@ -45,9 +46,7 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.engine.thinking_budget import ThinkingBudget
-from vllmini.lora.adapter import LoRAAdapter
 from vllmini.lora.request import LoRARequest
-from vllmini.metrics.reader import Metric, get_metrics_snapshot
 from vllmini.metrics.stat_logger import StatLogger
 from vllmini.scheduler.scheduler import SchedulerOutput
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
@@ -57,7 +56,9 @@ from vllmini.spec_decode.speculator import rows_with_drafts
 logger = logging.getLogger("vllmini")
 
 
-class LLMEngine:
+class LLMEngine(LLMEngineCalls):
+    """add_request / step / abort_request over the model, KV cache and scheduler it builds."""
+
     def __init__(self, args: EngineArgs) -> None:
         args.validate()
         self.args = args
@@ -142,28 +143,7 @@ class LLMEngine:
         ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
         return tuple(sorted(ids))
 
-    def get_tokenizer(self) -> Any:
-        return self.tokenizer
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """A copy of what a request without SamplingParams gets (vLLM's name)."""
-        return self.input_processor.defaults()
-
-    @property
-    def capacity_tokens(self) -> int:
-        """The longest sequence the cache can hold: all of it, unless every layer slides and the
-        pool holds the blocks of a window plus a full step's tokens (then a sequence of any
-        length advances: it releases what falls behind its window)."""
-        per_step = self.block_manager.max_blocks_per_step(self.args.max_num_batched_tokens)
-        if per_step is not None and per_step <= self.num_blocks:
-            return self.max_model_len
-        return self.num_blocks * self.block_manager.block_size
-
     # ---- requests -------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
-        return self.input_processor.tokenize(prompt)
-
     def add_request(
         self, request_id: str | None, prompt: PromptType, params: SamplingParams | PoolingParams | None = None,
         arrival_time: float | None = None, default_output_kind: str | None = None, priority: int = 0,
@@ -236,24 +216,6 @@ class LLMEngine:
             now -= min(max(0.0, time.time() - arrival_time), now)
         return request_id, now
 
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
-    def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
-        if self.lora_manager is None:
-            raise ValueError("lora_request needs an engine started with enable_lora=True")
-        return self.lora_manager.get(lora_request)
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load an adapter ahead of its requests (ValueError when it cannot be used)."""
-        self._lora_adapter(lora_request)
-        return True
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forget a loaded adapter (running requests finish with it); False when it was not loaded."""
-        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
-
-    def list_loras(self) -> set[int]:
-        return set() if self.lora_manager is None else self.lora_manager.list_loras()
-
     def new_request_id(self, taken: Container[str] = ()) -> str:
         """The next counter value ("0", "1", ...) that no request holds, nor ``taken``."""
         while (rid := str(next(self._request_ids))) in self.requests or rid in taken:
@@ -298,42 +260,6 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             outputs.append(self._report(state))  # finished now, so never None
         return outputs
-
-    @property
-    def supported_tasks(self) -> tuple[str, ...]:
-        """vLLM's: ("generate",), or the pooling tasks of the model ("embed"; "classify", "score")."""
-        return ("generate",) if self.pooler is None else self.pooler.tasks
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix, so that the next prompts start cold (a benchmark's
-        points, a weight swap). As in vLLM, refused (False, with a warning) while requests
-        are unfinished: the blocks they hold would keep their hashes."""
-        if self.requests:
-            logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
-            return False
-        self.block_manager.reset_prefix_cache()
-        return True
-
-    def start_profile(self, profile_prefix: str | None = None) -> None:
-        """Record the steps from now on with the torch profiler (engine/profiler.py); call it
-        on the thread that steps the engine."""
-        self.profiler.start(profile_prefix)
-
-    def stop_profile(self) -> Path:
-        """Stop recording; writes the trace (its path returned) and the ops table."""
-        return self.profiler.stop()
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
-    def get_metrics(self) -> list[Metric]:
-        """The engine's metrics now (metrics/reader.py), under the names /metrics serves."""
-        if self.stat_logger is None:
-            raise RuntimeError("metrics are off: build the engine with disable_log_stats=False")
-        return get_metrics_snapshot(self.stat_logger.registry)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:

@@ -4,11 +4,8 @@ Pure bookkeeping, no tensors: the model runner turns block tables into slot mapp
 (token position p of a sequence lives at slot ``table[p // block_size] * block_size +
 p % block_size``) and performs the block copies that :meth:`BlockManager.fork` returns.
 
-Every block is in exactly one of three states:
-  * free: ref 0, no hash; handed out first;
-  * evictable: ref 0 but its chained hash is registered, so its KV can be reused by a
-    later prompt with the same prefix; handed out (evicted, LRU first) when no free block is left;
-  * referenced: ref > 0, in the block table of one or more live sequences.
+A block is free, evictable (ref 0, hashed: its KV reusable by a later prompt with the same
+prefix) or referenced; kv/block_pool.py holds the pool and moves blocks between those states.
 
 With a sliding window (every layer attends only to its last ``sliding_window`` positions),
 a sequence's leading blocks fall out of every future query's reach as it advances; they are
@@ -29,25 +26,19 @@ the cache may hand out blocks whose KV was never written.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
 from vllmini.kv.block_hash import ROOT_HASH, hash_block
+from vllmini.kv.block_invariants import check_invariants
+from vllmini.kv.block_pool import Block, BlockPool  # noqa: F401 (Block: re-exported, as before)
 
 SeqId = Union[int, str]
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised by fork when no block can be had for the child's copy of the partial block."""
-
-
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None  # set only while registered in the prefix cache
 
 
 @dataclass(slots=True)
@@ -60,8 +51,9 @@ class _SeqState:
     root: bytes = ROOT_HASH  # parent hash of its first block (prefix_root)
 
 
-class BlockManager:
-    """Allocates KV blocks to sequences, shares full blocks through the prefix cache and fork."""
+class BlockManager(BlockPool):
+    """Allocates KV blocks to sequences, shares full blocks through the prefix cache and fork
+    (the pool itself, its free list and the LRU of cached blocks: ``BlockPool``)."""
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
@@ -71,36 +63,20 @@ class BlockManager:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         if sliding_window is not None and sliding_window <= 0:
             raise ValueError(f"sliding_window must be > 0, got {sliding_window}")
-        self.num_blocks = num_blocks
+        null_block = num_blocks if null_block is None else null_block  # the placeholder's id
+        if 0 <= null_block < num_blocks:
+            raise ValueError(f"null_block must lie outside the pool [0, {num_blocks}), got {null_block}")
+        super().__init__(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
-        self.null_block = num_blocks if null_block is None else null_block  # the placeholder's id
-        if 0 <= self.null_block < num_blocks:
-            raise ValueError(f"null_block must lie outside the pool [0, {num_blocks}), got {self.null_block}")
-        # made on first use (a small model's 1 GiB pool holds ~10^5 blocks: building them all up
-        # front took a fifth of a second); a block never handed out is free, ref 0, unhashed
-        self.blocks: list[Block | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # first = least recently freed
-        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.null_block = null_block
         self._seqs: dict[SeqId, _SeqState] = {}
-        # Counters for metrics and tests (tokens, except num_evictions which counts blocks).
+        # Counters for metrics and tests, in tokens (BlockPool.num_evictions counts blocks).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.num_evictions = 0
 
     # ---- queries -------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks allocatable now: truly free plus evictable cached ones."""
-        return len(self._free) + len(self._evictable)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by live sequences."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._seqs
 
@@ -148,11 +124,6 @@ class BlockManager:
             found.append(bid)
             parent = h
         return found, len(found) * bs
-
-    def reset_prefix_cache(self) -> None:
-        """Forget the hashes of all unreferenced blocks (they become truly free)."""
-        while self._evictable:
-            self._free.append(self._drop_lru())
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(
@@ -307,16 +278,6 @@ class BlockManager:
             seq.block_table[i] = self.null_block
         seq.num_released = max(seq.num_released, behind)
 
-    def _release(self, bid: int) -> None:
-        """Drop one reference; an unreferenced block is evictable if hashed, else free."""
-        blk = self.blocks[bid]
-        blk.ref_count -= 1
-        if blk.ref_count == 0:
-            if blk.block_hash is not None:
-                self._evictable[bid] = None
-            else:
-                self._free.append(bid)
-
     def _check_cached(self, token_ids: Sequence[int], cached: list[int], root: bytes) -> list[bytes]:
         """Hashes of the cached prefix blocks; raises if they are not (or no longer) what
         the prefix cache holds for these tokens, e.g. evicted since find_cached_prefix."""
@@ -352,57 +313,6 @@ class BlockManager:
                 blk.block_hash = parent
                 self._cached[parent] = blk.block_id
 
-    def _take_block(self) -> int:
-        """A block with ref 0 and no hash: a free one, else the LRU evictable one."""
-        if not self._free:
-            return self._drop_lru(evict=True)
-        bid = self._free.popleft()
-        if self.blocks[bid] is None:
-            self.blocks[bid] = Block(bid)
-        return bid
-
-    def _drop_lru(self, evict: bool = False) -> int:
-        bid, _ = self._evictable.popitem(last=False)
-        blk = self.blocks[bid]
-        del self._cached[blk.block_hash]  # type: ignore[arg-type]
-        blk.block_hash = None
-        if evict:
-            self.num_evictions += 1
-        return bid
-
     def check_invariants(self) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging)."""
-
-        def check(cond: bool, msg: str) -> None:
-            if not cond:
-                raise AssertionError(msg)
-
-        refs = Counter(bid for s in self._seqs.values() for bid in s.block_table[s.num_released :])
-        free, evictable = set(self._free), set(self._evictable)
-        check(len(free) == len(self._free), "duplicate block in the free list")
-        check(not free & evictable, f"blocks both free and evictable: {free & evictable}")
-        check(len(free) + len(evictable) + len(refs) == self.num_blocks, "free + evictable + referenced != total")
-        for bid, blk in enumerate(self.blocks):
-            if blk is None:  # never handed out
-                check(bid in free, f"block {bid} never handed out but not free")
-                continue
-            check(blk.ref_count == refs.get(bid, 0), f"block {bid}: ref {blk.ref_count} != {refs.get(bid, 0)}")
-            if bid in free:
-                check(blk.ref_count == 0 and blk.block_hash is None, f"free block {bid} owned or hashed")
-            elif bid in evictable:
-                check(blk.ref_count == 0 and blk.block_hash is not None, f"evictable block {bid} owned or unhashed")
-            if blk.block_hash is not None:
-                check(self._cached.get(blk.block_hash) == bid, f"block {bid} hash not registered to it")
-        for h, bid in self._cached.items():
-            check(self.blocks[bid].block_hash == h, f"registered hash maps to block {bid} with another hash")
-        if not self.enable_prefix_caching:
-            check(not self._cached and not evictable, "prefix caching disabled but blocks are cached")
-        bs = self.block_size
-        for sid, s in self._seqs.items():
-            check(len(s.block_table) == -(-s.num_tokens // bs), f"seq {sid!r}: table size != ceil(tokens/bs)")
-            check(len(s.block_hashes) <= s.num_tokens // bs, f"seq {sid!r}: hash of a non-full block")
-            check(s.num_released <= self._blocks_behind_window(s.num_tokens), f"seq {sid!r}: released a block in the window")
-            check(all(b == self.null_block for b in s.block_table[: s.num_released]), f"seq {sid!r}: not the null block")
-            for i, h in enumerate(s.block_hashes[s.num_released :], start=s.num_released):
-                bh = self.blocks[s.block_table[i]].block_hash
-                check(bh is None or bh == h, f"seq {sid!r}: block {i} hashed for other tokens")
+        """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging; kv/block_invariants.py)."""
+        check_invariants(self)

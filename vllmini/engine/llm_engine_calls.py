@@ -1,0 +1,124 @@
+"""What ``LLMEngine`` offers besides add_request / step / abort (vLLM's ``LLMEngine`` calls):
+its state (unfinished requests, supported tasks, KV capacity, metrics), the tokenizer, default
+sampling parameters, and the management calls made between steps (LoRA adapters, prefix-cache
+reset, profiling). ``LLM`` and the async engine's ``EngineClient`` forward to these.
+
+Kept apart from llm_engine.py, whose subject is a request's way through the engine: each of
+these only reads, or hands the call on to, a component the engine built.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllmini.metrics.reader import get_metrics_snapshot
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from vllmini.config import EngineArgs
+    from vllmini.engine.input_processor import InputProcessor, PromptType
+    from vllmini.engine.output_processor import RequestState
+    from vllmini.engine.pooler import Pooler
+    from vllmini.engine.profiler import Profiler
+    from vllmini.engine.sampling_params import SamplingParams
+    from vllmini.kv.block_manager import BlockManager
+    from vllmini.lora.adapter import LoRAAdapter
+    from vllmini.lora.manager import LoRAManager
+    from vllmini.lora.request import LoRARequest
+    from vllmini.metrics.reader import Metric
+    from vllmini.metrics.stat_logger import StatLogger
+
+logger = logging.getLogger("vllmini")
+
+
+class LLMEngineCalls:
+    """The engine's calls besides a request's own; ``LLMEngine`` builds the fields below."""
+
+    args: EngineArgs
+    max_model_len: int
+    num_blocks: int
+    tokenizer: Any
+    input_processor: InputProcessor
+    lora_manager: LoRAManager | None
+    pooler: Pooler | None
+    block_manager: BlockManager
+    profiler: Profiler
+    stat_logger: StatLogger | None
+    requests: dict[str, RequestState]
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
+        return self.input_processor.tokenize(prompt)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A copy of what a request without SamplingParams gets (vLLM's name)."""
+        return self.input_processor.defaults()
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The longest sequence the cache can hold: all of it, unless every layer slides and the
+        pool holds the blocks of a window plus a full step's tokens (then a sequence of any
+        length advances: it releases what falls behind its window)."""
+        per_step = self.block_manager.max_blocks_per_step(self.args.max_num_batched_tokens)
+        if per_step is not None and per_step <= self.num_blocks:
+            return self.max_model_len
+        return self.num_blocks * self.block_manager.block_size
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
+    def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:
+        if self.lora_manager is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        return self.lora_manager.get(lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests (ValueError when it cannot be used)."""
+        self._lora_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget a loaded adapter (running requests finish with it); False when it was not loaded."""
+        return self.lora_manager is not None and self.lora_manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora_manager is None else self.lora_manager.list_loras()
+
+    # ---- state and management ---------------------------------------------------------------
+    @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: ("generate",), or the pooling tasks of the model ("embed"; "classify", "score")."""
+        return ("generate",) if self.pooler is None else self.pooler.tasks
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, so that the next prompts start cold (a benchmark's
+        points, a weight swap). As in vLLM, refused (False, with a warning) while requests
+        are unfinished: the blocks they hold would keep their hashes."""
+        if self.requests:
+            logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
+    def start_profile(self, profile_prefix: str | None = None) -> None:
+        """Record the steps from now on with the torch profiler (engine/profiler.py); call it
+        on the thread that steps the engine."""
+        self.profiler.start(profile_prefix)
+
+    def stop_profile(self) -> Path:
+        """Stop recording; writes the trace (its path returned) and the ops table."""
+        return self.profiler.stop()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now (metrics/reader.py), under the names /metrics serves."""
+        if self.stat_logger is None:
+            raise RuntimeError("metrics are off: build the engine with disable_log_stats=False")
+        return get_metrics_snapshot(self.stat_logger.registry)
