@@ -26,17 +26,23 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (tests set it when 
 
 import torch  # noqa: E402
 
-# (name, dtype, head_dim, query heads per KV head, block size)
+# (name, dtype, head_dim, query heads per KV head, block size[, KV cache dtype when not the model's])
 SHAPES = {
     "qwen3-0.6b-bf16": (torch.bfloat16, 128, 2, 256),
     "smollm2-bf16": (torch.bfloat16, 64, 3, 256),
     "llama-fp16-block16": (torch.float16, 128, 4, 16),
     "qwen3-0.6b-fp32": (torch.float32, 128, 2, 256),
+    "qwen3-0.6b-bf16-fp8kv": (torch.bfloat16, 128, 2, 256, torch.float8_e4m3fn),
+    "smollm2-bf16-fp8e5m2kv": (torch.bfloat16, 64, 3, 256, torch.float8_e5m2),
 }
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                 torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}  # fmt: skip
 SIZE_LIMITS = {"registers": 255, "shared_bytes": 227 * 1024}  # per thread / per block on sm_80 and sm_90
 
 
-def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> dict[str, tuple[str, dict]]:
+def launches(
+    dtype: torch.dtype, head_dim: int, group: int, block_size: int, cache_dtype: torch.dtype | None = None
+) -> dict[str, tuple[str, dict]]:
     """(kernel, constants) of every launch the backend makes for this shape (see triton_attention)."""
     from vllmini.models.triton_attention import SPLIT_MAX, _next_pow2, kernel_constants, prefill_block_q
 
@@ -46,7 +52,7 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> 
     return {
         "decode": (attention, decode),
         "decode-split": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True,
-                                                     split=True)),  # fmt: skip
+                                                     split=True, cache_dtype=cache_dtype)),  # fmt: skip
         "merge-splits": ("_merge_splits_kernel", {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": decode["HEAD_DIM_PAD"],
                                                   "SPLITS_PAD": _next_pow2(SPLIT_MAX)}),  # fmt: skip
         "decode-in-mixed-step": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=False, paged=True)),
@@ -55,7 +61,9 @@ def launches(dtype: torch.dtype, head_dim: int, group: int, block_size: int) -> 
     }  # fmt: skip
 
 
-def compile_one(kernel_name: str, constants: dict, dtype: torch.dtype, arch: int) -> dict:
+def compile_one(
+    kernel_name: str, constants: dict, dtype: torch.dtype, arch: int, cache_dtype: torch.dtype | None = None
+) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -64,13 +72,14 @@ def compile_one(kernel_name: str, constants: dict, dtype: torch.dtype, arch: int
 
     kernel = getattr(module, kernel_name)
     names = kernel.arg_names
-    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     signature = {}
     for name in names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr"):
-            signature[name] = ty
+        elif name in ("out_ptr", "q_ptr"):
+            signature[name] = POINTER_TYPES[dtype]
+        elif name in ("k_ptr", "v_ptr"):
+            signature[name] = POINTER_TYPES[cache_dtype or dtype]
         elif name in ("part_ptr", "ml_ptr"):  # split-KV partials are fp32
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):
@@ -121,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"arch": args.arch, "triton": triton.__version__, "results": {}}
     failed = False
     for shape in args.shapes.split(","):
-        dtype, head_dim, group, block_size = SHAPES[shape]
-        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size).items():
+        dtype, head_dim, group, block_size, *cache_dtype = SHAPES[shape]
+        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size, *cache_dtype).items():
             key = f"{shape}/{launch}"
             try:
-                row = compile_one(kernel_name, constants, dtype, args.arch)
+                row = compile_one(kernel_name, constants, dtype, args.arch, *cache_dtype)
                 row["within_limits"] = all(row[k] <= v for k, v in SIZE_LIMITS.items())
             except Exception as exc:  # a compile error is the finding: report it, go on
                 row, failed = {"error": f"{type(exc).__name__}: {exc}"[:500]}, True

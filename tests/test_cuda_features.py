@@ -2,8 +2,8 @@
 (float32, where a tiny random model's greedy tokens do not depend on the device): n-gram and
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
-streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings and
-a YaRN-scaled rope. bench/gpu_check.sh runs them; without CUDA
+streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings,
+a YaRN-scaled rope and fp8 KV caches. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -278,3 +278,20 @@ def test_yarn_rope_matches_the_cpu_path(tmp_path):
     cpu, dev = on_both(tmp_path, lambda llm: token_ids(llm.generate(prompts(6), greedy(20), use_tqdm=False)))
     assert dev == cpu
     assert LLM(model=str(tmp_path), device=DEVICE, kv_cache_memory=KV_BYTES).llm_engine.max_model_len == 1024
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_cache_matches_the_cpu_path(model_dir, kv_cache_dtype):
+    """An fp8 KV cache: the device's kernel (Triton on a GPU: flash-attn reads no fp8) widens the
+    bytes the CPU's C kernel widens, in prefill chunks, eager steps and captured decode graphs."""
+
+    def run(llm: LLM):
+        assert {c.dtype for layer in llm.llm_engine.runner.kv_caches for c in layer} == {torch.float8_e4m3fn
+                if kv_cache_dtype == "fp8_e4m3" else torch.float8_e5m2}  # fmt: skip
+        outs = llm.generate(prompts(6), greedy(20, logprobs=2), use_tqdm=False)
+        return token_ids(outs), [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    (cpu, cpu_lps), (dev, dev_lps) = on_both(model_dir, run, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=64)
+    assert dev == cpu
+    worst = max(abs(a - b) for xs, ys in zip(cpu_lps, dev_lps) for a, b in zip(xs, ys))
+    assert worst < 1e-3, f"logprobs {worst:.2e} from the CPU path's"

@@ -200,13 +200,16 @@ def prefill_block_q(dtype: torch.dtype, group: int) -> int:
 
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool,
-    split: bool = False,
+    split: bool = False, cache_dtype: torch.dtype | None = None,
 ) -> dict:  # fmt: skip
     """The compile-time constants of one launch: what the launcher passes, and what
     bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have.
     An fp32 split-KV launch takes 16 keys a step, not 32: with 32, Triton 3.6 (the GPU image's)
-    gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers)."""
-    block_n = BLOCK_N // _shrink(dtype) // (2 if split and dtype == torch.float32 else 1)
+    gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers). A
+    split-KV launch over an fp8 cache (``cache_dtype``; None: q's dtype) takes half too: the
+    widening's registers spilled 8 bytes at head_dim 128 with 64 keys a step (Triton 3.9)."""
+    narrow = split and (dtype == torch.float32 or (cache_dtype is not None and cache_dtype.itemsize == 1))
+    block_n = BLOCK_N // _shrink(dtype) // (2 if narrow else 1)
     return {
         "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
@@ -240,13 +243,14 @@ def decode_splits(num_programs: int, max_context: int | None, num_sms: int) -> i
 
 def _plan(
     meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
-    paged: bool,
+    paged: bool, cache_dtype: torch.dtype | None = None,
 ) -> list[_Launch]:  # fmt: skip
     """Split the step into launches (see the module docstring), once per step."""
 
     def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None, splits: int = 1) -> _Launch:
         constants = kernel_constants(
-            dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged, split=splits > 1
+            dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged, split=splits > 1,
+            cache_dtype=cache_dtype,
         )
         return _Launch(block_q, num_tiles, tiles, constants, splits)
 
@@ -296,7 +300,7 @@ def triton_attention(
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(
-            meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None
+            meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None, cache_dtype=keys.dtype
         )
     for launch in plan:
         run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window)
