@@ -5,17 +5,18 @@ naming the field and what is accepted, instead of deep inside a forward.
 """
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
+from vllmini.config_fields import config_fields  # noqa: F401  (re-exported: other configs read theirs with it)
 from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
 from vllmini.kv.cache_dtype import check_kv_cache_dtype
+from vllmini.runner_config import _TASK_RUNNERS, RUNNERS, PoolerConfig, resolve_runner  # noqa: F401  (re-exported)
 from vllmini.vllm_args import VllmEngineArgs, parse_hf_overrides, resolve_kv_cache_memory
 
 logger = logging.getLogger("vllmini")
@@ -114,96 +115,6 @@ def resolve_max_model_len(requested: int | None, hf_config: Any, window_cap: int
     if requested > derived:
         raise ValueError(f"max_model_len={requested} exceeds the model's context length {derived} ({source})")
     return requested
-
-
-POOLING_TYPES = ("LAST", "MEAN", "CLS")
-
-
-@dataclass
-class PoolerConfig:
-    """How the pooling runner turns a prompt's hidden states into one vector (vLLM's
-    ``PoolerConfig``): ``pooling_type`` LAST | MEAN | CLS, ``normalize`` (L2; ``use_activation`` is
-    vLLM's newer name for it, either may be given) and ``dimensions`` (the default matryoshka size
-    of every request). A field left None takes what the model's sentence-transformers files say,
-    else vLLM's default for decoder models: LAST, normalized, full size (engine/pooler.py)."""
-
-    pooling_type: str | None = None
-    normalize: bool | None = None
-    use_activation: bool | None = None
-    dimensions: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.pooling_type is not None:
-            kind = self.pooling_type.upper() if isinstance(self.pooling_type, str) else None
-            if kind not in POOLING_TYPES:
-                raise ValueError(f"pooler_config.pooling_type must be one of {list(POOLING_TYPES)}, got {self.pooling_type!r}")
-            self.pooling_type = kind
-        for name in ("normalize", "use_activation"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"pooler_config.{name} must be True, False or None, got {getattr(self, name)!r}")
-        if None not in (self.normalize, self.use_activation) and self.normalize != self.use_activation:
-            raise ValueError("pooler_config: normalize and use_activation (its newer name) disagree")
-        if self.normalize is None:
-            self.normalize = self.use_activation
-        self.use_activation = self.normalize
-        dims = self.dimensions
-        if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
-            raise ValueError(f"pooler_config.dimensions must be a positive integer or None, got {dims!r}")
-
-    @classmethod
-    def coerce(cls, value: PoolerConfig | dict | str | None) -> PoolerConfig | None:
-        """``EngineArgs.pooler_config`` as given: a PoolerConfig, a dict of its fields, or their JSON
-        text (the command line's ``--pooler-config '{"pooling_type": "MEAN"}'``, as vLLM's)."""
-        if value is None or isinstance(value, PoolerConfig):
-            return value
-        return cls(**config_fields(value, "pooler_config", cls))
-
-
-def config_fields(value: Any, name: str, cls: type) -> dict[str, Any]:
-    """A config given as a dict of the dataclass ``cls``'s fields or as its JSON text (vLLM's
-    command line passes JSON: ``--pooler-config '{...}'``), checked for unknown fields."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{name} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a {cls.__name__}, a dict of its fields or their JSON text, got {value!r}")
-    known = {f.name for f in fields(cls)}
-    if unknown := sorted(set(value) - known, key=str):
-        raise ValueError(f"{name} has unknown or unsupported field(s) {unknown}; accepted: {sorted(known)}")
-    return value
-
-
-RUNNERS = ("auto", "generate", "pooling")
-# vLLM's older ``task`` -> the runner it picks (its "reward" and "transcription" are not built here)
-_TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
-                 "score": "pooling"}  # fmt: skip
-
-
-def resolve_runner(args: EngineArgs, architectures: list[str] | None) -> str:
-    """"generate" or "pooling", as vLLM resolves ``runner`` (and the older ``task``): "auto" is
-    "pooling" for an architecture without a language-model head (``*Model``: MistralModel,
-    Qwen3Model, ...; ``*ForSequenceClassification``), else "generate". ``task`` "classify" /
-    "score" needs a classifier checkpoint and "embed" a model without one (vLLM's ``convert``,
-    which would add or drop the head, is not built)."""
-    from vllmini.models.registry import is_classifier_architecture, is_pooling_architecture
-
-    runner = args.runner if args.task is None else _TASK_RUNNERS[args.task]  # (validate() checked they agree)
-    headless = is_pooling_architecture(architectures)
-    classifier = is_classifier_architecture(architectures)
-    if args.task in ("classify", "score") and not classifier:
-        raise ValueError(f"task={args.task!r} needs a *ForSequenceClassification checkpoint; architecture "
-                         f"{architectures} has no classifier head (vLLM's convert='classify' is not built)")  # fmt: skip
-    if args.task in ("embed", "embedding") and classifier:
-        raise ValueError(f"task={args.task!r}: architecture {architectures} is a classifier (use task='classify' "
-                         "or 'score'; vLLM's convert='embed' is not built)")  # fmt: skip
-    if runner == "auto":
-        return "pooling" if headless else "generate"
-    if runner == "generate" and headless:
-        raise ValueError(f"architecture {architectures} has no language-model head, so it cannot generate; "
-                         "use runner='pooling' (embeddings, or classification for a classifier)")  # fmt: skip
-    return runner
 
 
 # a block is the unit of KV allocation and of the attention kernels' tiles: CPU uses 16, CUDA 256

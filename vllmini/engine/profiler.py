@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from vllmini.config_fields import config_fields
+
 logger = logging.getLogger("vllmini")
 ENV_DIR = "VLLMINI_TORCH_PROFILER_DIR"
 
@@ -38,8 +40,6 @@ class ProfilerConfig:
     @classmethod
     def coerce(cls, value: ProfilerConfig | dict | str | None) -> ProfilerConfig:
         """From itself, a dict or its JSON; None: ``$VLLMINI_TORCH_PROFILER_DIR`` when set, else off."""
-        from vllmini.config import config_fields
-
         if value is None:
             folder = os.environ.get(ENV_DIR, "")
             value = {"profiler": "torch", "torch_profiler_dir": folder} if folder else {}

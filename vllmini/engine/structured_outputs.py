@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from vllmini.config_fields import config_fields
 from vllmini.engine.sampling_params import StructuredOutputsParams
 from vllmini.engine.thinking_budget import ThinkingBudget
 
@@ -70,8 +71,6 @@ class StructuredOutputsConfig:
     @classmethod
     def coerce(cls, value: StructuredOutputsConfig | dict | str | None) -> StructuredOutputsConfig:
         """A StructuredOutputsConfig from itself, a dict or its JSON text (None: the defaults)."""
-        from vllmini.config import config_fields  # (config.py imports this module)
-
         if value is None or isinstance(value, StructuredOutputsConfig):
             return value or cls()
         return cls(**config_fields(value, "structured_outputs_config", cls))

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from vllmini.config_fields import config_fields
+
 
 @dataclass(frozen=True)
 class ReasoningConfig:
@@ -31,8 +33,6 @@ class ReasoningConfig:
     @classmethod
     def coerce(cls, value: ReasoningConfig | dict | str | None) -> ReasoningConfig | None:
         """A ReasoningConfig from itself, a dict or its JSON text (the CLI's); errors name the field."""
-        from vllmini.config import config_fields  # (config.py imports this module)
-
         if value is None:
             return None
         config = value if isinstance(value, ReasoningConfig) else cls(**config_fields(value, "reasoning_config", cls))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllmini.config import config_fields
+from vllmini.config_fields import config_fields
 
 METHODS = ("ngram", "draft_model")
 
