@@ -175,3 +175,16 @@ def test_fused_cuda_backends_refuse_an_fp8_cache(monkeypatch):
     with pytest.raises(ValueError, match=r"attention_backend='flash_attn' cannot be used: .*reads the KV cache in the "
                                          r"model's dtype only \(the cache holds torch.float8_e4m3fn"):  # fmt: skip
         backend_select.select_backend("flash_attn", cuda, torch.bfloat16, 256, torch.float8_e4m3fn)
+
+
+def test_the_command_line_takes_it(capsys, caplog, monkeypatch, tiny_dir):
+    import logging
+
+    from vllmini.cli import main
+
+    assert main(["generate", "--kv-cache-dtype", "fp8_inc", "hi"]) == 2
+    assert "kv_cache_dtype='fp8_inc' is not supported" in capsys.readouterr().err
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # (vllmini's logger has its own handler)
+    with caplog.at_level(logging.INFO, logger="vllmini"):
+        assert main(["generate", "--model", str(tiny_dir), "--kv-cache-dtype", "fp8", "--max-tokens", "4", "hi"]) == 0
+    assert "KV cache torch.float8_e4m3fn" in caplog.text
