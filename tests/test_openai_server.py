@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import time
 
@@ -598,6 +599,44 @@ async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine
     between = _delta(after, before, "vllm:e2e_request_latency_seconds_sum") - _delta(
         after, before, "vllm:time_to_first_token_seconds_sum")
     assert _delta(after, before, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(between / 4)
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_stream_whose_send_fails_aborts_its_requests(engine, spec_version):
+    """A server may report a client gone by raising from ``send`` (ASGI 2.4: OSError, which
+    Starlette turns into ClientDisconnect) instead of a disconnect message: Starlette then skips
+    the response's background task, which must not be what aborts the requests (they ran on to
+    max_tokens, and the streams stayed until a garbage collection)."""
+    await wait_idle(engine)
+    body = json.dumps({"prompt": PROMPTS, "n": 2, "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    events: list[bytes] = []
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    sent = asyncio.Event()
+
+    async def receive() -> dict:
+        if not sent.is_set():
+            sent.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # (no disconnect message: the client's leaving shows only in send)
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            if events:
+                raise OSError("the client has gone")
+            events.append(message["body"])
+
+    gc_was_on = gc.isenabled()
+    gc.disable()  # (a collection would close the streams' generators, hiding the leak)
+    try:
+        with contextlib.suppress(Exception):
+            await build_app(engine, NAME)(scope, receive, send)
+        assert events[0].startswith(b"data: {") and not engine._streams
+    finally:
+        if gc_was_on:
+            gc.enable()
     await wait_idle(engine)
 
 
