@@ -230,7 +230,22 @@ async def test_a_bad_completion_request_is_a_400_naming_the_field(http, engine, 
 async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
     """0 is refused as in /v1/completions, not taken for "not given" (the end of the context)."""
     r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: 0})
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field} must be")
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"max_completion_tokens": -1}, "max_completion_tokens must be an int >= 1"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens is too large"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs must be an int >= 0"),
+    ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs=1000000 asks for more than the server's max_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs=-1 asks for more than the server's max_logprobs"),
+])  # fmt: skip
+async def test_a_bad_chat_request_names_the_field_it_sent(http, engine, extra, named):
+    """Not the SamplingParams field its value goes to (max_tokens, logprobs): a chat request's
+    logprobs is a bool, and its max_completion_tokens may be all it sets."""
+    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
     await wait_idle(engine)
 
 
