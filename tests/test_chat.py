@@ -38,6 +38,14 @@ def test_a_message_without_content_renders_as_empty(tok):
         assert got["prompt"] == want
 
 
+@pytest.mark.parametrize("calls", ["x", {"type": "function", "function": {"name": "f", "arguments": "{}"}}])
+def test_tool_calls_that_are_not_a_list_are_refused(tok, calls):
+    """One call not wrapped in a list, or text: a template would iterate its keys or characters."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": calls}]
+    with pytest.raises(ValueError, match=r"messages\[1\]\.tool_calls must be a list of tool calls"):
+        render_chat(tok, messages, chat_template="{% for m in messages %}{{ m.tool_calls or '' }}{% endfor %}")
+
+
 def test_text_like_parts_and_the_openai_content_format(tok):
     """vLLM's text-like parts (input_text and output_text, refusal, thinking) count as text;
     content_format="openai" hands the template a list of text parts instead of one string."""

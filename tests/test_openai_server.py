@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import time
 
@@ -229,7 +230,22 @@ async def test_a_bad_completion_request_is_a_400_naming_the_field(http, engine, 
 async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
     """0 is refused as in /v1/completions, not taken for "not given" (the end of the context)."""
     r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], field: 0})
-    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field} must be")
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("extra, named", [
+    ({"max_completion_tokens": -1}, "max_completion_tokens must be an int >= 1"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens is too large"),
+    ({"logprobs": True, "top_logprobs": -2}, "top_logprobs must be an int >= 0"),
+    ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs=1000000 asks for more than the server's max_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs=-1 asks for more than the server's max_logprobs"),
+])  # fmt: skip
+async def test_a_bad_chat_request_names_the_field_it_sent(http, engine, extra, named):
+    """Not the SamplingParams field its value goes to (max_tokens, logprobs): a chat request's
+    logprobs is a bool, and its max_completion_tokens may be all it sets."""
+    r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **extra})
+    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
     await wait_idle(engine)
 
 
@@ -598,6 +614,44 @@ async def test_the_time_per_output_token_of_n_completions_is_per_sequence(engine
     between = _delta(after, before, "vllm:e2e_request_latency_seconds_sum") - _delta(
         after, before, "vllm:time_to_first_token_seconds_sum")
     assert _delta(after, before, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(between / 4)
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_stream_whose_send_fails_aborts_its_requests(engine, spec_version):
+    """A server may report a client gone by raising from ``send`` (ASGI 2.4: OSError, which
+    Starlette turns into ClientDisconnect) instead of a disconnect message: Starlette then skips
+    the response's background task, which must not be what aborts the requests (they ran on to
+    max_tokens, and the streams stayed until a garbage collection)."""
+    await wait_idle(engine)
+    body = json.dumps({"prompt": PROMPTS, "n": 2, "max_tokens": 300, "ignore_eos": True, "stream": True}).encode()
+    events: list[bytes] = []
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+    sent = asyncio.Event()
+
+    async def receive() -> dict:
+        if not sent.is_set():
+            sent.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # (no disconnect message: the client's leaving shows only in send)
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body":
+            if events:
+                raise OSError("the client has gone")
+            events.append(message["body"])
+
+    gc_was_on = gc.isenabled()
+    gc.disable()  # (a collection would close the streams' generators, hiding the leak)
+    try:
+        with contextlib.suppress(Exception):
+            await build_app(engine, NAME)(scope, receive, send)
+        assert events[0].startswith(b"data: {") and not engine._streams
+    finally:
+        if gc_was_on:
+            gc.enable()
     await wait_idle(engine)
 
 

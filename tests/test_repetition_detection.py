@@ -84,6 +84,22 @@ def test_bad_values_are_refused_naming_the_field(value, message):
         SamplingParams(repetition_detection=value)
 
 
+@pytest.mark.parametrize("value, message", [
+    ({"max_pattern_size": 3, "min_count": 2}, None),  # a dict, as the constructor takes
+    ({"max_pattern_size": 3, "min_count": 1}, r"repetition_detection\.min_count must be >= 2"),
+    (4, "repetition_detection must be a RepetitionDetectionParams"),
+])  # fmt: skip
+def test_a_value_set_after_construction_is_checked_by_clone(value, message):
+    """The engine clones each request's params, which checks again what a caller changed since."""
+    params = SamplingParams()
+    params.repetition_detection = value
+    if message is None:
+        assert params.clone().repetition_detection == RepetitionDetectionParams(max_pattern_size=3, min_count=2)
+        return
+    with pytest.raises(ValueError, match=message):
+        params.clone()
+
+
 def test_off_by_default_and_with_size_zero_and_round_trips_through_json():
     assert SamplingParams().repetition_detection is None
     assert not RepetitionDetectionParams().detects([1, 1, 1, 1])

@@ -18,7 +18,7 @@ import torch
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams, StructuredOutputsParams
 from vllmini.engine.llm_engine import LLMEngine
-from vllmini.engine.structured_outputs import StructuredOutputManager
+from vllmini.engine.structured_outputs import StructuredOutputManager, parse_grammar
 from vllmini.scheduler.sequence import SequenceStatus
 
 xgr = pytest.importorskip("xgrammar")
@@ -204,6 +204,17 @@ def test_bad_constraints_are_refused_naming_the_field(llm, fields, match):
     assert not engine.requests and not engine.structured.waiting
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("fields,why", [
+    (dict(grammar="start: ("), r"Lark error at line 1, column 9: expected '\)' after group"),
+    (dict(json='{\n  "type": "object",\n  "properties": {\n'), r"Failed to parse JSON: syntax error at line 4"),
+])  # fmt: skip
+def test_a_parse_error_says_what_is_wrong(fields, why):
+    """xgrammar's message, not its last line: a Lark error's last line is a caret under the grammar
+    ("        ^"), a JSON text's the last line of that text."""
+    with pytest.raises(ValueError, match=r"structured_outputs\.\w+ cannot be used: .*" + why):
+        parse_grammar(StructuredOutputsParams(**fields))
 
 
 def test_params_round_trip_through_json_and_refuse_a_wrong_type():

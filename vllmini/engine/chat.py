@@ -109,6 +109,8 @@ def _assistant_fields(i: int, msg: Message) -> None:
         del msg["tool_calls"]
     elif isinstance(calls, list):
         msg["tool_calls"] = [_tool_call(i, j, call) for j, call in enumerate(calls)]
+    elif calls is not None:  # (a template would iterate a string's characters or a dict's keys)
+        raise ValueError(f"messages[{i}].tool_calls must be a list of tool calls, got {type(calls).__name__}")
     reasoning = msg.get("reasoning", msg.get("reasoning_content"))
     if isinstance(reasoning, str):
         msg["reasoning"] = msg["reasoning_content"] = reasoning

@@ -244,7 +244,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         own = {name: copy.copy(value) for name in _CONTAINERS if (value := getattr(self, name)) is not None}
         if self.extra_args is not None:  # (its values may be containers too)
             own["extra_args"] = copy.deepcopy(self.extra_args)
-        if self.repetition_detection is not None:
+        # (a dict or a bad value set since construction is left to __post_init__, which takes or refuses it)
+        if isinstance(self.repetition_detection, RepetitionDetectionParams):
             own["repetition_detection"] = msgspec.structs.replace(self.repetition_detection)
         return msgspec.structs.replace(self, **{**own, **changes})
 

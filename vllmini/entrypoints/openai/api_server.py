@@ -31,7 +31,6 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -65,6 +64,23 @@ logger = logging.getLogger("vllmini")
 
 def json_response(body: dict[str, Any], status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+class EventStreamResponse(StreamingResponse):
+    """A streamed result's events; its ``close()`` (which aborts what is unfinished) runs however the
+    response ends: after the last event, once the client has hung up (even before the first event),
+    and when ``send`` raises, as a server on ASGI spec 2.4 reports a client gone, where Starlette
+    skips a background task (the requests ran on to max_tokens, their streams left to the GC)."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__(result.events, media_type="text/event-stream")
+        self.result = result
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.result.close()
 
 
 def error_response(status: int, message: str) -> Response:
@@ -263,8 +279,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                 return json_response(result)
             if isinstance(result, str):  # (vLLM answers the adapter routes in plain text)
                 return Response(result, media_type="text/plain")
-            # the background task also runs when the client hangs up, even before the first event
-            return StreamingResponse(result.events, media_type="text/event-stream", background=BackgroundTask(result.close))
+            return EventStreamResponse(result)
 
         return endpoint
 

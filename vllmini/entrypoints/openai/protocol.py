@@ -200,6 +200,12 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         self.resolved_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        # checked here by their own names (SamplingParams would name max_tokens and logprobs)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value}")
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise ValueError(f"top_logprobs must be an int >= 0, -1 (the whole vocabulary) or None, got {self.top_logprobs}")
         check_chat_options(self)
 
     @property

@@ -73,12 +73,17 @@ class OpenAIServingChat(OpenAIServing):
             return EventStream(self._stream(request, request_id, group, prompt_ids, choice, make), group)
         return await self._whole(request, request_id, group, choice, make)
 
-    def prepare(self, request: ChatCompletionRequest, max_tokens_name: str = "max_tokens") -> PreparedChat:
+    def prepare(self, request: ChatCompletionRequest, max_tokens_name: str | None = None) -> PreparedChat:
         """The request checked and made ready for the engine (the Responses API runs its requests
-        through here too; ``max_tokens_name``: its name for max_tokens in errors). ValueError names
-        a bad field, ModelNotFoundError an unknown model."""
+        through here too; ``max_tokens_name``: its name for max_tokens in errors, else the field the
+        request set). ValueError names a bad field, ModelNotFoundError an unknown model."""
         lora_request = self.check_model(request.model)
         request.check()
+        if max_tokens_name is None:
+            max_tokens_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+        top, vocab = request.num_logprobs, self.engine.engine.input_processor.vocab_size
+        if top is not None and (vocab if top == -1 else top) > self.max_logprobs:  # (the engine would name logprobs)
+            raise ValueError(f"top_logprobs={top} asks for more than the server's max_logprobs={self.max_logprobs}")
         choice = request.resolved_tool_choice()
         if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
