@@ -188,3 +188,22 @@ def test_the_command_line_takes_it(capsys, caplog, monkeypatch, tiny_dir):
     with caplog.at_level(logging.INFO, logger="vllmini"):
         assert main(["generate", "--model", str(tiny_dir), "--kv-cache-dtype", "fp8", "--max-tokens", "4", "hi"]) == 0
     assert "KV cache torch.float8_e4m3fn" in caplog.text
+
+
+def test_speculative_decoding_over_fp8_caches_changes_no_output(tiny):
+    """The model as its own draft, both caches fp8: the target verifies each row's drafts as one
+    multi-token chunk over its fp8 cache, the draft decodes them one at a time over its own; with
+    the same rounding everywhere the draft's tokens are the target's (nearly all accepted) and the
+    output is plain fp8 decoding's."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    plain = LLM(model=tiny, kv_cache_dtype="fp8", kv_cache_memory=1 << 22)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    del plain
+    spec = LLM(model=tiny, kv_cache_dtype="fp8", kv_cache_memory=1 << 22,
+               speculative_config={"model": tiny, "num_speculative_tokens": 3})  # fmt: skip
+    assert {c.dtype for layer in spec.llm_engine.runner.draft_kv_caches for c in layer} == {torch.float8_e4m3fn}
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    stats = spec.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 20 and stats.acceptance_rate > 0.9, stats
+    assert_no_leaks(spec)
