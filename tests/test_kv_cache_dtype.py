@@ -116,8 +116,12 @@ def _bytes_per_block(model_dir: str, block_size: int) -> int:
 
 
 def test_a_narrower_cache_holds_more_tokens(tiny_dir):
-    blocks = {name: LLM(model=str(tiny_dir), kv_cache_dtype=name, kv_cache_memory=1 << 22).llm_engine.num_blocks
-              for name in ("auto", "bfloat16", "fp8", "fp8_e5m2")}  # fmt: skip
+    from vllmini.metrics.stat_logger import cache_config_info
+
+    engines = {name: LLM(model=str(tiny_dir), kv_cache_dtype=name, kv_cache_memory=1 << 22).llm_engine
+               for name in ("auto", "bfloat16", "fp8", "fp8_e5m2")}  # fmt: skip
+    blocks = {name: engine.num_blocks for name, engine in engines.items()}
+    assert cache_config_info(engines["fp8"])["cache_dtype"] == "fp8"  # (vllm:cache_config_info's label)
     assert blocks["bfloat16"] // 2 == blocks["auto"]  # (each count is the budget // one block's bytes)
     assert blocks["fp8"] == blocks["fp8_e5m2"] and blocks["fp8"] // 4 == blocks["auto"]
 

@@ -143,11 +143,16 @@ class EngineArgs(VllmEngineArgs):
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # vLLM's: > 0 caps the tokens one sequence computes in a step (long prompts prefill in chunks of
+    # at most this many, leaving the step's budget to other prompts too); 0: no cap
+    long_prefill_token_threshold: int = 0
     # "fcfs", or "priority": requests carry a priority (lower first) that orders the queue and
     # picks whom to preempt (vLLM's scheduling_policy; scheduler/scheduler.py)
     scheduling_policy: str = "fcfs"
     block_size: int | None = None  # auto: 16 on CPU, 256 on CUDA
     kv_cache_memory: int | None = None  # bytes for the KV cache on CPU (auto: 1 GiB)
+    # vLLM's: this many KV blocks, whatever the memory budget gives (a test's knob: preemption on demand)
+    num_gpu_blocks_override: int | None = None
     # what the cache stores (vLLM's names): "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2"
     # (one byte an element, scale 1.0), "bfloat16" (a float32 model's cache halved) (kv/cache_dtype.py)
     kv_cache_dtype: str = "auto"
@@ -264,6 +269,10 @@ class EngineArgs(VllmEngineArgs):
         if self.block_size is not None and self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be at most {MAX_BLOCK_SIZE} tokens, got {self.block_size}")
         positive_int("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override, allow_none=True)
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {threshold!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         positive_int("max_log_len", self.max_log_len, allow_none=True)
         for name in ("revision", "tokenizer_revision"):

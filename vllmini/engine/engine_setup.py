@@ -16,7 +16,7 @@ from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.pooler import Pooler
 from vllmini.kv.block_manager import BlockManager
-from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, num_blocks_for_budget
+from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, check_cpu_budget, num_blocks_for_budget
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
@@ -82,6 +82,13 @@ def build_runtime(
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
                                  block_size, cache_dtype)  # fmt: skip
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
+    if args.num_gpu_blocks_override is not None:  # (vLLM's: the budget is measured, then overridden)
+        logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",
+                    args.num_gpu_blocks_override, num_blocks)  # fmt: skip
+        num_blocks = args.num_gpu_blocks_override
+        if device.type == "cpu":
+            per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
+            check_cpu_budget(num_blocks * per_block)
     # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
     # then, with a window to release blocks behind, a zeroed null block for released entries
     pad = PAD_BLOCKS if use_graphs else 0
@@ -91,7 +98,8 @@ def build_runtime(
     block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
     scheduler = Scheduler(
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
-                        args.scheduling_policy, args.max_loras if args.enable_lora else None),  # fmt: skip
+                        args.scheduling_policy, args.max_loras if args.enable_lora else None,
+                        args.long_prefill_token_threshold),  # fmt: skip
         block_manager,
     )
     kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, device)

@@ -43,10 +43,10 @@ def prompt_tokens(stats: SchedulerStats) -> int:
 
 def cache_config_info(engine: LLMEngine) -> dict[str, str]:
     """The labels of ``vllm:cache_config_info``: vLLM's CacheConfig field names for the settings
-    vllmini has, each value as ``str()`` writes it (as vLLM's). The KV cache is in the model's
-    dtype (vLLM's cache_dtype "auto"); there is no CPU swap space (num_cpu_blocks None)."""
+    vllmini has, each value as ``str()`` writes it (as vLLM's; cache_dtype is kv_cache_dtype as given);
+    there is no CPU swap space (num_cpu_blocks None)."""
     args = engine.args
-    info = {"block_size": engine.block_manager.block_size, "cache_dtype": "auto",
+    info = {"block_size": engine.block_manager.block_size, "cache_dtype": args.kv_cache_dtype,
             "enable_prefix_caching": args.enable_prefix_caching, "gpu_memory_utilization": args.gpu_memory_utilization,
             "kv_cache_memory_bytes": args.kv_cache_memory, "num_cpu_blocks": None, "num_gpu_blocks": engine.num_blocks,
             "sliding_window": getattr(engine.model, "sliding_window", None)}  # fmt: skip

@@ -39,6 +39,14 @@ class SchedulerConfig:
     # enable_lora: at most this many LoRA adapters among the running sequences (the model's slots);
     # a waiting sequence whose adapter would exceed it is passed over for those behind it
     max_loras: int | None = None
+    # vLLM's long_prefill_token_threshold: > 0 caps the tokens one sequence computes in a step (so
+    # one long prompt cannot take the whole token budget from the others' prefills); 0: no cap
+    long_prefill_token_threshold: int = 0
+
+    def cap(self, num_tokens: int) -> int:
+        """A sequence's tokens for this step, at most the threshold when there is one."""
+        limit = self.long_prefill_token_threshold
+        return min(num_tokens, limit) if limit > 0 else num_tokens
 
 
 @dataclass
@@ -121,7 +129,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(self.config.cap(seq.num_tokens - seq.num_computed_tokens), budget)
             if rows_left is not None and seq.prompt_logits_from is not None:
                 num_new = seq.cap_prompt_logits_rows(seq.num_computed_tokens, num_new, rows_left)
                 if num_new == 0:  # this step's logits rows are spent: its next chunk waits a step
@@ -170,7 +178,7 @@ class Scheduler:
                 # a cache hit computes no logits: keep the hit below the positions still wanted
                 keep = seq.prompt_logits_from // self.block_manager.block_size
                 cached_blocks, num_cached = cached_blocks[:keep], keep * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(self.config.cap(seq.num_tokens - num_cached), budget)
             if rows_left is not None and seq.prompt_logits_from is not None:
                 num_new = seq.cap_prompt_logits_rows(num_cached, num_new, rows_left)
                 if num_new == 0:
