@@ -97,7 +97,7 @@ def parse_grammar(params: StructuredOutputsParams, disable_any_whitespace: bool 
         # the first line says what is wrong; a Lark error's next lines quote the grammar with a caret under
         # the fault, and a JSON text's error ends with the text itself, lines of it that say nothing alone
         detail = str(exc).strip().splitlines()
-        raise ValueError(f"structured_outputs.{params.kind} cannot be used: {detail[0] if detail else exc!r}") from exc
+        raise ValueError(f"structured_outputs.{params.kind} cannot be used: {detail[0] if detail else repr(exc)}") from exc
 
 
 def _grammar(xgr: Any, params: StructuredOutputsParams, any_whitespace: bool) -> Any:
