@@ -272,3 +272,23 @@ def fake_python(tmp_path: Path, driver_source: str, name: str = "fake_driver.py"
     exe.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "$@"\n')
     exe.chmod(0o755)
     return str(exe)
+
+
+def register_rounded_kv_attention(kv_cache_dtype: str) -> str:
+    """A transformers attention implementation (its SDPA, after rounding K/V as a
+    ``kv_cache_dtype`` cache holds them): the oracle for vllmini's fp8 / bfloat16 KV caches.
+    Returns the name to pass as ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from vllmini.kv.cache_dtype import KV_CACHE_DTYPES, round_to_cache
+
+    cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+
+    def rounded_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, round_to_cache(key, cache_dtype),
+                                      round_to_cache(value, cache_dtype), attention_mask, **kwargs)  # fmt: skip
+
+    name = f"vllmini_test_kv_{kv_cache_dtype}"
+    AttentionInterface.register(name, rounded_sdpa)
+    return name

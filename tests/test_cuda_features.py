@@ -295,3 +295,37 @@ def test_fp8_kv_cache_matches_the_cpu_path(model_dir, kv_cache_dtype):
     assert dev == cpu
     worst = max(abs(a - b) for xs, ys in zip(cpu_lps, dev_lps) for a, b in zip(xs, ys))
     assert worst < 1e-3, f"logprobs {worst:.2e} from the CPU path's"
+
+
+def test_bfloat16_over_an_fp8_cache_matches_transformers(model_dir):
+    """bfloat16 (CUDA's default dtype) over an fp8 e4m3 cache, where a GPU runs the Triton kernel
+    on fp8 bytes (prefill chunks, eager steps, replayed decode graphs). The oracle is transformers
+    with its K/V rounded the same way: the engine's logprobs must sit no further from its float32
+    model's than its own bfloat16 model's do (as tests/test_cpu_bfloat16.py holds bf16 to float32;
+    fp8 rounding amplifies bf16's differences, so the bounds are 1.5x mean and 2x max)."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import register_rounded_kv_attention
+
+    llm = LLM(model=str(model_dir), device=DEVICE, dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=1024,
+              max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory=KV_BYTES)  # fmt: skip
+    if DEVICE == "cuda":
+        assert llm.llm_engine.attention_backend == "triton"
+    ps = [p["prompt_token_ids"] for p in prompts(5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy(16, logprobs=5), use_tqdm=False)
+    impl = register_rounded_kv_attention("fp8")
+    hf32, hf16 = (AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=impl).to(DEVICE).eval()
+                  for dtype in (torch.float32, torch.bfloat16))  # fmt: skip
+    ours, theirs = [], []
+    for p, out in zip(ps, outs):
+        done = out.outputs[0]
+        seq = torch.tensor([p + list(done.token_ids)], device=DEVICE)
+        with torch.no_grad():
+            ref, half = (m(seq).logits[0].float().log_softmax(-1).cpu() for m in (hf32, hf16))
+        for k, top in enumerate(done.logprobs):
+            pos = len(p) + k - 1
+            ours += [abs(lp - ref[pos, t].item()) for t, lp in top.items()]
+            theirs += [abs(half[pos, t].item() - ref[pos, t].item()) for t in top]
+    ours, theirs = torch.tensor(ours), torch.tensor(theirs)
+    assert ours.mean() <= 1.5 * theirs.mean(), f"mean error {ours.mean():.4f} vs transformers bf16's {theirs.mean():.4f}"
+    assert ours.max() <= 2 * theirs.max(), f"max error {ours.max():.4f} vs transformers bf16's {theirs.max():.4f}"

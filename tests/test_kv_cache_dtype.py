@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers import AutoModelForCausalLM
 
-from helpers import NEAR_TIE, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import NEAR_TIE, register_rounded_kv_attention, save_tiny_model, tiny_llama_config, tiny_qwen3_config
 from test_attention import BS, D, MIXES, build_batch
 from test_engine import assert_no_leaks
 from vllmini import LLM, EngineArgs, SamplingParams
@@ -22,19 +21,6 @@ from vllmini.models.cpu_attention import cpu_attention
 
 FORMATS = ["fp8_e4m3", "fp8_e5m2", "bfloat16"]
 PROMPTS = [[5, 17, 300, 42, 9, 1200, 77, 3] * 3, [901, 44, 3, 3, 12], list(range(200, 251))]
-
-
-def _register(name: str) -> str:
-    """A transformers attention implementation that rounds K/V as a ``name`` cache holds them."""
-    cache_dtype = KV_CACHE_DTYPES[name]
-
-    def rounded_sdpa(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, round_to_cache(key, cache_dtype),
-                                      round_to_cache(value, cache_dtype), attention_mask, **kwargs)  # fmt: skip
-
-    impl = f"vllmini_test_kv_{name}"
-    AttentionInterface.register(impl, rounded_sdpa)
-    return impl
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -75,7 +61,7 @@ def test_engine_equals_transformers_with_rounded_kv(tiny, name, backend):
               kv_cache_memory=1 << 22)  # fmt: skip
     caches = {c.dtype for layer in llm.llm_engine.runner.kv_caches for c in layer}
     assert caches == {KV_CACHE_DTYPES[name]}
-    rounded = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation=_register(name)).eval()
+    rounded = AutoModelForCausalLM.from_pretrained(tiny, attn_implementation=register_rounded_kv_attention(name)).eval()
     for run in ("first", "prefix-cached"):
         worst, wrong = _errors(llm, rounded)
         assert not wrong, f"{run} run: greedy tokens differ from transformers' at {wrong}"
@@ -168,7 +154,8 @@ def test_names_and_refusals():
 
 def test_fused_cuda_backends_refuse_an_fp8_cache(monkeypatch):
     """flash-attn 2 and torch's varlen kernel read K/V in q's dtype: forced, an fp8 cache is
-    refused naming the constraint; auto skips them (here: for the Triton kernel)."""
+    refused naming the constraint; auto skips them (here: for the Triton kernel, or for a float32
+    model the torch backend)."""
     from vllmini.models import backend_select
 
     cuda = torch.device("cuda")
@@ -176,6 +163,8 @@ def test_fused_cuda_backends_refuse_an_fp8_cache(monkeypatch):
     monkeypatch.setattr(backend_select, "_triton_importable", lambda: True)
     assert backend_select.select_backend(None, cuda, torch.bfloat16, 256) == "flash_attn"
     assert backend_select.select_backend(None, cuda, torch.bfloat16, 256, torch.float8_e4m3fn) == "triton"
+    # a float32 model's Triton tiles spill registers widening fp8 (bench/triton_compile_check.py): torch's
+    assert backend_select.select_backend(None, cuda, torch.float32, 256, torch.float8_e4m3fn) == "torch"
     with pytest.raises(ValueError, match=r"attention_backend='flash_attn' cannot be used: .*reads the KV cache in the "
                                          r"model's dtype only \(the cache holds torch.float8_e4m3fn"):  # fmt: skip
         backend_select.select_backend("flash_attn", cuda, torch.bfloat16, 256, torch.float8_e4m3fn)

@@ -147,6 +147,10 @@ def select_backend(
     else:
         logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
                        torch.__version__)  # fmt: skip
+    if dtype == torch.float32 and cache_dtype.itemsize == 1:  # (forced, it runs: correct, slower)
+        logger.info("a float32 model over an fp8 KV cache: the torch backend (the Triton kernel's float32 tiles "
+                    "spill registers widening fp8: bench/triton_compile_check.py)")  # fmt: skip
+        return "torch"
     if _triton_importable():
         logger.info("using the Triton paged-attention kernel")
         return "triton"
