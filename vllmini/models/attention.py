@@ -126,8 +126,10 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype)
     One ``index_select`` over the flattened table: on CPU 2-3x faster than advanced indexing
     (``cache[tables]``), which is most of the cost of decode attention there."""
     batch, num_blocks = tables.shape
-    out = cache.index_select(0, tables.reshape(-1)).view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
-    return out.to(dtype)
+    # fp8 blocks are gathered as bytes: not every device's index_select takes fp8 tensors
+    raw = cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
+    out = raw.index_select(0, tables.reshape(-1)).view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
+    return out.view(cache.dtype).to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
