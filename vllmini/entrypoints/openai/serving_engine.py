@@ -172,7 +172,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.models = models if models is not None else OpenAIServingModels(engine, model_name)
-        self.tokenizer = engine.get_tokenizer()
+        self.tokenizer = engine.tokenizer  # (None: skip_tokenizer_init, entrypoints/openai/skip_tokenizer.py)
         self.defaults = engine.engine.get_default_sampling_params()
         # the model's generation config's max_new_tokens, if it sets one: a chat request without
         # max_tokens otherwise runs to the end of the context, as in vLLM
@@ -243,8 +243,9 @@ class OpenAIServing:
 
     def token_text(self, token_id: int, entry: LogprobsEntry | None = None, as_id: bool = False) -> str:
         """A token as logprobs name it: its text, or (``as_id``: a request's
-        ``return_tokens_as_token_ids``) ``"token_id:<id>"``, which survives any bytes."""
-        if as_id:
+        ``return_tokens_as_token_ids``, or an engine without a tokenizer) ``"token_id:<id>"``, which
+        survives any bytes."""
+        if as_id or self.tokenizer is None:
             return f"token_id:{token_id}"
         logprob = entry.get(token_id) if entry else None
         decoded = getattr(logprob, "decoded_token", None)
