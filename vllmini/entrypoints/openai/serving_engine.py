@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 
@@ -30,6 +30,17 @@ def json_logprob(logprob: float) -> float:
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
     """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...)."""
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def refusal_endpoint(message: str, kind: str, status: int) -> Callable[[Any], Awaitable[Any]]:
+    """A route's endpoint that answers every request with this error (OpenAI's shape)."""
+    from starlette.responses import Response
+
+    async def endpoint(request: Any) -> Response:
+        return Response(msgspec.json.encode(error_body(message, kind, status)), status_code=status,
+                        media_type="application/json")  # fmt: skip
+
+    return endpoint
 
 
 def sse(payload: dict[str, Any] | str) -> str:

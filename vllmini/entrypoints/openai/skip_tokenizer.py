@@ -7,13 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import msgspec
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from vllmini.engine.skip_tokenizer import SKIPPED, no_tokenizer, text_prompt_error
-from vllmini.entrypoints.openai.serving_engine import error_body
+from vllmini.entrypoints.openai.serving_engine import refusal_endpoint
 
 # the routes kept: token-id completions, and those that read no request text
 KEPT = ("/v1/completions", "/v1/models", "/health", "/version", "/metrics", "/start_profile", "/stop_profile")
@@ -31,13 +28,9 @@ def refuse_tokenizer_routes(routes: list[BaseRoute]) -> list[BaseRoute]:
     """``routes`` with every one outside ``KEPT`` answering 400 (OpenAI's error shape)."""
 
     def refusal(path: str) -> Callable:
-        async def endpoint(request: Request) -> Response:
-            message = (f"{path} needs a tokenizer, but {SKIPPED} (vllmini serve --skip-tokenizer-init): "
-                       "use POST /v1/completions with token-id prompts")  # fmt: skip
-            return Response(msgspec.json.encode(error_body(message, "BadRequestError", 400)), status_code=400,
-                            media_type="application/json")  # fmt: skip
-
-        return endpoint
+        message = (f"{path} needs a tokenizer, but {SKIPPED} (vllmini serve --skip-tokenizer-init): "
+                   "use POST /v1/completions with token-id prompts")  # fmt: skip
+        return refusal_endpoint(message, "BadRequestError", 400)
 
     return [r if not isinstance(r, Route) or r.path in KEPT else Route(r.path, refusal(r.path), methods=r.methods)
             for r in routes]  # fmt: skip
