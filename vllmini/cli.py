@@ -185,6 +185,10 @@ def _need_chat_template(engine, instead: str) -> None:
     """Stop at once (a ValueError naming what to do ``instead``) when the model's tokenizer has no
     chat template, rather than failing every prompt or turn alike."""
     tokenizer = engine.engine.tokenizer
+    if tokenizer is None:
+        from vllmini.engine.skip_tokenizer import no_tokenizer
+
+        raise no_tokenizer("a chat template")
     if tokenizer.chat_template is None:
         raise ValueError(f"the tokenizer of {tokenizer.name_or_path!r} has no chat template; {instead}")
 

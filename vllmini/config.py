@@ -258,6 +258,9 @@ class EngineArgs(VllmEngineArgs):
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be 'default', a local path or a hub id, got {self.model!r}")
         self.check_vllm_args()
+        from vllmini.engine.skip_tokenizer import check_engine_args
+
+        check_engine_args(self)
         parse_hf_overrides(self.hf_overrides)
         from vllmini.engine.input_processor import generation_overrides
 

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from vllmini.engine.input_processor import PromptType, as_prompt_list, per_prompt_loras
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams, bad_value, is_int, raised_temperature, real_value
+from vllmini.engine.skip_tokenizer import no_tokenizer
 
 if TYPE_CHECKING:
     from vllmini.engine.llm import LLM
@@ -101,6 +102,8 @@ class BeamSearch:
     def __init__(self, engine: LLMEngine, prompts: list[PromptType], params: BeamSearchParams, loras: list[Any]) -> None:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if engine.tokenizer is None:
+            raise no_tokenizer("beam search (its outputs' text)")
         if engine.sampler.logprobs_mode.endswith("logits"):  # (a beam's score sums its tokens' logprobs)
             raise ValueError(f"beam search needs logprobs: this engine's logprobs_mode is {engine.sampler.logprobs_mode!r}")
         cap = engine.input_processor.max_logprobs

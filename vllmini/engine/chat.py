@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from vllmini.engine.skip_tokenizer import no_tokenizer
 from vllmini.files import read_if_file
 
 Message = dict[str, Any]
@@ -53,6 +54,8 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | No
     None: the tokenizer's own. Refused, naming the tokenizer, where there is none (transformers
     would otherwise apply no default), and a path-like string naming no file is refused too,
     instead of being rendered as the literal prompt."""
+    if tokenizer is None:
+        raise no_tokenizer("a chat template (chat messages)")
     if chat_template is None:
         if tokenizer.chat_template is None:
             raise ValueError(

@@ -62,10 +62,11 @@ class EngineClient:
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer, None with skip_tokenizer_init (``get_tokenizer`` raises then)."""
         return self.engine.tokenizer
 
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.engine.get_tokenizer()
 
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, between two steps; False (nothing done) while requests

@@ -19,6 +19,7 @@ from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, salted
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import SamplingRow, banned_tokens
+from vllmini.engine.skip_tokenizer import check_request, text_prompt_error
 
 logger = logging.getLogger("vllmini")
 
@@ -166,6 +167,8 @@ class InputProcessor:
         if not from_defaults:  # (the defaults were just copied for this request)
             params = params.clone()  # the request's own copy: the caller may change theirs meanwhile
         self._check_params(params)
+        if self.tokenizer is None:  # skip_tokenizer_init
+            check_request(params)
         embeds = self._prompt_embeds(prompt, params)
         text, ids = (None, [PLACEHOLDER_ID] * len(embeds)) if embeds is not None else self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
@@ -224,6 +227,8 @@ class InputProcessor:
                 raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
             text = prompt.get("prompt")
         elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise text_prompt_error()
             text, ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, prompt

@@ -35,7 +35,7 @@ class LLM:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
 
     def get_tokenizer(self) -> Any:
-        return self.llm_engine.tokenizer
+        return self.llm_engine.get_tokenizer()
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -278,7 +278,7 @@ class LLM:
         if not isinstance(messages, (list, tuple)):
             raise ValueError(f"messages must be a conversation (a list of dicts) or a list of them, got {messages!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.get_tokenizer()
+        tok = self.llm_engine.tokenizer  # (None with skip_tokenizer_init: render_chat names it)
         prompts = []
         for i, conv in enumerate(conversations):
             try:

@@ -44,6 +44,7 @@ from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampler import Sampler
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.sampling_tensors import to_device
+from vllmini.engine.skip_tokenizer import NoDetokenizer, eos_token_ids
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.engine.thinking_budget import ThinkingBudget
 from vllmini.lora.request import LoRARequest
@@ -137,11 +138,7 @@ class LLMEngine(LLMEngineCalls):
         return engine
 
     def _eos_token_ids(self) -> tuple[int, ...]:
-        """The tokenizer's EOS plus any the generation config lists (e.g. Llama 3's <|eot_id|>)."""
-        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
-        gen_eos = getattr(self.generation_config, "eos_token_id", None)
-        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
-        return tuple(sorted(ids))
+        return eos_token_ids(self.tokenizer, self.generation_config, self.hf_config)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(
@@ -192,7 +189,8 @@ class LLMEngine(LLMEngineCalls):
             for i in range(params.n)
         ]  # fmt: skip
         known = seqs[0].known_prompt_ids  # (none for prompt_embeds: the outputs' prompt_token_ids is None, as vLLM's)
-        detoks = [IncrementalDetokenizer(self.tokenizer, known, params.skip_special_tokens) for _ in seqs]
+        detoks = [NoDetokenizer() if self.tokenizer is None else  # (skip_tokenizer_init)
+                  IncrementalDetokenizer(self.tokenizer, known, params.skip_special_tokens) for _ in seqs]  # fmt: skip
         # the outputs' prompt_token_ids is a copy: a caller changing it cannot reach the sequences'
         # list, which the sampler's penalties and the prompt logprobs read
         state = RequestState(request_id, inp.text, None if inp.prompt_embeds is not None else list(ids), params, seqs,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from vllmini.engine.skip_tokenizer import tokenizer_or_raise
 from vllmini.metrics.reader import get_metrics_snapshot
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ class LLMEngineCalls:
     requests: dict[str, RequestState]
 
     def get_tokenizer(self) -> Any:
-        return self.tokenizer
+        """The tokenizer (vLLM's ValueError with skip_tokenizer_init, which loads none)."""
+        return tokenizer_or_raise(self.tokenizer)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""

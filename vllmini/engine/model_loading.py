@@ -28,7 +28,7 @@ class LoadedModel:
     model: Any  # a CausalLM (models/base.py)
     hf_config: Any  # transformers' PretrainedConfig
     dtype: torch.dtype
-    tokenizer: Any
+    tokenizer: Any  # None with skip_tokenizer_init
     runner: str = "generate"  # or "pooling": the model has no lm_head then
     max_model_len: int = 0  # resolved before the model is built: its rope may depend on it (models/rotary.py)
 
@@ -57,7 +57,9 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
     if args.tokenizer_revision is not None and (args.tokenizer is None or Path(args.tokenizer).expanduser().exists()):
         logger.warning("tokenizer_revision=%r is ignored: the tokenizer is read from a folder (%s), not a hub id",
                        args.tokenizer_revision, args.tokenizer or model_dir)  # fmt: skip
-    tokenizer = load_tokenizer(args.tokenizer or model_dir, args.tokenizer_revision, args.download_dir)
+    tokenizer = None  # skip_tokenizer_init: token ids in and out (engine/skip_tokenizer.py)
+    if not args.skip_tokenizer_init:
+        tokenizer = load_tokenizer(args.tokenizer or model_dir, args.tokenizer_revision, args.download_dir)
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
     return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, max_model_len)
 
@@ -92,7 +94,8 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
     if config.vocab_size != target.hf_config.vocab_size:
         raise ValueError(f"{field}: its vocabulary has {config.vocab_size} tokens, the target's "
                          f"{target.hf_config.vocab_size}; a draft model must share the target's tokenizer")  # fmt: skip
-    if any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    tokenizer_files = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    if target.tokenizer is not None and any((model_dir / name).is_file() for name in tokenizer_files):
         if load_tokenizer(model_dir).get_vocab() != target.tokenizer.get_vocab():
             raise ValueError(f"{field}: its tokenizer's vocabulary differs from the target's (same size, other "
                              "tokens); a draft model must share the target's tokenizer")  # fmt: skip

@@ -58,6 +58,7 @@ from vllmini.entrypoints.openai.serving_responses import OpenAIServingResponses
 from vllmini.entrypoints.openai.serving_pooling import OpenAIServingPoolingRoute
 from vllmini.entrypoints.openai.serving_score import OpenAIServingScores
 from vllmini.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from vllmini.entrypoints.openai.skip_tokenizer import refuse_tokenizer_routes
 
 logger = logging.getLogger("vllmini")
 
@@ -329,6 +330,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                *OpenAIServingPoolingRoute(engine, served_model_name, chat, models).routes(handler)]
     if engine.engine.runner_type == "pooling":
         routes = refuse_generation_routes(routes)
+    if engine.tokenizer is None:  # skip_tokenizer_init: token-id completions only
+        routes = refuse_tokenizer_routes(routes)
     routes += sagemaker_routes(routes, engine.engine.supported_tasks, health, error_response)
     if engine.engine.profiler.config.profiler:  # (vLLM's: only when profiling is configured)
         routes += [Route("/start_profile", start_profile, methods=["POST"]), Route("/stop_profile", stop_profile, methods=["POST"])]

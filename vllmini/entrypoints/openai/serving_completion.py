@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry, RequestOutput
 from vllmini.entrypoints.openai.protocol import CompletionRequest
+from vllmini.entrypoints.openai.skip_tokenizer import check_completion
 from vllmini.entrypoints.openai.serving_engine import (
     EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
 )
@@ -19,6 +20,8 @@ class OpenAIServingCompletion(OpenAIServing):
         lora_request = self.check_model(request.model)
         request.check()
         prompts = request.prompts()
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids in and out
+            check_completion(request, prompts)
         if not request.add_special_tokens:  # (the text kept beside its ids: echo and truncation read it)
             prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids}
                        if isinstance(p, str) else p for p in prompts]  # fmt: skip

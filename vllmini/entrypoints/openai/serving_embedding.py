@@ -15,8 +15,6 @@ from typing import Any, Callable, Literal
 
 import msgspec
 import torch
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from vllmini.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -25,7 +23,7 @@ from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import is_int
 from vllmini.entrypoints.openai.protocol import check_chat_options
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGroup, error_body
+from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGroup, refusal_endpoint
 from vllmini.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 from vllmini.lora.request import LoRARequest
 
@@ -177,13 +175,9 @@ def refuse_generation_routes(routes: list[BaseRoute]) -> list[BaseRoute]:
     shape), as vLLM's pooling server has no such routes."""
 
     def refusal(api: str) -> Callable:
-        async def endpoint(request: Request) -> Response:
-            message = (f"The model does not support the {api}: this server runs --runner pooling "
-                       "(embeddings: POST /v1/embeddings)")  # fmt: skip
-            return Response(msgspec.json.encode(error_body(message, "NotFoundError", 404)), status_code=404,
-                            media_type="application/json")  # fmt: skip
-
-        return endpoint
+        message = (f"The model does not support the {api}: this server runs --runner pooling "
+                   "(embeddings: POST /v1/embeddings)")  # fmt: skip
+        return refusal_endpoint(message, "NotFoundError", 404)
 
     return [Route(r.path, refusal(_GENERATION_ROUTES[r.path]), methods=["POST"])
             if isinstance(r, Route) and r.path in _GENERATION_ROUTES else r for r in routes]  # fmt: skip

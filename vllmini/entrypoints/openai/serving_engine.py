@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 
@@ -30,6 +30,17 @@ def json_logprob(logprob: float) -> float:
 def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
     """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...)."""
     return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+
+
+def refusal_endpoint(message: str, kind: str, status: int) -> Callable[[Any], Awaitable[Any]]:
+    """A route's endpoint that answers every request with this error (OpenAI's shape)."""
+    from starlette.responses import Response
+
+    async def endpoint(request: Any) -> Response:
+        return Response(msgspec.json.encode(error_body(message, kind, status)), status_code=status,
+                        media_type="application/json")  # fmt: skip
+
+    return endpoint
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -172,7 +183,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.models = models if models is not None else OpenAIServingModels(engine, model_name)
-        self.tokenizer = engine.get_tokenizer()
+        self.tokenizer = engine.tokenizer  # (None: skip_tokenizer_init, entrypoints/openai/skip_tokenizer.py)
         self.defaults = engine.engine.get_default_sampling_params()
         # the model's generation config's max_new_tokens, if it sets one: a chat request without
         # max_tokens otherwise runs to the end of the context, as in vLLM
@@ -243,8 +254,9 @@ class OpenAIServing:
 
     def token_text(self, token_id: int, entry: LogprobsEntry | None = None, as_id: bool = False) -> str:
         """A token as logprobs name it: its text, or (``as_id``: a request's
-        ``return_tokens_as_token_ids``) ``"token_id:<id>"``, which survives any bytes."""
-        if as_id:
+        ``return_tokens_as_token_ids``, or an engine without a tokenizer) ``"token_id:<id>"``, which
+        survives any bytes."""
+        if as_id or self.tokenizer is None:
             return f"token_id:{token_id}"
         logprob = entry.get(token_id) if entry else None
         decoded = getattr(logprob, "decoded_token", None)
