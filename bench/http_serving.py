@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (vllmini; vLLM gets whole GiB)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="both servers' --kv-cache-dtype (auto, fp8, fp8_e5m2, ...)")
     ap.add_argument("--vllm-python", default=None, help="python of a vLLM virtualenv (bench/setup_vllm_cpu.sh)")
     ap.add_argument("--vllm-modes", default="eager", help="vLLM rows: eager (--enforce-eager) and/or compile")
     ap.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to answer /health")
@@ -136,14 +137,15 @@ def vllmini_server(args, port: int, log: Path) -> Server:
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]  # fmt: skip
     if args.kv_cache_memory is not None:
         cmd += ["--kv-cache-memory", str(args.kv_cache_memory)]
-    return Server("vllmini", cmd, port, {**os.environ}, log)
+    return Server("vllmini", cmd + ["--kv-cache-dtype", args.kv_cache_dtype], port, {**os.environ}, log)
 
 
 def vllm_server(args, mode: str, model_dir: Path, max_model_len: int, port: int, log: Path) -> Server:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
            "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--dtype", "float32", "--seed", str(args.seed),
            "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--max-model-len", str(max_model_len)] + (["--enforce-eager"] if VLLM_MODES[mode] else [])  # fmt: skip
+           "--max-model-len", str(max_model_len), "--kv-cache-dtype", args.kv_cache_dtype,
+           ] + (["--enforce-eager"] if VLLM_MODES[mode] else [])  # fmt: skip
     gib = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM's CPU KV cache comes in whole GiB
     return Server(f"vllm-{mode}", cmd, port, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(gib)}, log)
 

@@ -66,6 +66,8 @@ def build_parser(prog: str = "python -m bench") -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="EngineArgs.kv_cache_dtype: auto, fp8, fp8_e4m3, fp8_e5m2, bfloat16 (vLLM's rows get it too)")
     ap.add_argument("--attention-backend", default=None, help="force vllmini's attention backend (default: auto)")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="vllmini's EngineArgs.stream_interval: a streamed output every N tokens (default 1)")
@@ -160,7 +162,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m bench") -> list[R
         engine = AsyncLLMEngine.from_engine_args(EngineArgs(
             model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
-            attention_backend=args.attention_backend, stream_interval=args.stream_interval))  # fmt: skip
+            attention_backend=args.attention_backend, stream_interval=args.stream_interval,
+            kv_cache_dtype=args.kv_cache_dtype))  # fmt: skip
     except (ValueError, OSError) as e:  # OSError covers FileNotFoundError and unreadable files
         ap.error(f"--model {args.model!r} could not be loaded: {e}")
     eng = engine.engine
@@ -337,6 +340,8 @@ def _run_baselines(args, chk: dict, eng, wl: Workload, warm: Workload, points, s
     engine_cfg = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                   "max_model_len": eng.max_model_len, "seed": args.seed,
                   "enable_prefix_caching": eng.block_manager.enable_prefix_caching}  # fmt: skip
+    if args.kv_cache_dtype != "auto":  # (a vLLM build that cannot store it fails its rows, with its error)
+        engine_cfg["engine_extra"] = {"kv_cache_dtype": args.kv_cache_dtype}
     vpoints = [VllmPoint(_label(args.workload, r, c), wl, offs, c) for (r, c), offs in zip(points, schedules)]
     for mode in chk["vllm_modes"]:
         budget = max(1, round((args.kv_cache_memory or 2**30) / 2**30))  # vLLM takes whole GiB

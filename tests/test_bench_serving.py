@@ -136,7 +136,8 @@ def tiny_model(tmp_path_factory, default_model_dir):
     [
         ["--workload", "offline", "--dataset", "chat", "--output-len", "4", "--hf-batch-size", "2"],
         ["--workload", "poisson", "--rate", "50", "--burstiness", "0.5", "--dataset", "random",
-         "--input-len", "8:40", "--output-len", "2:6", "--hf-batch-size", "0", "--save-requests"],
+         "--input-len", "8:40", "--output-len", "2:6", "--hf-batch-size", "0", "--save-requests",
+         "--kv-cache-dtype", "fp8"],
         ["--workload", "concurrency", "--sweep", "1,3", "--dataset", "random", "--input-len", "8:40",
          "--output-len", "3:5", "--hf-batch-size", "0"],
     ],

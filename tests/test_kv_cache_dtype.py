@@ -200,3 +200,32 @@ def test_speculative_decoding_over_fp8_caches_changes_no_output(tiny):
     stats = spec.llm_engine.spec_stats
     assert stats.num_draft_tokens > 20 and stats.acceptance_rate > 0.9, stats
     assert_no_leaks(spec)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cpu_kernel_widens_every_fp8_byte(cache_dtype):
+    """Every finite byte value, as a value (one key: the output is its value row, exactly) and
+    as a key (row b attends over [its key, a zero key] with the query on that dimension: the
+    weight of value 1 is sigmoid(key x scale))."""
+    from vllmini.models.cpu_attention import paged_decode
+
+    finite = torch.arange(256, dtype=torch.uint8)
+    finite = finite[torch.isfinite(finite.view(cache_dtype).float())]
+    n = len(finite)  # (e4m3: 254, without its two NaNs; e5m2: 248, without NaNs and infinities)
+    values = torch.zeros(1, 16, 1, n, dtype=torch.uint8)
+    values[0, 0, 0] = finite
+    v = values.view(cache_dtype)
+    out = paged_decode(torch.zeros(1, 1, 1, n), torch.zeros_like(v), v, torch.zeros(1, 1, dtype=torch.int32),
+                       torch.ones(1, dtype=torch.int32), 1.0)  # fmt: skip
+    assert torch.equal(out[0, 0, 0], finite.view(cache_dtype).float())
+    keys = torch.zeros(n, 16, 1, 16, dtype=torch.uint8)  # block b: row b's two keys
+    keys[:, 0, 0, 0] = finite
+    vals = torch.zeros(n, 16, 1, 16)
+    vals[:, 0, 0, :] = 1.0
+    q = torch.zeros(n, 1, 1, 16)
+    q[:, 0, 0, 0] = 1.0
+    scale = 1e-3 if cache_dtype == torch.float8_e5m2 else 1e-2  # (keeps sigmoid's slope away from 0)
+    got = paged_decode(q, keys.view(cache_dtype), vals.to(cache_dtype), torch.arange(n, dtype=torch.int32)[:, None],
+                       torch.full((n,), 2, dtype=torch.int32), scale)[:, 0, 0, 0]  # fmt: skip
+    want = torch.sigmoid(finite.view(cache_dtype).float() * scale)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
