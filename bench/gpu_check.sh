@@ -3,7 +3,8 @@
 #   (i)   CUDA tests: every attention backend vs the torch reference path and HF transformers
 #         (tiny random Llama and Qwen3, bf16), CUDA-graph replay == eager, decode-step timing; then
 #         engine features on CUDA vs the CPU path (tests/test_cuda_features.py: speculative decoding,
-#         a custom logits processor, logprobs, preemption, the async engine, embeddings, thinking budgets);
+#         a custom logits processor, logprobs, preemption, the async engine, embeddings, thinking budgets,
+#         prompt embeddings, YaRN, fp8 KV caches);
 #   (ii)  nano-vllm's offline workload on Qwen3-0.6B-shaped random weights: vllmini output tok/s
 #         and HF transformers static batches in the same run, with the ratio;
 #   (iii) peak GPU memory and KV blocks;
