@@ -202,6 +202,19 @@ def test_speculative_decoding_over_fp8_caches_changes_no_output(tiny):
     assert_no_leaks(spec)
 
 
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_n_greater_than_one_forks_fp8_blocks(tiny, name):
+    """n > 1: the siblings copy their first sequence's partially filled prompt block (fork), which
+    torch cannot index-copy as fp8: each sibling (top_k=1, greedy n > 1 being refused) is the n=1 output."""
+    llm = LLM(model=tiny, kv_cache_dtype=name, kv_cache_memory=1 << 22)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]  # none a whole number of blocks long
+    one = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    two = llm.generate(prompts, SamplingParams(max_tokens=8, top_k=1, ignore_eos=True, n=2), use_tqdm=False)
+    for a, b in zip(one, two):
+        assert [c.token_ids for c in b.outputs] == [a.outputs[0].token_ids] * 2
+    assert_no_leaks(llm)
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_cpu_kernel_widens_every_fp8_byte(cache_dtype):
     """Every finite byte value, as a value (one key: the output is its value row, exactly) and
