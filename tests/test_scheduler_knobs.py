@@ -76,3 +76,10 @@ def test_num_gpu_blocks_override_sets_the_cache_and_forces_preemption(tiny_dir):
 def test_bad_values_are_refused_by_name(field, value, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**{field: value}).validate()
+
+
+def test_a_request_larger_than_the_overridden_cache_names_the_override(tiny_dir):
+    llm = LLM(model=str(tiny_dir), num_gpu_blocks_override=2)  # 32 slots
+    with pytest.raises(ValueError, match=r"more than the whole KV cache \(32 tokens\); raise num_gpu_blocks_override"):
+        llm.generate({"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_no_leaks(llm)

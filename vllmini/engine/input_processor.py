@@ -134,8 +134,10 @@ class InputProcessor:
     def __init__(
         self, tokenizer: Any, vocab_size: int, max_model_len: int, capacity_tokens: int, max_logprobs: int,
         default_params: SamplingParams, eos_token_ids: tuple[int, ...] = (), prompt_embeds_width: int | None = None,
+        capacity_setting: str = "kv_cache_memory",
     ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
+        self.capacity_setting = capacity_setting  # what sets the cache's size: the field errors tell users to raise
         self.prompt_embeds_width = prompt_embeds_width  # the hidden size, when enable_prompt_embeds (else None)
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
@@ -187,8 +189,8 @@ class InputProcessor:
         if total - 1 > self.capacity_tokens:  # (the last token is never stored)
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {total - 1} KV slots (the last token is "
-                f"never stored), more than the whole KV cache ({self.capacity_tokens} tokens); raise kv_cache_memory or "
-                "lower max_tokens"
+                f"never stored), more than the whole KV cache ({self.capacity_tokens} tokens); raise "
+                f"{self.capacity_setting} or lower max_tokens"
             )
         bad_words = self._bad_words_token_ids(params.bad_words or [])
         self._check_something_allowed(params, bad_words)
@@ -288,7 +290,7 @@ class InputProcessor:
                              "length of the input (or set truncate_prompt_tokens).")  # fmt: skip
         if len(ids) > self.capacity_tokens:
             raise ValueError(f"prompt ({len(ids)} tokens) needs more KV slots than the whole KV cache holds "
-                             f"({self.capacity_tokens} tokens); raise kv_cache_memory")  # fmt: skip
+                             f"({self.capacity_tokens} tokens); raise {self.capacity_setting}")  # fmt: skip
         return text, ids
 
     def keep_tokens(self, params: SamplingParams) -> int:

@@ -96,6 +96,7 @@ class LLMEngine(LLMEngineCalls):
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config, args.override_generation_config),
             self.eos_token_ids, self.hf_config.hidden_size if args.enable_prompt_embeds else None,
+            "num_gpu_blocks_override" if args.num_gpu_blocks_override is not None else "kv_cache_memory",
         )  # fmt: skip
         self.sampler = Sampler(args.logprobs_mode)
         # the reasoning strings' tokens (engine/thinking_budget.py): SamplingParams.thinking_token_budget
