@@ -16,7 +16,7 @@ from vllmini.engine.kv_budget import kv_cache_budget
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.engine.pooler import Pooler
 from vllmini.kv.block_manager import BlockManager
-from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, check_cpu_budget, num_blocks_for_budget
+from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, block_id_bytes, check_cpu_budget, num_blocks_for_budget
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
@@ -87,8 +87,7 @@ def build_runtime(
                     args.num_gpu_blocks_override, num_blocks)  # fmt: skip
         num_blocks = args.num_gpu_blocks_override
         if device.type == "cpu":
-            per_block = spec.bytes_per_block + (draft_spec.bytes_per_block if draft_spec is not None else 0)
-            check_cpu_budget(num_blocks * per_block)
+            check_cpu_budget(num_blocks * block_id_bytes(spec, draft_spec))
     # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
     # then, with a window to release blocks behind, a zeroed null block for released entries
     pad = PAD_BLOCKS if use_graphs else 0

@@ -13,7 +13,7 @@ import torch
 from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.engine.prompt_embeds import stacked
 from vllmini.kv.block_manager import BlockManager
-from vllmini.kv.cache_dtype import FP8_DTYPES
+from vllmini.kv.cache_dtype import indexable
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.base import AttentionMetadata, slot_of
 from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
@@ -167,15 +167,13 @@ class ModelRunner:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-fork: duplicate partially filled blocks for n > 1 sequences (in the draft
-        model's cache too, which shares the block ids). fp8 caches are copied as their bytes:
-        torch has no indexed copy for fp8 tensors."""
+        model's cache too, which shares the block ids); fp8 caches as their bytes (``indexable``)."""
         if not copies:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for cache in [c for layer in [*self.kv_caches, *self.draft_kv_caches] for c in layer]:
-            raw = cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
-            raw.index_copy_(0, dst, raw.index_select(0, src))
+        for cache in [indexable(c) for layer in [*self.kv_caches, *self.draft_kv_caches] for c in layer]:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, FlatBatch]:

@@ -33,10 +33,15 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
+def block_id_bytes(spec: KVCacheSpec, draft: KVCacheSpec | None = None) -> int:
+    """What one block id costs: ``draft``, a draft model's cache (speculative decoding), shares
+    the ids of ``spec``'s, so a block id holds a block of both."""
+    return spec.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+
+
 def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, draft: KVCacheSpec | None = None) -> int:
-    """``draft``: a draft model's cache (speculative decoding), whose blocks share the ids of
-    ``spec``'s: a block id costs both."""
-    per_block = spec.bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+    """The block ids ``budget_bytes`` buys (``block_id_bytes``)."""
+    per_block = block_id_bytes(spec, draft)
     num_blocks = budget_bytes // per_block
     if num_blocks < 1:
         raise ValueError(

@@ -52,6 +52,13 @@ def round_to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return to_cache(x, cache_dtype).to(x.dtype)
 
 
+def indexable(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or for fp8 its bytes (a uint8 view of the same memory): torch's indexed copies and
+    selects (``index_copy_``, ``index_select``) have no fp8 kernels on every device, and moving
+    whole elements as bytes is the same move."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """``x`` cast to ``cache_dtype``, saturated at an fp8 format's largest finite value."""
     if cache_dtype in FP8_DTYPES:

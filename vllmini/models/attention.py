@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllmini.kv.cache_dtype import FP8_DTYPES, round_to_cache
+from vllmini.kv.cache_dtype import indexable, round_to_cache
 from vllmini.models.base import AttentionMetadata
 
 
@@ -126,21 +126,16 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype)
     One ``index_select`` over the flattened table: on CPU 2-3x faster than advanced indexing
     (``cache[tables]``), which is most of the cost of decode attention there."""
     batch, num_blocks = tables.shape
-    # fp8 blocks are gathered as bytes: not every device's index_select takes fp8 tensors
-    raw = cache.view(torch.uint8) if cache.dtype in FP8_DTYPES else cache
-    out = raw.index_select(0, tables.reshape(-1)).view(batch, num_blocks * cache.shape[1], *cache.shape[2:])
-    return out.view(cache.dtype).to(dtype)
+    out = indexable(cache).index_select(0, tables.reshape(-1))
+    return out.view(cache.dtype).view(batch, num_blocks * cache.shape[1], *cache.shape[2:]).to(dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (one indexed copy per tensor), in the cache's
-    dtype (``Attention.forward`` has rounded them to it already, so the cast is exact). torch
-    has no indexed copy for fp8 tensors: those are copied as their bytes."""
+    dtype (``Attention.forward`` has rounded them to it already, so the cast is exact); fp8 is
+    copied as its bytes (``indexable``)."""
     for new, cache in zip((k, v), kv_cache):
-        new = new.to(cache.dtype)
-        if cache.dtype in FP8_DTYPES:
-            new, cache = new.view(torch.uint8), cache.view(torch.uint8)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new)
+        indexable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
 
 
 def torch_attention(

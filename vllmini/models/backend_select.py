@@ -97,8 +97,9 @@ def select_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
     cache_dtype: torch.dtype | None = None,
 ) -> str:  # fmt: skip
-    """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``). ``requested`` (EngineArgs.attention_backend) is validated:
-    a configuration it cannot run is a ValueError naming the backend and the constraint.
+    """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``).
+    ``requested`` (EngineArgs.attention_backend) is validated: a configuration it cannot run is a
+    ValueError naming the backend and the constraint.
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
     skipped with the reason logged), else our Triton kernel when triton imports, else the torch
