@@ -190,8 +190,10 @@ def torch_attention(
             blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
             keys = gather_blocks(kv_cache[0], blocks[None], q.dtype)[0, : seq_len - first]
             vals = gather_blocks(kv_cache[1], blocks[None], q.dtype)[0, : seq_len - first]
-        qi = q[start : start + q_len].transpose(0, 1)
-        keys, vals = keys.transpose(0, 1), vals.transpose(0, 1)
+        # [1, H, L, D]: SDPA takes its fused (flash) CPU kernel for 4-D inputs only; 3-D ones go to
+        # the math path, which builds every L x L score (7x slower at L = 2048 here)
+        qi = q[start : start + q_len].transpose(0, 1)[None]
+        keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
         if q_len == seq_len and (window is None or window >= seq_len):
             oi = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
@@ -199,7 +201,7 @@ def torch_attention(
             pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
             oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start : start + q_len] = oi.transpose(0, 1)
+        out[start : start + q_len] = oi[0].transpose(0, 1)
     return out
 
 
