@@ -16,6 +16,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("vllmini.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("vllmini.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllmini.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("vllmini.models.gemma3", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
