@@ -163,9 +163,9 @@ def tiny_smollm3_config(**overrides) -> SmolLM3Config:
 
 
 # Gemma: head_dim apart from hidden/heads and a query_pre_attn_scalar apart from head_dim (the
-# scale must come from it), a 12-token window; initializer_range 0.3 would let the embeddings,
-# scaled by sqrt(hidden) = 8, swamp the layers (greedy then repeats the last token)
-_GEMMA = dict(num_attention_heads=4, head_dim=24, query_pre_attn_scalar=20, sliding_window=12, initializer_range=0.05,
+# scale must come from it), a 12-token window; hidden 56, so the embedding scale sqrt(56) rounds in
+# bfloat16 (7.5); initializer_range 0.3 would let the scaled embeddings swamp the layers
+_GEMMA = dict(hidden_size=56, num_attention_heads=4, head_dim=24, query_pre_attn_scalar=20, sliding_window=12, initializer_range=0.05,
               tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1)  # fmt: skip
 
 
