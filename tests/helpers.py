@@ -239,7 +239,7 @@ def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labels: int, seed: int = 0,
                          head: str = "Sequence", **config):  # fmt: skip
-    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3}ForSequenceClassification`` (``head="Token"``: the
+    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3,Gemma2,Gemma3Text}ForSequenceClassification`` (``head="Token"``: the
     ``*ForTokenClassification``, its head's bias random too) with the default model's vocabulary and
     tokenizer, saved by transformers; the ``score`` head is drawn wide (std 1) so that the
     probabilities are far apart. Returns (folder, the transformers model)."""
@@ -247,7 +247,8 @@ def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labe
 
     torch.manual_seed(seed)
     name, make = {"llama": ("Llama", tiny_llama_config), "mistral": ("Mistral", tiny_mistral_config),
-                  "qwen2": ("Qwen2", tiny_qwen2_config), "qwen3": ("Qwen3", tiny_qwen3_config)}[kind]  # fmt: skip
+                  "qwen2": ("Qwen2", tiny_qwen2_config), "qwen3": ("Qwen3", tiny_qwen3_config),
+                  "gemma2": ("Gemma2", tiny_gemma2_config), "gemma3": ("Gemma3Text", tiny_gemma3_config)}[kind]  # fmt: skip
     cls = getattr(transformers, f"{name}For{head}Classification")
     hf = cls(make(vocab_size=49152, initializer_range=0.05, num_labels=num_labels, **config)).eval()
     randomize_biases(hf, 0.05)

@@ -5,6 +5,7 @@ backends) with greedy tokens equal and logprobs within 2e-4 of transformers' on 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -260,3 +261,37 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, name):
     ours, theirs = logprob_errors(llm, model_dir, _prompts(4000, [3, 40, 17], 9), 16)
     assert_as_close_as_transformers_bf16(ours, theirs)
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sequence_classifier_equals_transformers(tmp_path, default_model_dir, name):
+    """Gemma2ForSequenceClassification / Gemma3TextForSequenceClassification: the body here, transformers'
+    ``score`` head over the last token (no final softcap: that is the language-model head's)."""
+    from test_pooling import KV, PROMPTS, assert_close
+
+    from helpers import save_tiny_classifier
+
+    model_dir, hf = save_tiny_classifier(name, tmp_path, default_model_dir, 3)
+    randomize_norms(hf).save_pretrained(model_dir)
+    llm = LLM(model=str(model_dir), kv_cache_memory=KV, max_num_batched_tokens=8)
+    assert llm.llm_engine.runner_type == "pooling"
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, llm.classify(PROMPTS, use_tqdm=False)):
+        with torch.no_grad():
+            want = hf(torch.tensor([tok(prompt).input_ids])).logits[0].float().softmax(-1)
+        assert_close(out.outputs.probs, want, f"{name} {prompt!r}")
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_headless_gemma3_embeds_as_transformers(saved, tmp_path):
+    """A Gemma3TextModel checkpoint (no lm_head) pools: its last token's hidden state, normalized."""
+    from transformers import AutoModel
+
+    from test_pooling import KV, PROMPTS, assert_close, hf_embedding
+
+    model_dir, _ = saved("gemma3")
+    headless = save_tiny_model(AutoModel.from_pretrained(model_dir), tmp_path / "headless", model_dir)
+    llm = LLM(model=str(headless), kv_cache_memory=KV)
+    assert llm.llm_engine.runner_type == "pooling" and llm.llm_engine.model.lm_head is None
+    out = llm.embed([PROMPTS[3]], use_tqdm=False)[0]
+    assert_close(out.outputs.embedding, hf_embedding(Path(model_dir), out.prompt_token_ids, "LAST"), "Gemma3TextModel")
