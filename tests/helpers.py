@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
-                          Qwen3Config, Qwen3MoeConfig, SmolLM3Config)  # fmt: skip
+from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                          Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)  # fmt: skip
 
 from vllmini.models.backend_select import triton_interpreter_problem
 from vllmini.models.base import AttentionMetadata
@@ -162,6 +162,37 @@ def tiny_smollm3_config(**overrides) -> SmolLM3Config:
     return _tiny(SmolLM3Config, "SmolLM3ForCausalLM", features, overrides)
 
 
+# Gemma: head_dim apart from hidden/heads and a query_pre_attn_scalar apart from head_dim (the
+# scale must come from it), a 12-token window; hidden 56, so the embedding scale sqrt(56) rounds in
+# bfloat16 (7.5); initializer_range 0.3 would let the scaled embeddings swamp the layers
+_GEMMA = dict(hidden_size=56, num_attention_heads=4, head_dim=24, query_pre_attn_scalar=20, sliding_window=12, initializer_range=0.05,
+              tie_word_embeddings=True, pad_token_id=0, bos_token_id=2, eos_token_id=1)  # fmt: skip
+
+
+def tiny_gemma3_config(**overrides) -> Gemma3TextConfig:
+    """4 layers, every 3rd full (sliding_window_pattern, as gemma-3 configs state it: [s, s, f, s]);
+    q/k norms; linear rope scaling on the full layers, another base on the sliding ones."""
+    features = dict(_GEMMA, num_hidden_layers=4, sliding_window_pattern=3, rope_theta=1000000.0,
+                    rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 4.0})  # fmt: skip
+    return _tiny(Gemma3TextConfig, "Gemma3ForCausalLM", features, overrides)
+
+
+def tiny_gemma2_config(**overrides) -> Gemma2Config:
+    """3 layers alternating sliding and full; attention and final-logit softcaps low enough to bite (its scores are ~0.2)."""
+    features = dict(_GEMMA, attn_logit_softcapping=0.3, final_logit_softcapping=2.0)
+    return _tiny(Gemma2Config, "Gemma2ForCausalLM", features, overrides)
+
+
+def randomize_norms(hf_model, std: float = 0.5):
+    """transformers initialises Gemma's RMSNorm weights to zero (they scale by 1 + w), which would
+    let a norm that is never loaded, or one without the offset, pass."""
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, std)
+    return hf_model
+
+
 def tiny_qwen3_moe_config(**overrides) -> Qwen3MoeConfig:
     """Qwen3's attention; 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers)."""
     features = dict(num_attention_heads=4, head_dim=24, tie_word_embeddings=False, rope_theta=1000000.0,
@@ -208,7 +239,7 @@ def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
 
 def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labels: int, seed: int = 0,
                          head: str = "Sequence", **config):  # fmt: skip
-    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3}ForSequenceClassification`` (``head="Token"``: the
+    """A tiny random ``{Llama,Mistral,Qwen2,Qwen3,Gemma2,Gemma3Text}ForSequenceClassification`` (``head="Token"``: the
     ``*ForTokenClassification``, its head's bias random too) with the default model's vocabulary and
     tokenizer, saved by transformers; the ``score`` head is drawn wide (std 1) so that the
     probabilities are far apart. Returns (folder, the transformers model)."""
@@ -216,7 +247,8 @@ def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labe
 
     torch.manual_seed(seed)
     name, make = {"llama": ("Llama", tiny_llama_config), "mistral": ("Mistral", tiny_mistral_config),
-                  "qwen2": ("Qwen2", tiny_qwen2_config), "qwen3": ("Qwen3", tiny_qwen3_config)}[kind]  # fmt: skip
+                  "qwen2": ("Qwen2", tiny_qwen2_config), "qwen3": ("Qwen3", tiny_qwen3_config),
+                  "gemma2": ("Gemma2", tiny_gemma2_config), "gemma3": ("Gemma3Text", tiny_gemma3_config)}[kind]  # fmt: skip
     cls = getattr(transformers, f"{name}For{head}Classification")
     hf = cls(make(vocab_size=49152, initializer_range=0.05, num_labels=num_labels, **config)).eval()
     randomize_biases(hf, 0.05)

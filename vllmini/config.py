@@ -93,7 +93,7 @@ def resolve_max_model_len(requested: int | None, hf_config: Any, window_cap: int
     The context length is derived as vLLM derives it: the smallest length key of config.json, times
     the factor of a linear or dynamic rope scaling, whose ``max_position_embeddings`` is the unscaled
     length (Vicuna-v1.5-16k: 4096 with factor 4); YaRN's ``original_max_position_embeddings`` times
-    its factor (Qwen3 with 32768 x 4); llama3 and LongRoPE configs already state the scaled one."""
+    its factor (Qwen3 with 32768 x 4); llama3 and LongRoPE configs, and Gemma 3, already state the scaled one."""
     from vllmini.models.rotary import rope_parameters, scaled_context_len
 
     values = [getattr(hf_config, key, None) for key in _MAX_LEN_KEYS]
@@ -106,7 +106,8 @@ def resolve_max_model_len(requested: int | None, hf_config: Any, window_cap: int
             logger.warning("config.json states no context length (%s); assuming %d tokens",
                            ", ".join(_MAX_LEN_KEYS), DEFAULT_MAX_MODEL_LEN)  # fmt: skip
     scaled, why = scaled_context_len(rope_parameters(hf_config), derived)
-    if why:
+    # (as vLLM: Gemma 3's max_position_embeddings is the context its full layers' rope scaling gives)
+    if why and "gemma3" not in (getattr(hf_config, "model_type", None) or ""):
         derived, source = scaled, f"{source}, {why}"
     if window_cap is not None and window_cap < derived:  # disable_sliding_window, as vLLM caps it
         derived, source = window_cap, "the sliding window, as disable_sliding_window caps it"

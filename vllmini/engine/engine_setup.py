@@ -51,6 +51,7 @@ def build_runtime(
     attention_backend, backend = start_backend(
         args.attention_backend, device, dtype, block_size,
         hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, model.sliding_window, cache_dtype,
+        model.logits_soft_cap,
     )  # fmt: skip
     model.set_attention_backend(backend)
     lora_manager: LoRAManager | None = None
@@ -76,7 +77,7 @@ def build_runtime(
     if draft_model is not None:
         draft_backend = start_backend(
             args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
-            draft_model.num_kv_heads, draft_model.head_dim, cache_dtype=cache_dtype,
+            draft_model.num_kv_heads, draft_model.head_dim, cache_dtype=cache_dtype, softcap=draft_model.logits_soft_cap,
         )[1]  # fmt: skip
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,

@@ -23,7 +23,7 @@ import inspect
 import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -147,15 +147,19 @@ def torch_attention(
     scale: float,
     window: int | None = None,
     decode: Callable[..., torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
     decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
-    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window)`` (the cpu backend)."""
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window)`` (the cpu backend).
+    ``softcap``: scores capped to (-softcap, softcap) (Gemma 2; not with ``decode``)."""
+    if decode is not None and softcap is not None:
+        raise ValueError("the decode kernel does not cap attention scores (softcap): use the torch backend")
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
     if meta.static_decode:
-        return _static_decode(q, meta, kv_cache, scale, window)
+        return _static_decode(q, meta, kv_cache, scale, window, softcap)
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(meta, block_size, grouped=decode is None)
@@ -176,7 +180,7 @@ def torch_attention(
                 pos = torch.arange(mask.shape[-1], device=mask.device)
                 mask = mask & (pos >= group.seq_lens[:, None, None, None] - window)
             keys, vals = _zero_masked(keys, vals, mask)
-            od = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask, scale=scale)
+            od = attend(qd, keys, vals, scale, softcap, attn_mask=mask)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
@@ -195,19 +199,20 @@ def torch_attention(
         qi = q[start : start + q_len].transpose(0, 1)[None]
         keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
         if q_len == seq_len and (window is None or window >= seq_len):
-            oi = F.scaled_dot_product_attention(qi, keys, vals, is_causal=True, scale=scale, enable_gqa=True)
+            oi = attend(qi, keys, vals, scale, softcap, is_causal=True, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
-            oi = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+            oi = attend(qi, keys, vals, scale, softcap, attn_mask=mask, enable_gqa=True)
         out[start : start + q_len] = oi[0].transpose(0, 1)
     return out
 
 
 def _static_decode(
-    q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float, window: int | None
-) -> torch.Tensor:
+    q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float, window: int | None,
+    softcap: float | None = None,
+) -> torch.Tensor:  # fmt: skip
     """One token per row over ALL ``block_tables`` columns, masked by the ``seq_lens`` tensor:
     fixed shapes, no host lists, no device->host sync, so a CUDA graph can capture it."""
     k_cache, v_cache = kv_cache
@@ -223,8 +228,26 @@ def _static_decode(
         mask = mask & (pos >= meta.seq_lens[:, None] - window)
     qd = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     keys, vals = _zero_masked(keys, vals, mask[:, None, None, :])
-    out = F.scaled_dot_product_attention(qd, keys, vals, attn_mask=mask[:, None, None, :], scale=scale)
+    out = attend(qd, keys, vals, scale, softcap, attn_mask=mask[:, None, None, :])
     return out.reshape(batch, num_heads, head_dim)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None = None,
+           **sdpa: Any) -> torch.Tensor:  # fmt: skip
+    """SDPA (``sdpa``: its attn_mask / is_causal / enable_gqa), or, with ``softcap``, the eager math
+    transformers' Gemma 2 runs (SDPA has no cap): ``softcap * tanh(scores / softcap)``, then the
+    mask, a float32 softmax and the values."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **sdpa)
+    if k.shape[-3] != q.shape[-3]:  # grouped-query heads ([H, L, D] rows: enable_gqa)
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    mask = sdpa.get("attn_mask")
+    if sdpa.get("is_causal"):
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _zero_masked(keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,12 +336,14 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
 class Attention(nn.Module):
     """Multi-head attention core (no projections): rotary-embedded q/k/v in, context out."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int | None = None,
+                 softcap: float | None = None) -> None:  # fmt: skip
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.window = window  # sliding-window attention (None: full)
+        self.softcap = softcap  # tanh cap on the scores (Gemma 2; the torch backend only)
         self.backend: AttentionBackend = torch_attention
 
     def forward(
@@ -326,5 +351,6 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         if kv_cache is not None:  # an fp8 (or narrower) cache: attend to K/V as it holds them
             k, v = round_to_cache(k, kv_cache[0].dtype), round_to_cache(v, kv_cache[1].dtype)
-        out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window)
+        capped = {} if self.softcap is None else {"softcap": self.softcap}
+        out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window, **capped)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

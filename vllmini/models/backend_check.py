@@ -27,12 +27,14 @@ AttentionFn = Callable[..., torch.Tensor]
 def start_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
     num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None, cache_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> tuple[str, AttentionFn]:  # fmt: skip
     """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``
-    (``cache_dtype``: what the KV cache holds, None: ``dtype``).
+    (``cache_dtype``: what the KV cache holds, None: ``dtype``; ``softcap``: the model's attention
+    score cap, which only the torch backend applies).
     A chosen backend that fails falls back to the torch one with a warning; a forced one
     (``EngineArgs.attention_backend``) that fails is a ValueError naming it and the failure."""
-    name = select_backend(requested, device, dtype, block_size, cache_dtype)
+    name = select_backend(requested, device, dtype, block_size, cache_dtype, softcap)
     fn = get_backend(name)
     if name == "torch":
         return name, fn

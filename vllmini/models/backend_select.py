@@ -95,9 +95,10 @@ def _fused_problems(
 
 def select_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
-    cache_dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None, softcap: float | None = None,
 ) -> str:  # fmt: skip
-    """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``).
+    """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``;
+    ``softcap``: the model caps its attention scores, Gemma 2, which only the torch backend does).
     ``requested`` (EngineArgs.attention_backend) is validated: a configuration it cannot run is a
     ValueError naming the backend and the constraint.
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
@@ -108,6 +109,11 @@ def select_backend(
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
     cache_dtype = cache_dtype or dtype
+    if softcap is not None:  # (the decode kernels, Triton's and flash-attn's calls take no cap)
+        if requested not in (None, "torch"):
+            raise ValueError(f"attention_backend={requested!r} cannot be used: the model caps its attention scores "
+                             f"(attn_logit_softcapping={softcap}), which only the torch backend does")  # fmt: skip
+        return "torch"
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
         if dtype not in MODEL_DTYPES:

@@ -5,6 +5,8 @@ parity tests can demand logits within 1e-4.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,24 +18,39 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` over its root mean square, in float32."""
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalize(x).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from 1, applied in float32 before the cast back
+    (Llama casts first, then scales), as transformers' Gemma2/Gemma3RMSNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.normalize(x) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+# hidden_act -> the gate's activation (gelu_pytorch_tanh: Gemma's tanh-approximated GELU)
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class GatedMLP(nn.Module):
-    """SiLU-gated MLP with gate and up projections fused into one matmul."""
+    """Gated MLP (SiLU, or Gemma's GELU) with gate and up projections fused into one matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu") -> None:
         super().__init__()
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported; supported: silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

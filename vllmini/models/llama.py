@@ -40,8 +40,12 @@ class DecoderVariant:
     mlp_bias: bool | None = None
     # Sliding-window attention, as the transformers class reads the config: "none" (Llama ignores
     # sliding_window), "every_layer" (Mistral, Phi-3: every layer once sliding_window is set) or
-    # "layer_types" (Qwen2/3, SmolLM3: with use_sliding_window, the layers layer_types marks)
+    # "layer_types" (Qwen2/3, SmolLM3: with use_sliding_window, the layers layer_types marks) or
+    # "by_layer_type" (Gemma 2/3: the layers layer_types marks, with no use_sliding_window switch)
     sliding: str = "none"
+    norm: type[RMSNorm] = RMSNorm  # every RMSNorm of the decoder (Gemma's: the weight is an offset from 1)
+    query_pre_attn_scalar: bool = False  # Gemma: scores scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5
+    attn_softcapping: bool = False  # Gemma 2: scores capped by attn_logit_softcapping (Gemma 3's config has the key unused)
 
     def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
         return bool(getattr(config, key, False)) if fixed is None else fixed
@@ -60,9 +64,11 @@ class DecoderAttention(nn.Module):
         qkv_bias = variant.bias(variant.qkv_bias, config, "attention_bias")
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
+        self.q_norm = variant.norm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = variant.norm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        scale = (config.query_pre_attn_scalar if variant.query_pre_attn_scalar else self.head_dim) ** -0.5
+        softcap = getattr(config, "attn_logit_softcapping", None) if variant.attn_softcapping else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window, softcap)
 
     def forward(
         self,
@@ -86,9 +92,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
                  window: int | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = variant.norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DecoderAttention(config, variant, use_rope, window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = variant.norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp  # a GatedMLP, or a mixture of experts (models/moe.py)
 
     def forward(
@@ -105,14 +111,15 @@ def layer_windows(config: Any, sliding: str) -> list[int | None]:
         return [None] * n
     if sliding == "every_layer":
         return [int(window)] * n
-    if not getattr(config, "use_sliding_window", False):
+    if sliding == "layer_types" and not getattr(config, "use_sliding_window", False):
         return [None] * n
     types = getattr(config, "layer_types", None) or ["sliding_attention"] * n
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, build_mlp: Callable[[int], nn.Module]) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, build_mlp: Callable[[int], nn.Module],
+                 layer_cls: type[DecoderLayer] = DecoderLayer) -> None:  # fmt: skip
         super().__init__()
         # uninitialised (_weight): the checkpoint fills it, and a random init on the meta device
         # (weight_loader) imports torch._dynamo, and with it triton, for nothing
@@ -123,9 +130,9 @@ class DecoderModel(nn.Module):
         rope = getattr(config, "no_rope_layers", None) or [1] * config.num_hidden_layers
         windows = layer_windows(config, variant.sliding)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, build_mlp(i), bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
+            layer_cls(config, variant, build_mlp(i), bool(rope[i]), windows[i]) for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = variant.norm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))
 
@@ -134,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
     """Flat varlen batch in, logits of each sequence's last scheduled token out."""
 
     variant = DecoderVariant()
+    layer_cls = DecoderLayer  # (Gemma: norms on both sides of attention and MLP)
     fused_checkpoint = False  # True: checkpoints hold qkv_proj / gate_up_proj fused (Phi-3)
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # a mixture of experts' names (models/moe.py)
 
@@ -141,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self._shards_seen: dict[str, set[int]] = {}  # fused parameter -> shard indices loaded (load_weights)
-        self.model = DecoderModel(config, self.variant, self.build_mlp)
+        self.model = DecoderModel(config, self.variant, self.build_mlp, self.layer_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -168,6 +176,12 @@ class LlamaForCausalLM(nn.Module):
         the KV behind it, and the cache can release those blocks as a sequence advances."""
         windows = {layer.self_attn.attn.window for layer in self.model.layers}
         return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def logits_soft_cap(self) -> float | None:
+        """The cap on attention scores (Gemma 2's attn_logit_softcapping), which only the torch
+        backend applies (backend_select.py); None: uncapped."""
+        return self.model.layers[0].self_attn.attn.softcap
 
     @property
     def num_kv_heads(self) -> int:
@@ -230,16 +244,23 @@ class LlamaForCausalLM(nn.Module):
         """The final-normed hidden states of the rows in ``logits_indices`` (every row when None):
         what ``forward`` projects to logits, and what the pooling runner pools (engine/pooler.py).
         ``inputs_embeds``: (rows, values) whose input embeddings replace the table's (prompt_embeds)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if inputs_embeds is not None:
             rows, values = inputs_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        cos_sin = self.model.rotary_emb.cos_sin(positions)
-        for i, layer in enumerate(self.model.layers):
+        for i, (layer, cos_sin) in enumerate(zip(self.model.layers, self.rope_tables(positions))):
             x = layer(x, cos_sin, attn_metadata, kv_caches[i] if kv_caches is not None else None)
         if attn_metadata.logits_indices is not None:
             x = x.index_select(0, attn_metadata.logits_indices)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (Gemma scales them; prompt_embeds replace these)."""
+        return self.model.embed_tokens(input_ids)
+
+    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's rotary cos/sin: one table for all here (Gemma 3's sliding layers have their own base)."""
+        return [self.model.rotary_emb.cos_sin(positions)] * len(self.model.layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into our (fused) parameters; returns the parameter names filled.

@@ -16,19 +16,24 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("vllmini.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("vllmini.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllmini.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("vllmini.models.gemma3", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
 # load them, their lm_head dropped (weight_loader.load_model)
 _HEADLESS: dict[str, str] = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
-                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}  # fmt: skip
+                             "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+                             "Gemma2Model": "Gemma2ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}  # fmt: skip
 # sequence classifiers (and cross-encoder rerankers, num_labels == 1): the decoder body and transformers'
 # ``score`` head (hidden -> num_labels, no bias) over the last token; they only pool (classify / score),
 # loaded by the same classes with the head in place of lm_head (weight_loader.load_model)
 _CLASSIFIERS: dict[str, str] = {"LlamaForSequenceClassification": "LlamaForCausalLM",
                                 "MistralForSequenceClassification": "MistralForCausalLM",
                                 "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
-                                "Qwen3ForSequenceClassification": "Qwen3ForCausalLM"}  # fmt: skip
+                                "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+                                "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+                                "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM"}  # fmt: skip
 # token classifiers: the same body and ``score`` head (with transformers' bias, ``token_classification_bias``)
 # over every token; they only pool (token_classify)
 _TOKEN_CLASSIFIERS: dict[str, str] = {"LlamaForTokenClassification": "LlamaForCausalLM",

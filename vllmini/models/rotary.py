@@ -24,15 +24,18 @@ ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 _ORIGINAL_LEN_TYPES = ("llama3", "yarn", "longrope")  # types that read original_max_position_embeddings
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """One dict for rope settings, whether the config uses transformers 5's ``rope_parameters``
     or the older ``rope_theta`` + ``rope_scaling`` pair, completed as transformers completes it:
     ``partial_rotary_factor``, the model's ``max_position_embeddings`` and, for the types that
     scale from a pretraining length, ``original_max_position_embeddings`` (Phi-3 keeps it beside
-    rope_scaling, and that one wins)."""
+    rope_scaling, and that one wins). ``layer_type``: the settings of that kind of layer where
+    ``rope_parameters`` holds one set per kind (Gemma 3 under transformers 5)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = getattr(config, "rope_scaling", None)
-    if scaling:
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
+    elif scaling:
         params = {**scaling, **params}
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"

@@ -1,0 +1,297 @@
+"""Gemma 3 (text) and Gemma 2 (vllmini/models/gemma3.py) against transformers' modeling_gemma3/2.py on
+the same weights: logits of a flat batch (1e-4), greedy over the paged cache, each Gemma feature shown
+to matter, then the whole engine (chunked prefill, prefix-cache hits, preemption; cpu and torch
+backends) with greedy tokens equal and logprobs within 2e-4 of transformers' on the same tokens."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import Gemma2ForCausalLM as HFGemma2
+from transformers import Gemma3ForCausalLM as HFGemma3
+
+from helpers import (NEAR_TIE, assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, randomize_norms,
+                     save_tiny_model, tiny_gemma2_config, tiny_gemma3_config)  # fmt: skip
+from test_engine import assert_no_leaks, kv_bytes
+from vllmini import LLM, SamplingParams
+from vllmini.config import resolve_max_model_len
+from vllmini.models.backend_select import select_backend
+from vllmini.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, gemma3_rope_parameters
+from vllmini.models.layers import GemmaRMSNorm, RMSNorm
+from vllmini.models.rotary import inverse_frequencies
+
+CASES = {"gemma3": (tiny_gemma3_config, HFGemma3, Gemma3ForCausalLM),
+         "gemma2": (tiny_gemma2_config, HFGemma2, Gemma2ForCausalLM)}  # fmt: skip
+WINDOWS = {"gemma3": [12, 12, None, 12], "gemma2": [12, None, 12]}
+
+
+def _ours(name: str, hf) -> torch.nn.Module:
+    model = CASES[name][2](copy.deepcopy(hf.config))  # (a copy: the mutation test edits our config)
+    assert model.load_weights(hf.state_dict().items()) == {n for n, _ in model.named_parameters()}
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny_pair(request):
+    make_config, hf_cls, _ = CASES[request.param]
+    torch.manual_seed(0)
+    hf = randomize_norms(hf_cls(make_config())).eval()
+    return request.param, hf
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def _max_logit_error(model, hf, prompts: list[list[int]]) -> float:
+    logits = prompt_forward(model, prompts)
+    with torch.no_grad():
+        refs = [hf(torch.tensor([p])).logits[0, -1] for p in prompts]
+    return max(float((row - ref).abs().max()) for row, ref in zip(logits, refs))
+
+
+def test_logits_in_one_flat_batch(tiny_pair):
+    name, hf = tiny_pair
+    ours = _ours(name, hf)
+    assert [layer.self_attn.attn.window for layer in ours.model.layers] == WINDOWS[name]
+    assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()  # tied
+    assert _max_logit_error(ours, hf, _prompts(hf.config.vocab_size, [1, 5, 17, 40], 1)) < 1e-4
+
+
+def test_greedy_over_the_paged_cache(tiny_pair):
+    name, hf = tiny_pair
+    prompts = _prompts(hf.config.vocab_size, [1, 9, 30], 2)
+    distinct = []
+    for prompt, out in zip(prompts, greedy_paged(_ours(name, hf), prompts, 24)):
+        want, gaps = hf_greedy(hf, prompt, 24)
+        assert_greedy_matches(out, want, gaps, f"{name}, prompt of {len(prompt)}")
+        distinct.append(len(set(want)))
+    assert max(distinct) > 3, "a degenerate tiny model (one token repeated) tells little"
+
+
+def _drop_norm_offset(model) -> None:
+    for module in model.modules():
+        if isinstance(module, GemmaRMSNorm):
+            module.__class__ = RMSNorm
+
+
+def _head_dim_scale(model) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.attn.scale = layer.self_attn.head_dim**-0.5
+
+
+MUTATIONS = {  # what each Gemma feature is replaced by: the logits must then move away from transformers'
+    "embedding scale": lambda m: setattr(m, "embed", lambda ids: m.model.embed_tokens(ids)),
+    "norm offset": _drop_norm_offset,
+    "query_pre_attn_scalar": _head_dim_scale,
+    "sliding window": lambda m: [setattr(layer.self_attn.attn, "window", None) for layer in m.model.layers],
+    "local rope base": lambda m: setattr(m, "local_rope", [False] * len(m.model.layers)),
+    "attention softcap": lambda m: [setattr(layer.self_attn.attn, "softcap", None) for layer in m.model.layers],
+    "final softcap": lambda m: setattr(m.config, "final_logit_softcapping", None),
+}
+ONLY = {"local rope base": "gemma3", "attention softcap": "gemma2", "final softcap": "gemma2"}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_each_feature_matters(tiny_pair, mutation):
+    """The tiny configs exercise every feature: without it, the logits leave transformers' by far more than 1e-4."""
+    name, hf = tiny_pair
+    if ONLY.get(mutation, name) != name:
+        pytest.skip(f"{name} has no {mutation}")
+    ours = _ours(name, hf)
+    MUTATIONS[mutation](ours)
+    assert _max_logit_error(ours, hf, _prompts(hf.config.vocab_size, [5, 17, 40], 3)) > 1e-2
+
+
+def test_rope_of_either_config_format():
+    """transformers 5 keeps one rope per layer type (rope_parameters); older configs have rope_theta +
+    rope_scaling (full layers) and rope_local_base_freq (sliding): both give the same frequencies."""
+    nested = tiny_gemma3_config()
+    flat = SimpleNamespace(rope_theta=1000000.0, rope_scaling={"rope_type": "linear", "factor": 4.0},
+                           rope_local_base_freq=10000.0, max_position_embeddings=1024)  # fmt: skip
+    for kind in ("full_attention", "sliding_attention"):
+        a, b = (inverse_frequencies(gemma3_rope_parameters(c, kind), 24, 1024)[0] for c in (nested, flat))
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    full, local = (inverse_frequencies(gemma3_rope_parameters(nested, k), 24, 1024)[0]
+                   for k in ("full_attention", "sliding_attention"))  # fmt: skip
+    assert not torch.allclose(full, local)
+
+
+def test_max_model_len_is_not_scaled_again():
+    """As vLLM: Gemma 3's max_position_embeddings is the context its rope scaling gives already."""
+    assert resolve_max_model_len(None, tiny_gemma3_config()) == 1024
+
+
+def test_attention_softcap_runs_on_the_torch_backend_only():
+    cuda = torch.device("cuda")  # (selection only: no device is touched)
+    assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
+    assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
+    for forced in ("cpu", "triton", "flash_attn", "torch_varlen"):
+        with pytest.raises(ValueError, match=rf"attention_backend='{forced}' cannot be used: .*attn_logit_softcapping"):
+            select_backend(forced, cuda, torch.bfloat16, 256, softcap=50.0)
+
+
+# -- the whole engine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, default_model_dir):
+    """arch -> (folder, transformers model): SmolLM2's vocabulary and tokenizer, saved once per module."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            torch.manual_seed(0)
+            hf = randomize_norms(CASES[name][1](CASES[name][0](vocab_size=49152))).eval()
+            cache[name] = str(save_tiny_model(hf, tmp_path_factory.mktemp(name), default_model_dir)), hf
+        return cache[name]
+
+    return get
+
+
+def _engine_errors(llm: LLM, hf, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
+    """Greedy with logprobs through the engine, then transformers over prompt + output in one
+    forward: the largest |logprob difference| over the reported tokens, and the steps where the
+    engine's token is not transformers' argmax (outside near ties)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    worst, wrong = 0.0, []
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            rows = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        for step, (token, reported, row) in enumerate(zip(tokens, out.outputs[0].logprobs, rows)):
+            top2 = row.topk(2).values
+            if token != int(row.argmax()) and float(top2[0] - top2[1]) >= NEAR_TIE:
+                wrong.append(f"prompt {i} step {step}")
+            ref = row.log_softmax(-1)
+            worst = max([worst] + [abs(lp - float(ref[t])) for t, lp in reported.items()])
+    return worst, wrong
+
+
+ENGINE_CASES = [("gemma3", "cpu"), ("gemma3", "torch"), ("gemma2", None)]
+
+
+@pytest.mark.parametrize(("name", "backend"), ENGINE_CASES)
+def test_engine_matches_transformers(saved, name, backend):
+    """Prompts several windows long, prefilled in 16-token chunks (each chunk reads the window behind
+    it back from the cache), one sharing another's prefix; then the same prompts again, from the
+    prefix cache. Gemma 2's attention softcap picks the torch backend by itself."""
+    model_dir, hf = saved(name)
+    llm = LLM(model=model_dir, attention_backend=backend, max_num_batched_tokens=16, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    assert engine.attention_backend == (backend or "torch")
+    assert [layer.self_attn.attn.window for layer in engine.model.model.layers] == WINDOWS[name]
+    assert engine.model.kv_window is None  # full layers read every block: none is released
+    prompts = _prompts(4000, [5, 40, 29], 6)
+    prompts.append(prompts[1][:32] + prompts[2][:8])
+    for run in ("first", "prefix-cached"):
+        worst, wrong = _engine_errors(llm, hf, prompts, 20)
+        assert not wrong, f"{name} {run} run: greedy tokens differ from transformers' at {wrong}"
+        assert worst < 2e-4, f"{name} {run} run: logprobs {worst:.2e} from transformers'"
+    assert engine.block_manager.prefix_cache_hits > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_preempted_requests_recompute_transformers_tokens(saved, name):
+    """Room for two of six requests at a time: the rest are preempted and recomputed."""
+    model_dir, hf = saved(name)
+    blocks_for_two = 2 * -(-(16 + 24) // 4)
+    llm = LLM(model=model_dir, block_size=4, kv_cache_memory=kv_bytes(hf.config, blocks_for_two, block_size=4))
+    worst, wrong = _engine_errors(llm, hf, [[7 + i, 300, 42, 9] * 4 for i in range(6)], 24)
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert not wrong and worst < 2e-4, (wrong, worst)
+    assert_no_leaks(llm)
+
+
+def test_gemma2_refuses_a_backend_without_softcap(saved):
+    with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be used: .*attn_logit_softcapping=0.3"):
+        LLM(model=saved("gemma2")[0], attention_backend="cpu")
+
+
+def test_disable_sliding_window_keeps_the_local_rope(saved):
+    """Every layer attends to all tokens, max_model_len is capped at the window, and the sliding layers
+    keep their own rope base: greedy equal to transformers' (sliding) model within the window."""
+    model_dir, hf = saved("gemma3")
+    llm = LLM(model=model_dir, disable_sliding_window=True)
+    model = llm.llm_engine.model
+    assert [layer.self_attn.attn.window for layer in model.model.layers] == [None] * 4
+    assert model.local_rope == [True, True, False, True] and llm.llm_engine.max_model_len == 12
+    prompts = [list(range(300, 305)), list(range(400, 403))]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prompt, 6), "gemma3 without its window")
+
+
+def test_lora_adapter_equals_peft(saved, tmp_path):
+    """A PEFT adapter on every projection of Gemma 3 (q/k/v and gate/up are fused here): greedy tokens
+    and logprobs equal to transformers + PEFT, beside base-model rows in the same batch."""
+    pytest.importorskip("peft")
+    from helpers import save_tiny_lora
+    from test_lora import GREEDY, PROMPTS, WHICH, _check, _expected, _requests
+
+    base = saved("gemma3")[0]
+    adapters = {"a1": save_tiny_lora(base, tmp_path / "a1", 1, r=8),
+                "a2": save_tiny_lora(base, tmp_path / "a2", 2, r=4, target_modules=["q_proj", "v_proj"])}  # fmt: skip
+    expected = _expected(base, adapters, WHICH)
+    assert expected[0][0] != _expected(base, adapters, [None])[0][0], "adapter a1 does not change the output"
+    reqs = _requests(adapters)
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False,
+                        lora_request=[reqs[n] if n else None for n in WHICH])  # fmt: skip
+    _check(outs, expected, WHICH)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, name):
+    """In bfloat16 (Gemma's checkpoint dtype) the norms scale in float32 before the cast, and the embedding
+    scale rounds to bfloat16 (sqrt(56) to 7.5) as transformers rounds it: logprobs as near transformers' float32 ones as
+    transformers' own bfloat16 model."""
+    from test_cpu_bfloat16 import assert_as_close_as_transformers_bf16, logprob_errors
+
+    model_dir, _ = saved(name)
+    llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory=2**22, block_size=8)
+    assert llm.llm_engine.attention_backend == ("cpu" if name == "gemma3" else "torch")
+    ours, theirs = logprob_errors(llm, model_dir, _prompts(4000, [3, 40, 17], 9), 16)
+    assert_as_close_as_transformers_bf16(ours, theirs)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sequence_classifier_equals_transformers(tmp_path, default_model_dir, name):
+    """Gemma2ForSequenceClassification / Gemma3TextForSequenceClassification: the body here, transformers'
+    ``score`` head over the last token (no final softcap: that is the language-model head's)."""
+    from test_pooling import KV, PROMPTS, assert_close
+
+    from helpers import save_tiny_classifier
+
+    model_dir, hf = save_tiny_classifier(name, tmp_path, default_model_dir, 3)
+    randomize_norms(hf).save_pretrained(model_dir)
+    llm = LLM(model=str(model_dir), kv_cache_memory=KV, max_num_batched_tokens=8)
+    assert llm.llm_engine.runner_type == "pooling"
+    tok = llm.get_tokenizer()
+    for prompt, out in zip(PROMPTS, llm.classify(PROMPTS, use_tqdm=False)):
+        with torch.no_grad():
+            want = hf(torch.tensor([tok(prompt).input_ids])).logits[0].float().softmax(-1)
+        assert_close(out.outputs.probs, want, f"{name} {prompt!r}")
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_headless_gemma3_embeds_as_transformers(saved, tmp_path):
+    """A Gemma3TextModel checkpoint (no lm_head) pools: its last token's hidden state, normalized."""
+    from transformers import AutoModel
+
+    from test_pooling import KV, PROMPTS, assert_close, hf_embedding
+
+    model_dir, _ = saved("gemma3")
+    headless = save_tiny_model(AutoModel.from_pretrained(model_dir), tmp_path / "headless", model_dir)
+    llm = LLM(model=str(headless), kv_cache_memory=KV)
+    assert llm.llm_engine.runner_type == "pooling" and llm.llm_engine.model.lm_head is None
+    out = llm.embed([PROMPTS[3]], use_tqdm=False)[0]
+    assert_close(out.outputs.embedding, hf_embedding(Path(model_dir), out.prompt_token_ids, "LAST"), "Gemma3TextModel")
