@@ -60,8 +60,8 @@ class AsyncAborts:
     async def _abort(self, request_ids: list[str], closing: asyncio.Queue | None = None) -> None:
         """Queue the aborts and wait for them. Cancelling the wait does not cancel the aborts,
         and a closing stream's id stays taken until its abort is done."""
-        if self._dead:
-            return  # shutdown aborts everything
+        if self._dead or not request_ids:
+            return  # (shutdown aborts everything)
         if self._request_logger is not None:
             self._request_logger.log_aborts(request_ids)
         with self._lock:  # held while paused: admitted now, so that the step aborts them with an output
