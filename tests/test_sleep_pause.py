@@ -265,3 +265,31 @@ def test_weights_stay_in_place_on_update(tiny_dir):
     llm.apply_model(lambda m: m.load_weights(state.items()))
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
     assert all(torch.equal(p, state[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (decode CUDA graphs, weights offloaded)")
+def test_cuda_graphs_survive_updates_and_sleep(tiny_dir):
+    """On CUDA the decode steps replay graphs of fixed addresses: an in-place update keeps them
+    valid; sleep gives the memory back to the driver (weights to the CPU at level 1) and wake_up
+    captures them again. Greedy tokens equal the first run's after each."""
+    llm = LLM(model=str(tiny_dir), dtype="float32", kv_cache_memory=1 << 28, enable_sleep_mode=True)
+    runner = llm.llm_engine.runner
+    assert runner.decode_graphs is not None and runner.decode_graphs.graphs
+    want = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    noise = {n: torch.randn_like(p) * 0.05 for n, p in llm.llm_engine.model.named_parameters() if n.endswith("proj.weight")}
+    llm.collective_rpc(lambda w: w.get_model().load_weights(noise.items()))  # (fused names: not HF's)
+    llm.reset_prefix_cache()
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids != want
+    llm.collective_rpc("reload_weights")
+    llm.reset_prefix_cache()
+    assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+    for level in (1, 2):
+        before = torch.cuda.memory_allocated()
+        llm.sleep(level=level)
+        assert torch.cuda.memory_allocated() < before - (1 << 27)
+        if level == 2:
+            llm.wake_up(["weights"])
+            llm.collective_rpc("reload_weights")
+        llm.wake_up()
+        assert runner.decode_graphs is not None and runner.decode_graphs.graphs
+        assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from helpers import save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 
@@ -34,15 +34,6 @@ def pair(request, tmp_path_factory, default_model_dir):
     return save_tiny_model(a, tmp_path_factory.mktemp(request.param), default_model_dir), a, b
 
 
-def hf_greedy_logprobs(model, prompt: list[int], max_new: int = GREEDY.max_tokens) -> tuple[list[int], list[float]]:
-    with torch.no_grad():
-        res = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, eos_token_id=None, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-    tokens = res.sequences[0, len(prompt) :].tolist()
-    return tokens, [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(res.logits, tokens)]
-
-
 def ours(llm: LLM, params: SamplingParams = GREEDY, lora: LoRARequest | None = None) -> list[tuple[list[int], list[float]]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=lora)
     return [(list(o.outputs[0].token_ids), [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
@@ -51,7 +42,7 @@ def ours(llm: LLM, params: SamplingParams = GREEDY, lora: LoRARequest | None = N
 
 def assert_matches(got, hf_model, what: str) -> None:
     for prompt, (tokens, logprobs) in zip(PROMPTS, got):
-        want_tokens, want_logprobs = hf_greedy_logprobs(hf_model, prompt)
+        want_tokens, want_logprobs = hf_greedy_logprobs(hf_model, prompt, GREEDY.max_tokens)
         assert tokens == want_tokens, what
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(want_logprobs), atol=2e-3, rtol=0, msg=what)
 
