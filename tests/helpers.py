@@ -98,6 +98,16 @@ def hf_greedy(hf_model, prompt: list[int], max_new: int) -> tuple[list[int], lis
     return tokens, gaps
 
 
+def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and each chosen token's logprob, from transformers' generate."""
+    with torch.no_grad():
+        res = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, eos_token_id=None, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
+    tokens = res.sequences[0, len(prompt) :].tolist()
+    return tokens, [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(res.logits, tokens)]
+
+
 def assert_greedy_matches(ours: list[int], theirs: list[int], gaps: list[float], what: str = "") -> None:
     """Equal tokens, except that a divergence is tolerated at a near tie of transformers' top-2 logits
     (after which the continuations are not comparable)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
 from safetensors.torch import load_file, save_file
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
@@ -55,26 +55,16 @@ def _peft_oracle(base: Path, adapters: dict[str, Path]):
     return model.eval()
 
 
-def _hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and each chosen token's logprob, from transformers' generate."""
-    with torch.no_grad():
-        res = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new, eos_token_id=None, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)  # fmt: skip
-    tokens = res.sequences[0, len(prompt) :].tolist()
-    return tokens, [float(torch.log_softmax(lg[0].float(), -1)[t]) for lg, t in zip(res.logits, tokens)]
-
-
 def _expected(base: Path, adapters: dict[str, Path], which: list[str | None]) -> list[tuple[list[int], list[float]]]:
     oracle = _peft_oracle(base, adapters)
     expected = []
     for prompt, name in zip(PROMPTS, which):
         if name is None:
             with oracle.disable_adapter():
-                expected.append(_hf_greedy_logprobs(oracle, prompt, GREEDY.max_tokens))
+                expected.append(hf_greedy_logprobs(oracle, prompt, GREEDY.max_tokens))
         else:
             oracle.set_adapter(name)
-            expected.append(_hf_greedy_logprobs(oracle, prompt, GREEDY.max_tokens))
+            expected.append(hf_greedy_logprobs(oracle, prompt, GREEDY.max_tokens))
     return expected
 
 

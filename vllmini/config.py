@@ -292,7 +292,7 @@ class EngineArgs(VllmEngineArgs):
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code", "enable_lora",
-                     "enable_log_requests"):
+                     "enable_log_requests", "enable_sleep_mode"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

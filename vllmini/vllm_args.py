@@ -22,7 +22,6 @@ FIXED = {
     "tokenizer_mode": (("auto", "hf"), "tokenizers are transformers' (AutoTokenizer)"),
     "load_format": (("auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files only"),
     "cpu_offload_gb": ((0,), "every weight stays on the engine's device"),
-    "enable_sleep_mode": ((False,), "the engine has no sleep mode"),
 }  # fmt: skip
 
 
@@ -30,7 +29,8 @@ FIXED = {
 class VllmEngineArgs:
     """The fields of ``FIXED`` at vLLM's defaults (where vLLM's would be refused here, vllmini's
     only value), ``skip_tokenizer_init`` (engine/skip_tokenizer.py: no tokenizer, token ids in and
-    out), and ``kv_cache_memory_bytes``, vLLM's name for ``EngineArgs.kv_cache_memory``."""
+    out), ``enable_sleep_mode`` (``sleep`` / ``wake_up``: engine/worker.py), and
+    ``kv_cache_memory_bytes``, vLLM's name for ``EngineArgs.kv_cache_memory``."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

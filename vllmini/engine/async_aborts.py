@@ -38,6 +38,7 @@ class AsyncAborts:
     _executor: ThreadPoolExecutor
     _lock: threading.Lock
     _new: list[RequestState]
+    _held: list[RequestState]
     _aborts: list[_Abort]
     _streams: dict[str, asyncio.Queue]
     _wakeup: asyncio.Event | None
@@ -59,10 +60,14 @@ class AsyncAborts:
     async def _abort(self, request_ids: list[str], closing: asyncio.Queue | None = None) -> None:
         """Queue the aborts and wait for them. Cancelling the wait does not cancel the aborts,
         and a closing stream's id stays taken until its abort is done."""
-        if self._dead:
-            return  # shutdown aborts everything
+        if self._dead or not request_ids:
+            return  # (shutdown aborts everything)
         if self._request_logger is not None:
             self._request_logger.log_aborts(request_ids)
+        with self._lock:  # held while paused: admitted now, so that the step aborts them with an output
+            wanted = set(request_ids)
+            self._new += [state for state in self._held if state.request_id in wanted]
+            self._held = [state for state in self._held if state.request_id not in wanted]
         if not self._loop_running:
             await self._abort_without_loop(request_ids)
             return
@@ -93,6 +98,7 @@ class AsyncAborts:
         ids = set(request_ids)
         with self._lock:  # not admitted yet: it never will be
             self._new = [state for state in self._new if state.request_id not in ids]
+            self._held = [state for state in self._held if state.request_id not in ids]
         try:
             await asyncio.wrap_future(self._executor.submit(self.engine.abort_request, request_ids))
         except RuntimeError:  # the worker is stopped (shutdown): nothing is left to abort
@@ -153,7 +159,7 @@ class AsyncAborts:
         """On the worker: admit what is still in the inbox (so that those requests, too, end with
         a proper "abort" output) and abort every request."""
         with self._lock:
-            new, self._new = self._new, []
+            new, self._new, self._held = self._new + self._held, [], []
         for state in new:
             try:
                 self.engine.enqueue(state)

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 from vllmini.config import EngineArgs
 from vllmini.engine.async_aborts import AsyncAborts, _Abort
 from vllmini.engine.async_beam_search import start_beam_search
+from vllmini.engine.async_pause import AsyncPause
 from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import render_chat
 from vllmini.engine.engine_client import EngineClient, EngineDeadError  # noqa: F401 (re-exported, as before)
@@ -37,18 +38,22 @@ from vllmini.lora.request import LoRARequest
 logger = logging.getLogger("vllmini")
 
 
-class AsyncLLMEngine(AsyncAborts, EngineClient):
+class AsyncLLMEngine(AsyncAborts, AsyncPause, EngineClient):
     """Request streams over an ``LLMEngine`` stepped on one worker thread (async_aborts.py: abort
-    and shutdown; engine_client.py: the calls besides streams)."""
+    and shutdown; async_pause.py: pause, sleep and collective_rpc; engine_client.py: the other calls
+    besides streams)."""
 
     def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-step")
         self._lock = threading.Lock()  # guards the inbox of new requests, shared with the worker thread
         self._new: list[RequestState] = []
+        self._held: list[RequestState] = []  # added while paused (async_pause.py): admitted at the resume
+        self._pause_mode: str | None = None
         self._aborts: list[_Abort] = []  # taken by the step loop, on the event loop's thread
         self._streams: dict[str, asyncio.Queue] = {}
         self._wakeup: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None  # set by the step loop when it finds nothing to run
         self._loop_task: asyncio.Task | None = None
         self._dead = False
         self._shutdown_task: asyncio.Task | None = None
@@ -83,7 +88,7 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
-            self._wakeup = asyncio.Event()
+            self._wakeup, self._idle = asyncio.Event(), asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run(), name="vllmini-engine-loop")
 
     # ---- requests ------------------------------------------------------------------------
@@ -176,7 +181,7 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
         with self._lock:
-            self._new.append(state)
+            (self._held if self._pause_mode is not None else self._new).append(state)
         self._ensure_loop()
         self._wakeup.set()
         stream = self._outputs(rid, queue)
@@ -216,7 +221,8 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
     def _step_once(
         self, new: list[RequestState], aborts: list[str]
     ) -> tuple[list[RequestOutput], dict[str, BaseException]]:
-        """Runs on the worker thread: admit, abort, one step."""
+        """Runs on the worker thread: admit, abort, one step (none while paused in "keep" mode, or
+        asleep)."""
         errors: dict[str, BaseException] = {}
         for state in new:
             try:
@@ -224,6 +230,8 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
             except ValueError as exc:
                 errors[state.request_id] = exc
         outputs = self.engine.abort_request(aborts)
+        if self._pause_mode == "keep" or self.engine.is_sleeping():
+            return outputs, errors
         try:
             outputs += self.engine.step()
         except StepError as exc:
@@ -235,7 +243,8 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
     def _has_work(self) -> bool:
         with self._lock:
             pending = bool(self._new)
-        return pending or bool(self._aborts) or self.engine.has_unfinished_requests()
+        frozen = self._pause_mode == "keep" or self.engine.is_sleeping()
+        return pending or bool(self._aborts) or (self.engine.has_unfinished_requests() and not frozen)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -243,6 +252,7 @@ class AsyncLLMEngine(AsyncAborts, EngineClient):
             if not self._has_work():
                 self._wakeup.clear()
                 if not self._has_work():
+                    self._idle.set()
                     await self._wakeup.wait()
                 continue
             aborts, self._aborts = self._aborts, []

@@ -47,6 +47,29 @@ class LLM:
         """Forget every cached prefix; False (nothing done) while requests are unfinished."""
         return self.llm_engine.reset_prefix_cache()
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+        """vLLM's: ``method`` (the name of a method of the worker, engine/worker.py, or a callable
+        taking the worker first) run on the one worker; a list of its one result."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``[func(model)]``. ``llm.apply_model(lambda m: m.load_weights(weights))`` updates
+        the weights in place (HF names; call ``reset_prefix_cache()`` after, as with vLLM)."""
+        return self.llm_engine.apply_model(func)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (``enable_sleep_mode=True``): the KV cache's memory is given back and
+        the prefix cache forgotten; level 1 keeps the weights, level 2 discards them."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``"weights"``, ``"kv_cache"`` or both (None)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: record the engine's steps with the torch profiler until ``stop_profile``
         (needs ``profiler_config``; engine/profiler.py)."""
@@ -211,6 +234,8 @@ class LLM:
         are finished; their final outputs in input order."""
         loras = per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
+        if engine.is_sleeping():
+            raise RuntimeError("the LLM is sleeping: call wake_up() (and, after sleep(level=2), load the weights) first")
         ids: list[str] = []
         try:
             for prompt, params, prio, lora in zip(prompts, params_list, priorities, loras):

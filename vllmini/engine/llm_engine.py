@@ -47,6 +47,7 @@ from vllmini.engine.sampling_tensors import to_device
 from vllmini.engine.skip_tokenizer import NoDetokenizer, eos_token_ids
 from vllmini.engine.structured_outputs import StructuredOutputManager
 from vllmini.engine.thinking_budget import ThinkingBudget
+from vllmini.engine.worker import Worker
 from vllmini.lora.request import LoRARequest
 from vllmini.metrics.stat_logger import StatLogger
 from vllmini.scheduler.scheduler import SchedulerOutput
@@ -92,6 +93,7 @@ class LLMEngine(LLMEngineCalls):
                            draft_model)  # fmt: skip
         self.attention_backend, self.lora_manager, self.num_blocks = rt.attention_backend, rt.lora_manager, rt.num_blocks
         self.block_manager, self.scheduler, self.runner = rt.block_manager, rt.scheduler, rt.runner
+        self.worker = Worker(self.runner, self.device, self.model_dir)  # collective_rpc's target; sleep mode
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,
             default_sampling_params(args.generation_config, self.generation_config, args.override_generation_config),
@@ -269,6 +271,9 @@ class LLMEngine(LLMEngineCalls):
                 self.stat_logger.record_step(self.scheduler.stats, self.num_generated_tokens)
 
     def _step(self) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        if self.worker.sleeping_tags:
+            raise RuntimeError(f"the engine is sleeping ({sorted(self.worker.sleeping_tags)} released): call "
+                               "wake_up() before stepping it")  # fmt: skip
         if self.structured.waiting:
             self._admit_compiled()
         if self.pooler is not None:

@@ -9,7 +9,7 @@ these only reads, or hands the call on to, a component the engine built.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from vllmini.engine.skip_tokenizer import tokenizer_or_raise
 from vllmini.metrics.reader import get_metrics_snapshot
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from vllmini.engine.pooler import Pooler
     from vllmini.engine.profiler import Profiler
     from vllmini.engine.sampling_params import SamplingParams
+    from vllmini.engine.worker import Worker
     from vllmini.kv.block_manager import BlockManager
     from vllmini.lora.adapter import LoRAAdapter
     from vllmini.lora.manager import LoRAManager
@@ -47,6 +48,8 @@ class LLMEngineCalls:
     profiler: Profiler
     stat_logger: StatLogger | None
     requests: dict[str, RequestState]
+    worker: Worker
+    abort_request: Callable[..., list[Any]]
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (vLLM's ValueError with skip_tokenizer_init, which loads none)."""
@@ -106,6 +109,41 @@ class LLMEngineCalls:
             return False
         self.block_manager.reset_prefix_cache()
         return True
+
+    # ---- the worker (vLLM's collective_rpc / apply_model) and sleep mode -------------------------
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip
+        """vLLM's: call ``method`` (a name of one of the worker's methods, or a callable taking the
+        worker first: engine/worker.py) and return the one worker's result in a list. It runs here,
+        between steps; ``timeout`` is not used (vLLM's in-process executor does not either)."""
+        from vllmini.engine.worker import run_method
+
+        return [run_method(self.worker, method, args, kwargs)]
+
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: ``[func(model)]``; the model's ``load_weights`` updates it in place."""
+        return self.collective_rpc("apply_model", args=(func,))
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs ``enable_sleep_mode``): unfinished requests are aborted, the
+        prefix cache forgotten and the KV cache's memory given back; level 1 keeps the weights,
+        level 2 discards them (load them again after ``wake_up``)."""
+        if not self.args.enable_sleep_mode:
+            raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (keep the weights) or 2 (discard them), got {level!r}")
+        self.abort_request(list(self.requests))
+        self.block_manager.reset_prefix_cache()  # (its blocks' K/V go with the cache)
+        self.worker.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
+        if not self.args.enable_sleep_mode:
+            raise ValueError("wake_up() needs an engine started with enable_sleep_mode=True")
+        self.worker.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.worker.sleeping_tags)
 
     def start_profile(self, profile_prefix: str | None = None) -> None:
         """Record the steps from now on with the torch profiler (engine/profiler.py); call it

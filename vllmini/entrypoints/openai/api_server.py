@@ -8,7 +8,8 @@ pooling``, which answers the generating routes 404), ``GET /v1/models``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics`` (Prometheus), ``GET /health``,
 ``GET /version``, SageMaker's ``GET``/``POST /ping`` and ``POST /invocations`` (invocations.py); with
 ``VLLMINI_ALLOW_RUNTIME_LORA_UPDATING`` set, ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter``. A request's ``model`` may name a LoRA adapter
+``POST /v1/unload_lora_adapter``; with ``VLLMINI_SERVER_DEV_MODE=1``, vLLM's development routes
+(``/pause``, ``/sleep``, ``/collective_rpc``, ...: dev_routes.py). A request's ``model`` may name a LoRA adapter
 (serving_models.py). A bad request is a 400 in OpenAI's error shape naming the field; a client that
 hangs up (streaming or not) has its requests aborted, so their KV blocks are freed at the next
 step. With ``api_key``, the /v1 routes need ``Authorization: Bearer KEY``. A request body over
@@ -45,6 +46,7 @@ from vllmini.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
                                                  decode_request)  # fmt: skip
 from vllmini.entrypoints.openai.responses_protocol import ResponsesRequest
 from vllmini.entrypoints.openai.cors import CorsOptions
+from vllmini.entrypoints.openai.dev_routes import dev_routes
 from vllmini.entrypoints.openai.invocations import sagemaker_routes
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllmini.entrypoints.openai.serving_classification import OpenAIServingClassification
@@ -340,6 +342,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                        "client can make the server read a folder; for local development only")  # fmt: skip
         routes += [Route("/v1/load_lora_adapter", handler(LoadLoRAAdapterRequest, models.load), methods=["POST"]),
                    Route("/v1/unload_lora_adapter", handler(UnloadLoRAAdapterRequest, models.unload), methods=["POST"])]
+    routes += dev_routes(engine, json_response, error_response)
     # outermost first: CORS answers a browser's preflight before any check, and its headers reach
     # the checks' own refusals (401, 413), which a page must be able to read
     # (the request id header outermost of all: every answer carries it)
