@@ -8,6 +8,8 @@ a block table), ``triton`` (our paged kernel, models/triton_attention.py), ``cpu
 backend with a C decode kernel, models/cpu_attention.py) or ``torch`` (below). The first three
 read K/V straight from the paged cache and are graph-safe as they are; the torch backend has
 a separate static-shape path for decode steps replayed from a CUDA graph (``meta.static_decode``).
+With a cache, ``k``/``v`` come in the cache's dtype (``Attention.forward`` casts them once: an
+fp8 cache's bytes are then copied, not cast again); a backend widens what it attends to itself.
 
 The pure-PyTorch backend (any device):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllmini.kv.cache_dtype import indexable, round_to_cache
+from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
 
 
@@ -136,7 +138,7 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype)
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (one indexed copy per tensor), in the cache's
-    dtype (``Attention.forward`` has rounded them to it already, so the cast is exact); fp8 is
+    dtype (``Attention.forward`` has cast them to it already: then ``.to`` is no copy); fp8 is
     copied as its bytes (``indexable``)."""
     for new, cache in zip((k, v), kv_cache):
         indexable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
@@ -189,7 +191,7 @@ def torch_attention(
         start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         first = 0  # the first key position read: with a window, from the block its earliest query sees
         if kv_cache is None or q_len == seq_len:  # nothing cached before this chunk: no gather needed
-            keys, vals = k[start : start + q_len], v[start : start + q_len]
+            keys, vals = k[start : start + q_len].to(q.dtype), v[start : start + q_len].to(q.dtype)
         else:
             if window is not None:
                 first = max(0, seq_len - q_len - window + 1) // block_size * block_size
@@ -371,7 +373,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
     ) -> torch.Tensor:
         if kv_cache is not None:  # an fp8 (or narrower) cache: attend to K/V as it holds them
-            k, v = round_to_cache(k, kv_cache[0].dtype), round_to_cache(v, kv_cache[1].dtype)
+            # cast once, here: the backend stores these and widens what it attends to (rounding to
+            # the cache's format and back, then casting again to store, took two casts a layer)
+            k, v = to_cache(k, kv_cache[0].dtype), to_cache(v, kv_cache[1].dtype)
         capped = {} if self.softcap is None else {"softcap": self.softcap}
         out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window, **capped)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
