@@ -253,3 +253,25 @@ def test_block_table_tensor_pads_rows_like_the_nested_lists_it_replaces():
     assert got.dtype == torch.int32 and got.tolist() == nested
     assert block_table_tensor(tables, 3).tolist() == [t + [0] * (3 - len(t)) for t in tables]
     assert block_table_tensor([], 2, 2, 4).tolist() == [[4, 0], [4, 0]]  # padding only (graph capture)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_torch_decode_zeroes_only_the_hidden_gathered_rows(window):
+    """Decode rows over gathered blocks: NaN in every cache slot no row may read (a reused block's
+    tail, a padded table column, behind a window) never reaches an output, and the zeroing is one
+    ``index_fill_`` per tensor over the hidden rows, not a broadcast ``masked_fill_`` over the
+    whole gather (on the CPU that took as long as the gather itself)."""
+    q_lens, seq_lens = MIXES["decodes"]
+    q, k, v, (k_cache, v_cache), meta, hk, hv = build_batch(q_lens, seq_lens)
+    readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        for p in range(max(0, n - (window or n)), n):
+            readable[meta.block_tables[b, p // BS], p % BS] = True
+    k_cache[~readable], v_cache[~readable] = float("nan"), float("nan")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = torch_attention(q, k, v, meta, (k_cache, v_cache), D**-0.5, window)
+    for b, (k_seq, v_seq) in enumerate(zip(hk, hv)):
+        ref = dense_reference(q[b : b + 1], k_seq, v_seq, D**-0.5, window)
+        torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
+    ops = {event.key for event in prof.key_averages()}
+    assert "aten::index_fill_" in ops and "aten::masked_fill_" not in ops

@@ -130,6 +130,34 @@ def test_cpu_kernel_reads_fp8_caches_as_the_torch_backend(name, mix):
     assert BS == caches[0][0].shape[1]
 
 
+@pytest.mark.parametrize("backend", [torch_attention, cpu_attention])
+def test_the_new_kv_is_cast_to_fp8_once_per_layer(backend):
+    """``Attention.forward`` casts the step's K and V to the cache's format once each, and the
+    backend stores those bytes: rounding them there and back, then casting again to store them
+    (its first form) took two casts per tensor, about 5% of an fp8 engine's op time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllmini.models.attention import Attention
+
+    class FP8Casts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            cast = func.overloadpacket in (torch.ops.aten.to, torch.ops.aten._to_copy)
+            if cast and out.dtype == torch.float8_e4m3fn and out.data_ptr() != args[0].data_ptr():  # (a no-op .to)
+                FP8Casts.count += 1
+            return out
+
+    q, k, v, (kc, vc), meta, _, _ = build_batch(*MIXES["mixed"], seed=3)
+    attn = Attention(q.shape[1], k.shape[1], D, D**-0.5)
+    attn.backend = backend
+    cache = (to_cache(kc, torch.float8_e4m3fn), to_cache(vc, torch.float8_e4m3fn))
+    with torch.inference_mode(), FP8Casts():
+        attn(q, k, v, meta, cache)
+    assert FP8Casts.count == 2
+
+
 def test_fp8_stores_saturate_instead_of_overflowing():
     x = torch.tensor([1e5, -1e6, 3.0, float("nan")])
     assert to_cache(x, torch.float8_e4m3fn).float()[:3].tolist() == [448.0, -448.0, 3.0]

@@ -40,7 +40,7 @@ def score_rows(
         lp = logits[lo : lo + ROWS_PER_SLICE].float().log_softmax(dim=-1)
         tgt = torch.tensor(targets[lo : lo + ROWS_PER_SLICE], dtype=torch.long, device=lp.device)
         chosen = lp.gather(1, tgt[:, None])
-        ranks = (lp >= chosen).sum(-1).tolist()
+        ranks = (lp >= chosen).sum(-1, dtype=torch.int32).tolist()  # (a bool sum's int64 default copies every row first)
         if num_top > 0:
             values, ids = (x.tolist() for x in lp.topk(min(num_top, lp.shape[-1]), dim=-1))
         else:

@@ -8,6 +8,8 @@ a block table), ``triton`` (our paged kernel, models/triton_attention.py), ``cpu
 backend with a C decode kernel, models/cpu_attention.py) or ``torch`` (below). The first three
 read K/V straight from the paged cache and are graph-safe as they are; the torch backend has
 a separate static-shape path for decode steps replayed from a CUDA graph (``meta.static_decode``).
+With a cache, ``k``/``v`` come in the cache's dtype (``Attention.forward`` casts them once: an
+fp8 cache's bytes are then copied, not cast again); a backend widens what it attends to itself.
 
 The pure-PyTorch backend (any device):
 - the new K/V are written into the cache with one indexed copy at ``slot_mapping``;
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Callable
 
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllmini.kv.cache_dtype import indexable, round_to_cache
+from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
 
 
@@ -44,6 +46,9 @@ class _DecodeGroup:
     block_tables: torch.Tensor  # [Bd, nb]
     seq_lens: torch.Tensor  # [Bd] int32
     mask: torch.Tensor | None  # [Bd, 1, 1, nb * block_size] True = attend (gather + SDPA only)
+    lens_cpu: list[int] = field(default_factory=list)  # seq_lens as host ints (gather + SDPA only)
+    # window -> (its mask, the flat [Bd * nb * block_size] gathered positions it hides), made once a step
+    hidden: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,7 +121,8 @@ def _plan(meta: AttentionMetadata, block_size: int | None, grouped: bool = True)
             groups.append(_DecodeGroup(rows, tables.contiguous(), lens, None))
             continue
         mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
-        groups.append(_DecodeGroup(rows, tables.long(), lens, mask[:, None, None, :]))
+        lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
+        groups.append(_DecodeGroup(rows, tables.long(), lens, mask[:, None, None, :], lens_cpu))
     return _TorchPlan(q_starts, prefill, groups)
 
 
@@ -132,7 +138,7 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype)
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (one indexed copy per tensor), in the cache's
-    dtype (``Attention.forward`` has rounded them to it already, so the cast is exact); fp8 is
+    dtype (``Attention.forward`` has cast them to it already: then ``.to`` is no copy); fp8 is
     copied as its bytes (``indexable``)."""
     for new, cache in zip((k, v), kv_cache):
         indexable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
@@ -173,21 +179,19 @@ def torch_attention(
         if decode is not None:
             od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
-            keys = gather_blocks(k_cache, group.block_tables, q.dtype).transpose(1, 2)
-            vals = gather_blocks(v_cache, group.block_tables, q.dtype).transpose(1, 2)
-            mask = group.mask
-            if window is not None:  # the row's query sits at seq_len - 1: keys from seq_len - window
-                pos = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (pos >= group.seq_lens[:, None, None, None] - window)
-            keys, vals = _zero_masked(keys, vals, mask)
-            od = attend(qd, keys, vals, scale, softcap, attn_mask=mask)
+            mask, hidden = _hidden_positions(group, window)
+            keys = gather_blocks(k_cache, group.block_tables, q.dtype)
+            vals = gather_blocks(v_cache, group.block_tables, q.dtype)
+            for gathered in (keys, vals):  # fresh gathers: zeroed in place (see _zero_masked)
+                gathered.view(-1, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
+            od = attend(qd, keys.transpose(1, 2), vals.transpose(1, 2), scale, softcap, attn_mask=mask)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
         start, q_len, seq_len = plan.q_starts[i], meta.query_lens_cpu[i], meta.seq_lens_cpu[i]
         first = 0  # the first key position read: with a window, from the block its earliest query sees
         if kv_cache is None or q_len == seq_len:  # nothing cached before this chunk: no gather needed
-            keys, vals = k[start : start + q_len], v[start : start + q_len]
+            keys, vals = k[start : start + q_len].to(q.dtype), v[start : start + q_len].to(q.dtype)
         else:
             if window is not None:
                 first = max(0, seq_len - q_len - window + 1) // block_size * block_size
@@ -248,6 +252,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _hidden_positions(group: _DecodeGroup, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's attention mask with ``window`` applied (a row's query sits at seq_len - 1: keys
+    from seq_len - window), and the flat indices of the gathered token positions it hides, which
+    are zeroed with one ``index_fill_`` per tensor (see ``_zero_masked``). A broadcast
+    ``masked_fill_`` over the gathered K/V took as long as the gather itself on the CPU (14% of
+    the torch backend's mixed workload); this fill writes only the hidden rows. Made once a step
+    per window, from host ints (no device sync), and shared by every layer."""
+    if window not in group.hidden:
+        mask = group.mask
+        length = mask.shape[-1]
+        pos, lens = torch.arange(length), torch.tensor(group.lens_cpu)[:, None]
+        hide = pos >= lens
+        if window is not None:
+            mask = mask & (pos.to(mask.device) >= group.seq_lens[:, None, None, None] - window)
+            hide |= pos < lens - window
+        group.hidden[window] = (mask, hide.view(-1).nonzero().view(-1).to(mask.device))
+    return group.hidden[window]
 
 
 def _zero_masked(keys: torch.Tensor, vals: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,7 +373,9 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
     ) -> torch.Tensor:
         if kv_cache is not None:  # an fp8 (or narrower) cache: attend to K/V as it holds them
-            k, v = round_to_cache(k, kv_cache[0].dtype), round_to_cache(v, kv_cache[1].dtype)
+            # cast once, here: the backend stores these and widens what it attends to (rounding to
+            # the cache's format and back, then casting again to store, took two casts a layer)
+            k, v = to_cache(k, kv_cache[0].dtype), to_cache(v, kv_cache[1].dtype)
         capped = {} if self.softcap is None else {"softcap": self.softcap}
         out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window, **capped)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

@@ -69,7 +69,7 @@ def check_backend(
     """None when ``backend`` matches the torch path on every kind of step, else why not; with a
     model that slides (``window``), each step is also run with a window shorter than its
     contexts (the value does not matter to a kernel, the masking does). The caches hold
-    ``cache_dtype`` (None: ``dtype``), and the new K/V are rounded to it as ``Attention`` does."""
+    ``cache_dtype`` (None: ``dtype``), and the new K/V come in it, as ``Attention`` passes them."""
     cache_dtype = cache_dtype or dtype
     g = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
@@ -96,6 +96,7 @@ def check_backend(
                               cache_dtype) for _ in range(2)]  # fmt: skip
             slots = [slot_of(t, p, block_size) for t, n, ql in zip(tables, seq_lens, q_lens) for p in range(n - ql, n)]
             q, k, v = qkv(sum(q_lens))
+            k, v = to_cache(k, cache_dtype), to_cache(v, cache_dtype)  # as Attention.forward passes them
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
                    tuple(c.clone() for c in cache), scale, w)
