@@ -166,3 +166,18 @@ def test_async_engine_collective_rpc_runs_on_the_engine_thread(pair):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_meta_or_non_float_tensors_are_refused_with_nothing_changed(pair):
+    """A tensor without data (the meta device: the copy would fail halfway) or of a non-floating
+    dtype (ints, bools: silently cast otherwise) is a TypeError naming it, before any copy."""
+    model_dir, hf_a, hf_b = pair
+    llm = LLM(model=str(model_dir), enable_prefix_caching=False)
+    good = list(hf_b.state_dict().items())
+    shape = hf_b.state_dict()["model.norm.weight"].shape
+    for bad, what in [(torch.empty(shape, device="meta"), "meta device"), (torch.ones(shape, dtype=torch.int64), "torch.int64"),
+                      (torch.ones(shape, dtype=torch.bool), "torch.bool")]:  # fmt: skip
+        with pytest.raises(TypeError, match=rf"'model\.norm\.weight' .*{what}"):
+            llm.apply_model(lambda m: m.load_weights(good + [("model.norm.weight", bad)]))
+    assert_matches(ours(llm), hf_a, "after refused updates")
+
