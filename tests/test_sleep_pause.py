@@ -293,3 +293,34 @@ def test_cuda_graphs_survive_updates_and_sleep(tiny_dir):
         llm.wake_up()
         assert runner.decode_graphs is not None and runner.decode_graphs.graphs
         assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_collective_rpc_sleep_and_wake_up_are_the_engines(tiny_dir):
+    """``collective_rpc("sleep")`` (a worker method's name) is the engine's sleep: the requests in
+    flight end ("abort") instead of hanging on a KV cache that is gone, and the prefix cache is
+    forgotten with it (a hit would read the zeros wake_up leaves); ``collective_rpc("wake_up")``
+    resumes. The same on ``LLM``."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+
+    async def main():
+        reference = await _final(engine, GREEDY)
+        [(task, _)] = await started(engine, 1)
+        assert await engine.collective_rpc("sleep", args=(1,)) == [None]
+        assert await engine.is_sleeping()
+        assert (await asyncio.wait_for(task, 5))[-1].outputs[0].finish_reason == "abort"
+        await engine.collective_rpc("wake_up")
+        assert not await engine.is_sleeping()
+        out = await asyncio.wait_for(_final(engine, GREEDY), 10)
+        assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=1 << 24, enable_sleep_mode=True)
+    before = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    llm.collective_rpc("sleep", kwargs={"level": 1})
+    assert llm.is_sleeping()
+    llm.collective_rpc("wake_up")
+    after = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == before.outputs[0].token_ids
+

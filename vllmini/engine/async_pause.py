@@ -10,6 +10,8 @@ that arrive while paused are accepted and wait, unscheduled, until the resume; t
 once no step is running. ``clear_cache`` then forgets the prefix cache (not with "keep": its
 requests still hold their blocks). ``sleep(level, mode)`` pauses in ``mode`` and gives back the
 memory (engine/worker.py); ``wake_up`` resumes once weights and KV cache are both back.
+``collective_rpc("sleep" | "wake_up")`` is these, not the worker's alone (which would leave the
+requests and the prefix cache on a KV cache that is gone).
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class AsyncPause:
         engine/worker.py) run on the engine's thread between two steps; a list of its one result.
         ``timeout``: a TimeoutError after that many seconds (the call itself still completes)."""
         await self.check_health()
+        if method in ("sleep", "wake_up"):  # the engine's, which pause and resume the requests around the worker's
+            return [await asyncio.wait_for(getattr(self, method)(*args, **(kwargs or {})), timeout)]
         future = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.collective_rpc, method, None,
                                                             args, kwargs)  # fmt: skip
         try:

@@ -118,6 +118,8 @@ class LLMEngineCalls:
         between steps; ``timeout`` is not used (vLLM's in-process executor does not either)."""
         from vllmini.engine.worker import run_method
 
+        if method in ("sleep", "wake_up"):  # the engine's: the worker's alone would leave the requests
+            return [getattr(self, method)(*args, **(kwargs or {}))]  # and prefix cache on a freed KV cache
         return [run_method(self.worker, method, args, kwargs)]
 
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
