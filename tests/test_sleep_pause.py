@@ -324,3 +324,41 @@ def test_collective_rpc_sleep_and_wake_up_are_the_engines(tiny_dir):
     after = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
     assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == before.outputs[0].token_ids
 
+
+def test_keep_mode_with_clear_cache_preempts_and_sleep_keeps_requests(tiny_dir):
+    """As vLLM's: ``pause_generation(mode="keep")`` with clear_cache (the default) preempts the
+    frozen requests and forgets the prefix cache (they are recomputed at the resume: a weight update
+    made meanwhile reaches their whole context, tests/test_weight_update.py); ``sleep(mode="keep")``
+    with requests in flight keeps them, and they finish after wake_up as an unpaused run does.
+    ``reset_prefix_cache(reset_running_requests=True)`` works while streams run."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+    async def main():
+        reference = await _final(engine, params)
+        runs = await started(engine, 2, params)
+        await engine.pause_generation(mode="keep")
+        sched = engine.engine.scheduler
+        assert not sched.running and len(sched.waiting) == 2  # preempted, not aborted
+        assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+        await engine.resume_generation()
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+
+        runs = await started(engine, 2, params)
+        await engine.sleep(level=1, mode="keep")
+        assert await engine.is_sleeping() and engine.engine.has_unfinished_requests()
+        await engine.wake_up()
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+
+        runs = await started(engine, 2, params)
+        assert await engine.reset_prefix_cache() is False
+        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+

@@ -181,3 +181,36 @@ def test_meta_or_non_float_tensors_are_refused_with_nothing_changed(pair):
             llm.apply_model(lambda m: m.load_weights(good + [("model.norm.weight", bad)]))
     assert_matches(ours(llm), hf_a, "after refused updates")
 
+
+def test_update_while_paused_in_keep_mode_reaches_the_frozen_requests(pair):
+    """verl's partial rollouts: pause_generation(mode="keep") (clear_cache=True, the default, as in
+    vLLM), load new weights, resume. The frozen requests are recomputed, so each continues as B
+    would from its tokens so far (transformers' B as the oracle), not on K/V of A's."""
+    model_dir, hf_a, hf_b = pair
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[1]
+
+    async def main():
+        seen: list[list] = [[], []]
+
+        async def run(i):
+            async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                seen[i].append(out)
+            return out
+
+        tasks = [asyncio.create_task(run(i)) for i in range(2)]
+        while not all(s and len(s[-1].outputs[0].token_ids) >= 3 for s in seen):
+            await asyncio.sleep(0.005)
+        await engine.pause_generation(mode="keep")
+        done = [len(s[-1].outputs[0].token_ids) for s in seen]
+        await engine.collective_rpc("load_weights", args=(list(hf_b.state_dict().items()),))
+        await engine.resume_generation()
+        for k, out in zip(done, await asyncio.gather(*tasks)):
+            tokens = list(out.outputs[0].token_ids)
+            want, _ = hf_greedy_logprobs(hf_b, prompt + tokens[:k], params.max_tokens - k)
+            assert tokens[k:] == want, f"continued on stale K/V after {k} tokens"
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -7,9 +7,11 @@ A pause takes one of vLLM's modes for the requests in flight (those accepted bef
 ``"abort"`` (the default) ends them with finish_reason "abort", ``"wait"`` lets them finish,
 ``"keep"`` freezes them where they are until ``resume_generation``. In every mode the requests
 that arrive while paused are accepted and wait, unscheduled, until the resume; the call returns
-once no step is running. ``clear_cache`` then forgets the prefix cache (not with "keep": its
-requests still hold their blocks). ``sleep(level, mode)`` pauses in ``mode`` and gives back the
-memory (engine/worker.py); ``wake_up`` resumes once weights and KV cache are both back.
+once no step is running. ``clear_cache`` (the default) then forgets the prefix cache; with
+"keep" it also preempts the frozen requests, as vLLM's (``reset_prefix_cache(reset_running_requests=
+True)``): after the resume they are recomputed, so a weight update made meanwhile reaches their
+whole context, not only the tokens after it. ``sleep(level, mode)`` pauses in ``mode`` and gives
+back the memory (engine/worker.py); ``wake_up`` resumes once weights and KV cache are both back.
 ``collective_rpc("sleep" | "wake_up")`` is these, not the worker's alone (which would leave the
 requests and the prefix cache on a KV cache that is gone).
 """
@@ -62,7 +64,7 @@ class AsyncPause:
         """Stop scheduling, e.g. to update the weights. ``mode``: what becomes of the requests in
         flight ("abort", "wait" or "keep"); ``wait_for_inflight_requests=True`` is the older
         spelling of mode="wait" (deprecated, as in vLLM). ``clear_cache``: reset the prefix cache
-        once they are done (ignored with "keep")."""
+        once they are done ("keep": the frozen requests are preempted, recomputed at the resume)."""
         if wait_for_inflight_requests:
             warnings.warn("pause_generation(wait_for_inflight_requests=True) is deprecated (as in vLLM): use "
                           "mode='wait'", DeprecationWarning, stacklevel=2)  # fmt: skip
@@ -76,8 +78,8 @@ class AsyncPause:
         if mode == "abort":
             await self._abort([rid for rid in self._streams if rid not in held])
         await self._until_idle()  # "wait": every request in flight finished; else: the running step done
-        if clear_cache and mode != "keep":
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
+        if clear_cache:  # ("keep": its requests are preempted, recomputed after the resume, as vLLM's)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache, True)
 
     async def _until_idle(self) -> None:
         """Until the step loop finds nothing it may run (while paused: no request in flight)."""
@@ -103,17 +105,14 @@ class AsyncPause:
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's: pause in ``mode`` (clearing the prefix cache), then give back the KV cache's
         memory and, at level 2, the weights' (needs ``enable_sleep_mode``). Requests that arrive
-        while asleep wait for ``wake_up``. With mode "keep" nothing may be in flight (its KV
-        would be lost)."""
+        while asleep wait for ``wake_up``; with mode "keep" those in flight are preempted and
+        recomputed after it."""
         if not self.engine.args.enable_sleep_mode:
             raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (keep the weights) or 2 (discard them), got {level!r}")
-        if mode == "keep" and (self.engine.has_unfinished_requests() or self._new):
-            raise ValueError("sleep(mode='keep') with requests in flight would discard their KV cache: use mode='abort' "
-                             "or 'wait'")  # fmt: skip
-        await self.pause_generation(mode=mode, clear_cache=True)
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.sleep, level)
+        await self.pause_generation(mode=mode, clear_cache=True)  # (what is left in flight is frozen, preempted)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.sleep, level, "keep")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Bring back ``tags`` ("weights", "kv_cache"; None: both); generation resumes once the

@@ -7,7 +7,7 @@ vLLM's ``VLLM_SERVER_DEV_MODE``: any client may then pause the engine or run a w
   ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``;
 - ``POST /collective_rpc`` with ``{"method": name, "args": [...], "kwargs": {...}, "timeout": s}``
   -> ``{"results": [...]}`` (JSON arguments only; a worker method's name, e.g. ``reload_weights``);
-- ``POST /reset_prefix_cache``.
+- ``POST /reset_prefix_cache?reset_running_requests=false``.
 
 A bad argument is a 400 naming it, as vLLM's.
 """
@@ -96,7 +96,7 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
         return {"results": shown}
 
     async def reset_prefix_cache(request: Request) -> Any:
-        await engine.reset_prefix_cache()
+        await engine.reset_prefix_cache(flag(request, "reset_running_requests", False))
         return Response(status_code=200)
 
     async def is_paused(request: Request) -> Any:
