@@ -362,3 +362,34 @@ def test_keep_mode_with_clear_cache_preempts_and_sleep_keeps_requests(tiny_dir):
 
     asyncio.run(main())
 
+
+def test_dev_route_collective_rpc_checks_its_arguments_first(tiny_dir, monkeypatch):
+    """A bad ``args``, ``kwargs`` or ``timeout`` is a 400 naming it, before anything runs; a
+    folder without weights is a 400 too; a timeout that passes is a 504; the engine goes on."""
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    engine = async_engine(tiny_dir)
+    app = build_app(engine)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async def rpc(body):
+                return await client.post("/collective_rpc", json=body)
+
+            for body, field in [({"method": "reload_weights", "args": "abc"}, "'args'"),
+                                ({"method": "reload_weights", "kwargs": ["x"]}, "'kwargs'"),
+                                ({"method": "reload_weights", "timeout": "soon"}, "timeout"),
+                                ({"method": "reload_weights", "timeout": -1}, "timeout"),
+                                ({"method": "reload_weights", "kwargs": {"weights_path": 5}}, "weights_path"),
+                                ({"method": "reload_weights", "kwargs": {"weights_path": str(tiny_dir.parent)}},
+                                 "no *.safetensors")]:  # fmt: skip
+                answer = await rpc(body)
+                assert answer.status_code == 400 and field in answer.json()["error"]["message"], (body, answer.text)
+            slow = await rpc({"method": "reload_weights", "timeout": 1e-6})
+            assert slow.status_code == 504 and "took more than" in slow.text
+            assert (await client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})).status_code == 200
+            done = await client.post("/v1/completions", json={"prompt": PROMPT["prompt_token_ids"], "max_tokens": 4})
+            assert done.status_code == 200
+        await engine.shutdown()
+
+    asyncio.run(main())
+    assert_no_leaks(engine.engine)

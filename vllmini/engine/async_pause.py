@@ -50,6 +50,8 @@ class AsyncPause:
         engine/worker.py) run on the engine's thread between two steps; a list of its one result.
         ``timeout``: a TimeoutError after that many seconds (the call itself still completes)."""
         await self.check_health()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"collective_rpc: timeout must be a positive number of seconds or None, got {timeout!r}")
         if method in ("sleep", "wake_up"):  # the engine's, which pause and resume the requests around the worker's
             return [await asyncio.wait_for(getattr(self, method)(*args, **(kwargs or {})), timeout)]
         future = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.collective_rpc, method, None,

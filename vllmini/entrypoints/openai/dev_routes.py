@@ -55,6 +55,8 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
                 result = await call(request)
             except (ValueError, TypeError, NotImplementedError) as exc:
                 return error_response(400, str(exc))
+            except TimeoutError as exc:  # collective_rpc's timeout (the call itself completes)
+                return error_response(504, str(exc))
             except RuntimeError as exc:  # e.g. resume while asleep
                 return error_response(409, str(exc))
             return result if isinstance(result, Response) else json_response(result)
@@ -89,8 +91,12 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
             raise ValueError(f"JSON decode error: {exc}") from None
         if not isinstance(body, dict) or not isinstance(body.get("method"), str):
             raise ValueError("the body must be a JSON object with a 'method' (the name of a worker method)")
-        results = await engine.collective_rpc(body["method"], body.get("timeout"), tuple(body.get("args", [])),
-                                              body.get("kwargs", {}))  # fmt: skip
+        args, kwargs, timeout = body.get("args", []), body.get("kwargs", {}), body.get("timeout")
+        if not isinstance(args, list):  # (checked before anything runs: a string would be spread into characters)
+            raise ValueError(f"'args' must be a JSON array, got {type(args).__name__}")
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"'kwargs' must be a JSON object, got {type(kwargs).__name__}")
+        results = await engine.collective_rpc(body["method"], timeout, tuple(args), kwargs)
         shown = [r if r is None or isinstance(r, (dict, list, str, int, float, bool)) else
                  sorted(r) if isinstance(r, (set, frozenset)) else str(r) for r in results]  # fmt: skip
         return {"results": shown}
