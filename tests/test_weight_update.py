@@ -10,7 +10,8 @@ import threading
 
 import pytest
 import torch
-from helpers import hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import (hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config,
+                     tiny_qwen3_moe_config)
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 
@@ -214,3 +215,24 @@ def test_update_while_paused_in_keep_mode_reaches_the_frozen_requests(pair):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_mixture_of_experts_takes_a_trainers_state_dict(tmp_path, default_model_dir):
+    """Qwen3-MoE: transformers >= 5 holds each layer's experts in two tensors (``experts.gate_up_proj``,
+    ``experts.down_proj``), and that is what a trainer's ``state_dict()`` names; the per-expert
+    names of a checkpoint on disk work too (reload_weights)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    def moe(seed: int):
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(tiny_qwen3_moe_config(vocab_size=49152, initializer_range=0.05)).eval()
+
+    hf_a, hf_b = moe(0), moe(1)
+    llm = LLM(model=str(save_tiny_model(hf_a, tmp_path / "moe", default_model_dir)), enable_prefix_caching=False)
+    [loaded] = llm.apply_model(lambda m: m.load_weights(hf_b.state_dict().items()))
+    assert "model.layers.0.mlp.experts.w13" in loaded and "model.layers.0.mlp.experts.w2" in loaded
+    assert_matches(ours(llm), hf_b, "Qwen3-MoE after load_weights(B's state_dict)")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' has shape \(3, 3\)"):
+        llm.apply_model(lambda m: m.load_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(3, 3))]))
+    llm.collective_rpc("reload_weights")
+    assert_matches(ours(llm), hf_a, "Qwen3-MoE after reload_weights (A's per-expert names)")
