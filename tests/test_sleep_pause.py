@@ -393,3 +393,33 @@ def test_dev_route_collective_rpc_checks_its_arguments_first(tiny_dir, monkeypat
 
     asyncio.run(main())
     assert_no_leaks(engine.engine)
+
+
+def test_sleep_level_0_is_a_pause_woken_by_the_scheduling_tag(tiny_dir):
+    """vLLM's level 0: a pause in ``mode`` that keeps the prefix cache and needs no sleep mode;
+    ``is_sleeping()`` says so; ``wake_up(["scheduling"])`` (or ``wake_up()``) resumes."""
+    engine = async_engine(tiny_dir)
+
+    async def main():
+        reference = await _final(engine, GREEDY)
+        for tags in (["scheduling"], None):
+            runs = await started(engine, 2)
+            await engine.sleep(level=0)
+            assert await engine.is_sleeping() and await engine.is_paused()
+            for task, _ in runs:
+                assert (await asyncio.wait_for(task, 5))[-1].outputs[0].finish_reason == "abort"
+            late = asyncio.create_task(_final(engine, GREEDY))
+            await asyncio.sleep(0.2)
+            assert not late.done()
+            await engine.wake_up(tags)
+            out = await asyncio.wait_for(late, 10)
+            assert out.num_cached_tokens == 16 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+            assert not await engine.is_sleeping()
+        with pytest.raises(ValueError, match="wake_up tags must be among"):
+            await engine.wake_up(["activations"])
+        with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+            await engine.sleep(level=1)
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -12,6 +12,8 @@ once no step is running. ``clear_cache`` (the default) then forgets the prefix c
 True)``): after the resume they are recomputed, so a weight update made meanwhile reaches their
 whole context, not only the tokens after it. ``sleep(level, mode)`` pauses in ``mode`` and gives
 back the memory (engine/worker.py); ``wake_up`` resumes once weights and KV cache are both back.
+Level 0 is vLLM's pause-only sleep (no ``enable_sleep_mode`` needed), woken by ``wake_up()`` or
+``wake_up(["scheduling"])``.
 ``collective_rpc("sleep" | "wake_up")`` is these, not the worker's alone (which would leave the
 requests and the prefix cache on a KV cache that is gone).
 """
@@ -24,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from vllmini.engine.llm_engine import LLMEngine, RequestState
+from vllmini.engine.worker import SLEEP_TAGS
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -108,19 +111,27 @@ class AsyncPause:
         """vLLM's: pause in ``mode`` (clearing the prefix cache), then give back the KV cache's
         memory and, at level 2, the weights' (needs ``enable_sleep_mode``). Requests that arrive
         while asleep wait for ``wake_up``; with mode "keep" those in flight are preempted and
-        recomputed after it."""
+        recomputed after it. Level 0 (vLLM's) only pauses, keeping the prefix cache."""
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0 (pause only), 1 (keep the weights) or 2 (discard them), got {level!r}")
+        if level == 0:
+            await self.pause_generation(mode=mode, clear_cache=False)
+            return
         if not self.engine.args.enable_sleep_mode:
             raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (keep the weights) or 2 (discard them), got {level!r}")
         await self.pause_generation(mode=mode, clear_cache=True)  # (what is left in flight is frozen, preempted)
         await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.sleep, level, "keep")
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back ``tags`` ("weights", "kv_cache"; None: both); generation resumes once the
-        engine sleeps no more."""
+        """Bring back ``tags`` ("weights", "kv_cache"; None: both; vLLM's "scheduling": only the
+        resume of a level-0 sleep); generation resumes once the engine sleeps no more."""
         await self.check_health()
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.wake_up, tags)
+        if tags is not None:
+            if not isinstance(tags, list) or (unknown := [t for t in tags if t not in (*SLEEP_TAGS, "scheduling")]):
+                raise ValueError(f"wake_up tags must be among {[*SLEEP_TAGS, 'scheduling']}, got {tags!r}")
+            tags = [t for t in tags if t != "scheduling"]
+        if self.engine.is_sleeping() and (tags is None or tags):
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.wake_up, tags)
         if not self.engine.is_sleeping():
             await self.resume_generation()
 

@@ -76,7 +76,7 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
     async def sleep(request: Request) -> Any:
         level = request.query_params.get("level", "1")
         if not level.isdigit():
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
         await engine.sleep(int(level), request.query_params.get("mode", "abort"))
         return Response(status_code=200)
 
