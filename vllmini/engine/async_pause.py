@@ -127,7 +127,7 @@ class AsyncPause:
         resume of a level-0 sleep); generation resumes once the engine sleeps no more."""
         await self.check_health()
         if tags is not None:
-            if not isinstance(tags, list) or (unknown := [t for t in tags if t not in (*SLEEP_TAGS, "scheduling")]):
+            if not isinstance(tags, list) or any(t not in (*SLEEP_TAGS, "scheduling") for t in tags):
                 raise ValueError(f"wake_up tags must be among {[*SLEEP_TAGS, 'scheduling']}, got {tags!r}")
             tags = [t for t in tags if t != "scheduling"]
         if self.engine.is_sleeping() and (tags is None or tags):
