@@ -423,3 +423,24 @@ def test_sleep_level_0_is_a_pause_woken_by_the_scheduling_tag(tiny_dir):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_collective_rpc_sleep_past_its_timeout_still_completes(tiny_dir):
+    """As other collective_rpc calls: the TimeoutError leaves the call running to its end (a sleep
+    cancelled halfway would leave the engine paused but awake)."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+
+    async def main():
+        await started(engine, 2)
+        with pytest.raises(TimeoutError, match="took more than"):
+            await engine.collective_rpc("sleep", timeout=1e-6)
+        for _ in range(100):
+            if engine.engine.is_sleeping():
+                break
+            await asyncio.sleep(0.02)
+        assert engine.engine.is_sleeping()
+        await engine.wake_up()
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -56,11 +56,12 @@ class AsyncPause:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise ValueError(f"collective_rpc: timeout must be a positive number of seconds or None, got {timeout!r}")
         if method in ("sleep", "wake_up"):  # the engine's, which pause and resume the requests around the worker's
-            return [await asyncio.wait_for(getattr(self, method)(*args, **(kwargs or {})), timeout)]
-        future = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.collective_rpc, method, None,
+            future = asyncio.ensure_future(_listed(getattr(self, method)(*args, **(kwargs or {}))))
+        else:
+            future = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.collective_rpc, method, None,
                                                             args, kwargs)  # fmt: skip
-        try:
-            return await asyncio.wait_for(future, timeout)
+        try:  # (shielded: a sleep cut short would leave the engine paused, half asleep)
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"collective_rpc({getattr(method, '__name__', method)!r}) took more than {timeout} s") from None
 
@@ -138,3 +139,7 @@ class AsyncPause:
     async def is_sleeping(self) -> bool:
         """As vLLM's: True while asleep, and also while merely paused (a pause is its level 0)."""
         return self.engine.is_sleeping() or self._pause_mode is not None
+
+
+async def _listed(call: Any) -> list[Any]:
+    return [await call]
