@@ -60,6 +60,7 @@ class AsyncPause:
         else:
             future = asyncio.get_running_loop().run_in_executor(self._executor, self.engine.collective_rpc, method, None,
                                                             args, kwargs)  # fmt: skip
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # (read: no "never retrieved" after a timeout)
         try:  # (shielded: a sleep cut short would leave the engine paused, half asleep)
             return await asyncio.wait_for(asyncio.shield(future), timeout)
         except asyncio.TimeoutError:
