@@ -423,6 +423,12 @@ def test_sleep_level_0_is_a_pause_woken_by_the_scheduling_tag(tiny_dir):
         await engine.shutdown()
 
     asyncio.run(main())
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=1 << 24, enable_sleep_mode=True)
+    llm.sleep(level=1)
+    llm.wake_up(["scheduling", "weights"])  # (the sync engine has no pause: "scheduling" is a no-op there)
+    assert llm.is_sleeping()
+    llm.wake_up(["kv_cache", "scheduling"])
+    assert not llm.is_sleeping()
 
 
 def test_collective_rpc_sleep_past_its_timeout_still_completes(tiny_dir):

@@ -151,7 +151,12 @@ class LLMEngineCalls:
         self.worker.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
+        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both; vLLM's ``"scheduling"``, level
+        0's, is the async engine's resume: nothing here)."""
+        if tags is not None and "scheduling" in tags:
+            tags = [t for t in tags if t != "scheduling"]
+            if not tags:
+                return
         if not self.args.enable_sleep_mode:
             raise ValueError("wake_up() needs an engine started with enable_sleep_mode=True")
         self.worker.wake_up(tags)
