@@ -293,3 +293,160 @@ def test_cuda_graphs_survive_updates_and_sleep(tiny_dir):
         llm.wake_up()
         assert runner.decode_graphs is not None and runner.decode_graphs.graphs
         assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_collective_rpc_sleep_and_wake_up_are_the_engines(tiny_dir):
+    """``collective_rpc("sleep")`` (a worker method's name) is the engine's sleep: the requests in
+    flight end ("abort") instead of hanging on a KV cache that is gone, and the prefix cache is
+    forgotten with it (a hit would read the zeros wake_up leaves); ``collective_rpc("wake_up")``
+    resumes. The same on ``LLM``."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+
+    async def main():
+        reference = await _final(engine, GREEDY)
+        [(task, _)] = await started(engine, 1)
+        assert await engine.collective_rpc("sleep", args=(1,)) == [None]
+        assert await engine.is_sleeping()
+        assert (await asyncio.wait_for(task, 5))[-1].outputs[0].finish_reason == "abort"
+        await engine.collective_rpc("wake_up")
+        assert not await engine.is_sleeping()
+        out = await asyncio.wait_for(_final(engine, GREEDY), 10)
+        assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=1 << 24, enable_sleep_mode=True)
+    before = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    llm.collective_rpc("sleep", kwargs={"level": 1})
+    assert llm.is_sleeping()
+    llm.collective_rpc("wake_up")
+    after = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens == 0 and after.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_keep_mode_with_clear_cache_preempts_and_sleep_keeps_requests(tiny_dir):
+    """As vLLM's: ``pause_generation(mode="keep")`` with clear_cache (the default) preempts the
+    frozen requests and forgets the prefix cache (they are recomputed at the resume: a weight update
+    made meanwhile reaches their whole context, tests/test_weight_update.py); ``sleep(mode="keep")``
+    with requests in flight keeps them, and they finish after wake_up as an unpaused run does.
+    ``reset_prefix_cache(reset_running_requests=True)`` works while streams run."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+    async def main():
+        reference = await _final(engine, params)
+        runs = await started(engine, 2, params)
+        await engine.pause_generation(mode="keep")
+        sched = engine.engine.scheduler
+        assert not sched.running and len(sched.waiting) == 2  # preempted, not aborted
+        assert engine.engine.block_manager.num_free_blocks == engine.engine.block_manager.num_blocks
+        await engine.resume_generation()
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+
+        runs = await started(engine, 2, params)
+        await engine.sleep(level=1, mode="keep")
+        assert await engine.is_sleeping() and engine.engine.has_unfinished_requests()
+        await engine.wake_up()
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+
+        runs = await started(engine, 2, params)
+        assert await engine.reset_prefix_cache() is False
+        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+        for task, _ in runs:
+            assert (await asyncio.wait_for(task, 10))[-1].outputs[0].token_ids == reference.outputs[0].token_ids
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_dev_route_collective_rpc_checks_its_arguments_first(tiny_dir, monkeypatch):
+    """A bad ``args``, ``kwargs`` or ``timeout`` is a 400 naming it, before anything runs; a
+    folder without weights is a 400 too; a timeout that passes is a 504; the engine goes on."""
+    monkeypatch.setenv(DEV_MODE_ENV, "1")
+    engine = async_engine(tiny_dir)
+    app = build_app(engine)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            async def rpc(body):
+                return await client.post("/collective_rpc", json=body)
+
+            for body, field in [({"method": "reload_weights", "args": "abc"}, "'args'"),
+                                ({"method": "reload_weights", "kwargs": ["x"]}, "'kwargs'"),
+                                ({"method": "reload_weights", "timeout": "soon"}, "timeout"),
+                                ({"method": "reload_weights", "timeout": -1}, "timeout"),
+                                ({"method": "reload_weights", "kwargs": {"weights_path": 5}}, "weights_path"),
+                                ({"method": "reload_weights", "kwargs": {"weights_path": str(tiny_dir.parent)}},
+                                 "no *.safetensors")]:  # fmt: skip
+                answer = await rpc(body)
+                assert answer.status_code == 400 and field in answer.json()["error"]["message"], (body, answer.text)
+            slow = await rpc({"method": "reload_weights", "timeout": 1e-6})
+            assert slow.status_code == 504 and "took more than" in slow.text
+            assert (await client.post("/reset_prefix_cache", params={"reset_running_requests": "true"})).status_code == 200
+            done = await client.post("/v1/completions", json={"prompt": PROMPT["prompt_token_ids"], "max_tokens": 4})
+            assert done.status_code == 200
+        await engine.shutdown()
+
+    asyncio.run(main())
+    assert_no_leaks(engine.engine)
+
+
+def test_sleep_level_0_is_a_pause_woken_by_the_scheduling_tag(tiny_dir):
+    """vLLM's level 0: a pause in ``mode`` that keeps the prefix cache and needs no sleep mode;
+    ``is_sleeping()`` says so; ``wake_up(["scheduling"])`` (or ``wake_up()``) resumes."""
+    engine = async_engine(tiny_dir)
+
+    async def main():
+        reference = await _final(engine, GREEDY)
+        for tags in (["scheduling"], None):
+            runs = await started(engine, 2)
+            await engine.sleep(level=0)
+            assert await engine.is_sleeping() and await engine.is_paused()
+            for task, _ in runs:
+                assert (await asyncio.wait_for(task, 5))[-1].outputs[0].finish_reason == "abort"
+            late = asyncio.create_task(_final(engine, GREEDY))
+            await asyncio.sleep(0.2)
+            assert not late.done()
+            await engine.wake_up(tags)
+            out = await asyncio.wait_for(late, 10)
+            assert out.num_cached_tokens == 16 and out.outputs[0].token_ids == reference.outputs[0].token_ids
+            assert not await engine.is_sleeping()
+        with pytest.raises(ValueError, match="wake_up tags must be among"):
+            await engine.wake_up(["activations"])
+        with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+            await engine.sleep(level=1)
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=1 << 24, enable_sleep_mode=True)
+    llm.sleep(level=1)
+    llm.wake_up(["scheduling", "weights"])  # (the sync engine has no pause: "scheduling" is a no-op there)
+    assert llm.is_sleeping()
+    llm.wake_up(["kv_cache", "scheduling"])
+    assert not llm.is_sleeping()
+
+
+def test_collective_rpc_sleep_past_its_timeout_still_completes(tiny_dir):
+    """As other collective_rpc calls: the TimeoutError leaves the call running to its end (a sleep
+    cancelled halfway would leave the engine paused but awake)."""
+    engine = async_engine(tiny_dir, enable_sleep_mode=True)
+
+    async def main():
+        await started(engine, 2)
+        with pytest.raises(TimeoutError, match="took more than"):
+            await engine.collective_rpc("sleep", timeout=1e-6)
+        for _ in range(100):
+            if engine.engine.is_sleeping():
+                break
+            await asyncio.sleep(0.02)
+        assert engine.engine.is_sleeping()
+        await engine.wake_up()
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())

@@ -10,7 +10,8 @@ import threading
 
 import pytest
 import torch
-from helpers import hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config
+from helpers import (hf_greedy_logprobs, save_tiny_lora, save_tiny_model, tiny_llama_config, tiny_qwen3_config,
+                     tiny_qwen3_moe_config)
 
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, LoRARequest, SamplingParams
 
@@ -166,3 +167,72 @@ def test_async_engine_collective_rpc_runs_on_the_engine_thread(pair):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_meta_or_non_float_tensors_are_refused_with_nothing_changed(pair):
+    """A tensor without data (the meta device: the copy would fail halfway) or of a non-floating
+    dtype (ints, bools: silently cast otherwise) is a TypeError naming it, before any copy."""
+    model_dir, hf_a, hf_b = pair
+    llm = LLM(model=str(model_dir), enable_prefix_caching=False)
+    good = list(hf_b.state_dict().items())
+    shape = hf_b.state_dict()["model.norm.weight"].shape
+    for bad, what in [(torch.empty(shape, device="meta"), "meta device"), (torch.ones(shape, dtype=torch.int64), "torch.int64"),
+                      (torch.ones(shape, dtype=torch.bool), "torch.bool")]:  # fmt: skip
+        with pytest.raises(TypeError, match=rf"'model\.norm\.weight' .*{what}"):
+            llm.apply_model(lambda m: m.load_weights(good + [("model.norm.weight", bad)]))
+    assert_matches(ours(llm), hf_a, "after refused updates")
+
+
+def test_update_while_paused_in_keep_mode_reaches_the_frozen_requests(pair):
+    """verl's partial rollouts: pause_generation(mode="keep") (clear_cache=True, the default, as in
+    vLLM), load new weights, resume. The frozen requests are recomputed, so each continues as B
+    would from its tokens so far (transformers' B as the oracle), not on K/V of A's."""
+    model_dir, hf_a, hf_b = pair
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(model_dir), enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompt = PROMPTS[1]
+
+    async def main():
+        seen: list[list] = [[], []]
+
+        async def run(i):
+            async for out in engine.generate({"prompt_token_ids": prompt}, params):
+                seen[i].append(out)
+            return out
+
+        tasks = [asyncio.create_task(run(i)) for i in range(2)]
+        while not all(s and len(s[-1].outputs[0].token_ids) >= 3 for s in seen):
+            await asyncio.sleep(0.005)
+        await engine.pause_generation(mode="keep")
+        done = [len(s[-1].outputs[0].token_ids) for s in seen]
+        await engine.collective_rpc("load_weights", args=(list(hf_b.state_dict().items()),))
+        await engine.resume_generation()
+        for k, out in zip(done, await asyncio.gather(*tasks)):
+            tokens = list(out.outputs[0].token_ids)
+            want, _ = hf_greedy_logprobs(hf_b, prompt + tokens[:k], params.max_tokens - k)
+            assert tokens[k:] == want, f"continued on stale K/V after {k} tokens"
+        assert_no_leaks(engine.engine)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_mixture_of_experts_takes_a_trainers_state_dict(tmp_path, default_model_dir):
+    """Qwen3-MoE: transformers >= 5 holds each layer's experts in two tensors (``experts.gate_up_proj``,
+    ``experts.down_proj``), and that is what a trainer's ``state_dict()`` names; the per-expert
+    names of a checkpoint on disk work too (reload_weights)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    def moe(seed: int):
+        torch.manual_seed(seed)
+        return Qwen3MoeForCausalLM(tiny_qwen3_moe_config(vocab_size=49152, initializer_range=0.05)).eval()
+
+    hf_a, hf_b = moe(0), moe(1)
+    llm = LLM(model=str(save_tiny_model(hf_a, tmp_path / "moe", default_model_dir)), enable_prefix_caching=False)
+    [loaded] = llm.apply_model(lambda m: m.load_weights(hf_b.state_dict().items()))
+    assert "model.layers.0.mlp.experts.w13" in loaded and "model.layers.0.mlp.experts.w2" in loaded
+    assert_matches(ours(llm), hf_b, "Qwen3-MoE after load_weights(B's state_dict)")
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' has shape \(3, 3\)"):
+        llm.apply_model(lambda m: m.load_weights([("model.layers.0.mlp.experts.down_proj", torch.zeros(3, 3))]))
+    llm.collective_rpc("reload_weights")
+    assert_matches(ours(llm), hf_a, "Qwen3-MoE after reload_weights (A's per-expert names)")

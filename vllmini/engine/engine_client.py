@@ -68,11 +68,12 @@ class EngineClient:
     def get_tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix, between two steps; False (nothing done) while requests
-        are unfinished, as in vLLM."""
+        are unfinished, as in vLLM, unless ``reset_running_requests`` (they are preempted first)."""
         await self.check_health()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache,
+                                                                reset_running_requests)  # fmt: skip
 
     async def start_profile(self, profile_prefix: str | None = None) -> None:
         """vLLM's: record the steps with the torch profiler, on the engine's thread (needs

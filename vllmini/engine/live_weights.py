@@ -53,6 +53,10 @@ class LiveWeights:
         for item in items:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and torch.is_tensor(item[1])):
                 raise TypeError(f"load_weights takes (name, tensor) pairs, got {type(item).__name__}: {item!r:.80}")
+            name, tensor = item  # (checked here: the meta twin would take these, and the copy fail halfway)
+            if tensor.is_meta or not tensor.is_floating_point():
+                what = "is on the meta device (no data)" if tensor.is_meta else f"has dtype {tensor.dtype}"
+                raise TypeError(f"checkpoint tensor {name!r} {what}: load_weights takes floating-point weights")
         touched = self._check(items)
         model, ptrs = self.model, _data_ptrs(self.model)
         with torch.no_grad(), _plain_linears(model, self._linear_paths(touched)):

@@ -43,9 +43,10 @@ class LLM:
         classifier's ("classify", "score", "token_classify") or a token classifier's ("token_classify",)."""
         return self.llm_engine.supported_tasks
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (nothing done) while requests are unfinished."""
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix; False (nothing done) while requests are unfinished, unless
+        ``reset_running_requests`` (vLLM's: they are preempted, recomputed later)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
 
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:  # fmt: skip

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllmini.lora.request import LoRARequest
     from vllmini.metrics.reader import Metric
     from vllmini.metrics.stat_logger import StatLogger
+    from vllmini.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("vllmini")
 
@@ -49,6 +50,8 @@ class LLMEngineCalls:
     stat_logger: StatLogger | None
     requests: dict[str, RequestState]
     worker: Worker
+    scheduler: Scheduler
+    _in_flight: Any
     abort_request: Callable[..., list[Any]]
 
     def get_tokenizer(self) -> Any:
@@ -100,11 +103,16 @@ class LLMEngineCalls:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix, so that the next prompts start cold (a benchmark's
         points, a weight swap). As in vLLM, refused (False, with a warning) while requests
-        are unfinished: the blocks they hold would keep their hashes."""
-        if self.requests:
+        run: the blocks they hold would keep their hashes; ``reset_running_requests=True``
+        preempts them first (they are recomputed when scheduled again, e.g. after a weight
+        update: vLLM's ``pause_generation(mode="keep", clear_cache=True)``)."""
+        if reset_running_requests:  # (then every request is queued, holding no block)
+            self._in_flight = None  # (async scheduling: its tokens are dropped, as vLLM's discard_latest_async_tokens)
+            self.scheduler.preempt_running()
+        elif self.requests:
             logger.warning("prefix cache not reset: %d requests are unfinished", len(self.requests))
             return False
         self.block_manager.reset_prefix_cache()
@@ -118,26 +126,37 @@ class LLMEngineCalls:
         between steps; ``timeout`` is not used (vLLM's in-process executor does not either)."""
         from vllmini.engine.worker import run_method
 
+        if method in ("sleep", "wake_up"):  # the engine's: the worker's alone would leave the requests
+            return [getattr(self, method)(*args, **(kwargs or {}))]  # and prefix cache on a freed KV cache
         return [run_method(self.worker, method, args, kwargs)]
 
     def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
         """vLLM's: ``[func(model)]``; the model's ``load_weights`` updates it in place."""
         return self.collective_rpc("apply_model", args=(func,))
 
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep mode (needs ``enable_sleep_mode``): unfinished requests are aborted, the
-        prefix cache forgotten and the KV cache's memory given back; level 1 keeps the weights,
-        level 2 discards them (load them again after ``wake_up``)."""
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's sleep mode (needs ``enable_sleep_mode``): unfinished requests are aborted (``mode``
+        "keep": preempted, recomputed after ``wake_up``), the prefix cache forgotten and the KV
+        cache's memory given back; level 1 keeps the weights, level 2 discards them (load them
+        again after ``wake_up``)."""
         if not self.args.enable_sleep_mode:
             raise ValueError("sleep() needs an engine started with enable_sleep_mode=True")
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (keep the weights) or 2 (discard them), got {level!r}")
-        self.abort_request(list(self.requests))
-        self.block_manager.reset_prefix_cache()  # (its blocks' K/V go with the cache)
+        if mode not in ("abort", "keep"):
+            raise ValueError(f"sleep mode must be 'abort' or 'keep' here (the async engine also takes 'wait'), got {mode!r}")
+        if mode == "abort":
+            self.abort_request(list(self.requests))
+        self.reset_prefix_cache(reset_running_requests=True)  # (its blocks' K/V go with the cache)
         self.worker.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both)."""
+        """Bring back ``tags`` (``"weights"``, ``"kv_cache"``; None: both; vLLM's ``"scheduling"``, level
+        0's, is the async engine's resume: nothing here)."""
+        if tags is not None and "scheduling" in tags:
+            tags = [t for t in tags if t != "scheduling"]
+            if not tags:
+                return
         if not self.args.enable_sleep_mode:
             raise ValueError("wake_up() needs an engine started with enable_sleep_mode=True")
         self.worker.wake_up(tags)

@@ -58,10 +58,15 @@ class Worker:
         folder of safetensors files: a trainer's checkpoint), into the live model."""
         from vllmini.models.weight_loader import iter_weights
 
+        if weights_path is not None and not isinstance(weights_path, (str, Path)):
+            raise ValueError(f"reload_weights: weights_path must be a folder's path, got {type(weights_path).__name__}")
         folder = Path(weights_path) if weights_path is not None else self.model_dir
         if folder is None or not folder.is_dir():
             raise ValueError(f"reload_weights: {folder} is not a folder of safetensors files")
-        return self.load_weights(iter_weights(folder))
+        try:
+            return self.load_weights(iter_weights(folder))
+        except FileNotFoundError as exc:  # (no safetensors there: a bad argument, as vLLM's 400)
+            raise ValueError(f"reload_weights: {exc}") from None
 
     @property
     def weights_discarded(self) -> bool:

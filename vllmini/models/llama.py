@@ -16,7 +16,7 @@ from vllmini.models.attention import Attention, KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.layers import GatedMLP, RMSNorm
 from vllmini.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from vllmini.models.moe import FusedMoE, expert_tensor, expert_tensor_name, grouped_mm_supported
+from vllmini.models.moe import FusedMoE, expert_tensor, expert_tensor_name, fused_expert_tensor, grouped_mm_supported
 
 logger = logging.getLogger("vllmini")
 
@@ -285,6 +285,11 @@ class LlamaForCausalLM(nn.Module):
                 shards_seen.setdefault(target, set()).add((index, shard))
                 if len(shards_seen[target]) == len(experts.shards(stacked)):
                     loaded.add(target)
+            elif (fused := fused_expert_tensor(name)) is not None:  # every expert at once (transformers >= 5)
+                target = ".".join(fused)
+                _copy(self._param(params, target, name).data, tensor, name)
+                shards_seen[target] = set(self.get_submodule(fused[0]).shards(fused[1]))
+                loaded.add(target)
             elif proj in _STACKED:
                 fused, shard = _STACKED[proj]
                 target = f"{parent}.{fused}.{leaf}"

@@ -151,6 +151,17 @@ def expert_tensor(name: str, projections: tuple[str, str, str]) -> tuple[str, st
     return hit["parent"], "w2" if shard == 2 else "w13", int(hit["expert"]), shard % 2
 
 
+_FUSED_EXPERTS = re.compile(r"^(?P<parent>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+def fused_expert_tensor(name: str) -> tuple[str, str] | None:
+    """``(ExpertWeights' path, "w13" or "w2")`` for all experts' weights in one tensor, as transformers
+    >= 5 holds them in memory (``experts.gate_up_proj`` [E, 2I, H], gate first; ``experts.down_proj``
+    [E, H, I]: our layout), e.g. a trainer's ``state_dict()``; else None."""
+    hit = _FUSED_EXPERTS.match(name)
+    return None if hit is None else (hit["parent"], "w13" if hit["proj"] == "gate_up_proj" else "w2")
+
+
 def expert_tensor_name(param: str, expert: int, shard: int, projections: tuple[str, str, str]) -> str:
     """The checkpoint's name of one expert's shard of ``param`` (the inverse of :func:`expert_tensor`)."""
     parent, _, leaf = param.rpartition(".")

@@ -244,6 +244,15 @@ class Scheduler:
             self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
+    def preempt_running(self) -> int:
+        """Preempt every running sequence (vLLM's ``reset_prefix_cache(reset_running_requests=True)``):
+        their blocks are freed and they are recomputed when admitted again, in their order.
+        Returns how many."""
+        out = SchedulerOutput()
+        while self.running:  # (the last first: each goes to the queue's front)
+            self._preempt(self.running.pop(), out)
+        return len(out.preempted)
+
     def update_computed(self, out: SchedulerOutput) -> None:
         """After the forward: the scheduled tokens now have their K/V in the cache."""
         for s in out.scheduled:

@@ -7,7 +7,7 @@ vLLM's ``VLLM_SERVER_DEV_MODE``: any client may then pause the engine or run a w
   ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``;
 - ``POST /collective_rpc`` with ``{"method": name, "args": [...], "kwargs": {...}, "timeout": s}``
   -> ``{"results": [...]}`` (JSON arguments only; a worker method's name, e.g. ``reload_weights``);
-- ``POST /reset_prefix_cache``.
+- ``POST /reset_prefix_cache?reset_running_requests=false``.
 
 A bad argument is a 400 naming it, as vLLM's.
 """
@@ -55,6 +55,8 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
                 result = await call(request)
             except (ValueError, TypeError, NotImplementedError) as exc:
                 return error_response(400, str(exc))
+            except TimeoutError as exc:  # collective_rpc's timeout (the call itself completes)
+                return error_response(504, str(exc))
             except RuntimeError as exc:  # e.g. resume while asleep
                 return error_response(409, str(exc))
             return result if isinstance(result, Response) else json_response(result)
@@ -74,7 +76,7 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
     async def sleep(request: Request) -> Any:
         level = request.query_params.get("level", "1")
         if not level.isdigit():
-            raise ValueError(f"level must be 1 or 2, got {level!r}")
+            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
         await engine.sleep(int(level), request.query_params.get("mode", "abort"))
         return Response(status_code=200)
 
@@ -89,14 +91,18 @@ def dev_routes(engine: AsyncLLMEngine, json_response: Callable[[Any], Response],
             raise ValueError(f"JSON decode error: {exc}") from None
         if not isinstance(body, dict) or not isinstance(body.get("method"), str):
             raise ValueError("the body must be a JSON object with a 'method' (the name of a worker method)")
-        results = await engine.collective_rpc(body["method"], body.get("timeout"), tuple(body.get("args", [])),
-                                              body.get("kwargs", {}))  # fmt: skip
+        args, kwargs, timeout = body.get("args", []), body.get("kwargs", {}), body.get("timeout")
+        if not isinstance(args, list):  # (checked before anything runs: a string would be spread into characters)
+            raise ValueError(f"'args' must be a JSON array, got {type(args).__name__}")
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"'kwargs' must be a JSON object, got {type(kwargs).__name__}")
+        results = await engine.collective_rpc(body["method"], timeout, tuple(args), kwargs)
         shown = [r if r is None or isinstance(r, (dict, list, str, int, float, bool)) else
                  sorted(r) if isinstance(r, (set, frozenset)) else str(r) for r in results]  # fmt: skip
         return {"results": shown}
 
     async def reset_prefix_cache(request: Request) -> Any:
-        await engine.reset_prefix_cache()
+        await engine.reset_prefix_cache(flag(request, "reset_running_requests", False))
         return Response(status_code=200)
 
     async def is_paused(request: Request) -> Any:
