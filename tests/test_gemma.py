@@ -295,3 +295,21 @@ def test_headless_gemma3_embeds_as_transformers(saved, tmp_path):
     assert llm.llm_engine.runner_type == "pooling" and llm.llm_engine.model.lm_head is None
     out = llm.embed([PROMPTS[3]], use_tqdm=False)[0]
     assert_close(out.outputs.embedding, hf_embedding(Path(model_dir), out.prompt_token_ids, "LAST"), "Gemma3TextModel")
+
+
+def test_draft_model_over_sliding_and_full_layers(saved):
+    """Gemma's sliding and full layers keep every KV block (none is released behind a window), so a
+    draft model may share them: Gemma 3 drafting for itself through chunked prefill, preemption and
+    the prefix cache has every draft accepted (its windowed attention over the shared blocks is the
+    target's), and the tokens are transformers'."""
+    model_dir, hf = saved("gemma3")
+    llm = LLM(model=model_dir, speculative_config={"model": model_dir, "num_speculative_tokens": 3}, block_size=4,
+              max_num_batched_tokens=8, num_gpu_blocks_override=16, enable_prefix_caching=True)  # fmt: skip
+    prompts = _prompts(4000, [5, 40, 29], 6)
+    prompts.append(prompts[1][:32] + prompts[2][:8])
+    worst, wrong = _engine_errors(llm, hf, prompts, 16)
+    assert not wrong and worst < 2e-4, (wrong, worst)
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert_no_leaks(llm)
