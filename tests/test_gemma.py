@@ -156,12 +156,14 @@ def saved(tmp_path_factory, default_model_dir):
 def _engine_errors(llm: LLM, hf, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
     """Greedy with logprobs through the engine, then transformers over prompt + output in one
     forward: the largest |logprob difference| over the reported tokens, and the steps where the
-    engine's token is not transformers' argmax (outside near ties)."""
+    engine's token is not transformers' argmax (outside near ties). Every completion must run to
+    ``max_tokens`` (a shorter one, cut by NaN logits, would compare fewer steps)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     worst, wrong = 0.0, []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         tokens = out.outputs[0].token_ids
+        assert len(tokens) == max_tokens, f"prompt {i}: {len(tokens)} tokens ({out.outputs[0].finish_reason})"
         with torch.no_grad():
             rows = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         for step, (token, reported, row) in enumerate(zip(tokens, out.outputs[0].logprobs, rows)):
@@ -312,4 +314,32 @@ def test_draft_model_over_sliding_and_full_layers(saved):
     stats = llm.llm_engine.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
     assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(("name", "kv_cache_dtype"), [("gemma2", "fp8_e5m2"), ("gemma3", "fp8_e4m3")])
+def test_torch_backend_over_a_nan_filled_fp8_cache(saved, name, kv_cache_dtype):
+    """Every KV slot starts as NaN (as a block reused from a request whose K/V were NaN): the torch
+    backend's mixed prefill/decode steps (8-token chunks, preemption, prefix-cache hits) must read
+    only what they wrote, through the score softcap too (Gemma 2: a masked NaN value times its zero
+    weight is NaN). Greedy tokens and logprobs equal transformers' with K/V rounded as the cache."""
+    import importlib
+
+    from helpers import register_rounded_kv_attention
+
+    model_dir, _ = saved(name)
+    eager = importlib.import_module(f"transformers.models.{name}.modeling_{name}").eager_attention_forward
+    rounded = CASES[name][1].from_pretrained(model_dir, attn_implementation=register_rounded_kv_attention(
+        kv_cache_dtype, eager)).eval()  # fmt: skip
+    llm = LLM(model=model_dir, attention_backend="torch", kv_cache_dtype=kv_cache_dtype, block_size=8,
+              max_num_batched_tokens=8, num_gpu_blocks_override=20, enable_prefix_caching=True)  # fmt: skip
+    for layer in llm.llm_engine.runner.kv_caches:
+        for cache in layer:
+            cache.view(torch.uint8).fill_(0xFF)  # NaN in both fp8 formats
+    prompts = _prompts(4000, [5, 40, 29, 3], 6)
+    prompts.append(prompts[1][:32] + prompts[2][:8])
+    for run in ("first", "prefix-cached"):
+        worst, wrong = _engine_errors(llm, rounded, prompts, 16)
+        assert not wrong and worst < 2e-4, (run, wrong, worst)
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0 and llm.llm_engine.block_manager.prefix_cache_hits > 0
     assert_no_leaks(llm)
