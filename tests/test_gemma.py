@@ -126,10 +126,16 @@ def test_max_model_len_is_not_scaled_again():
     assert resolve_max_model_len(None, tiny_gemma3_config()) == 1024
 
 
-def test_attention_softcap_runs_on_the_torch_backend_only():
+def test_attention_softcap_runs_on_the_torch_backend_only(monkeypatch, caplog):
+    """Chosen by itself, with the reason logged (the cpu / flash backends would be the default), or refused by name."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
     cuda = torch.device("cuda")  # (selection only: no device is touched)
-    assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
-    assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
+    with caplog.at_level("INFO", logger="vllmini"):
+        assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
+        assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
+    assert sum("attn_logit_softcapping=50.0" in r.getMessage() for r in caplog.records) == 2
     for forced in ("cpu", "triton", "flash_attn", "torch_varlen"):
         with pytest.raises(ValueError, match=rf"attention_backend='{forced}' cannot be used: .*attn_logit_softcapping"):
             select_backend(forced, cuda, torch.bfloat16, 256, softcap=50.0)
