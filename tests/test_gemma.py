@@ -349,3 +349,41 @@ def test_torch_backend_over_a_nan_filled_fp8_cache(saved, name, kv_cache_dtype):
         assert not wrong and worst < 2e-4, (run, wrong, worst)
     assert llm.llm_engine.scheduler.stats.num_preemptions > 0 and llm.llm_engine.block_manager.prefix_cache_hits > 0
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_softcapped_torch_attention_over_every_kind_of_row(window):
+    """Gemma 2's score cap in the torch backend against a dense reference: prompts, chunks after cached
+    tokens and decode rows in one step, then the same decode rows through the static (CUDA-graph)
+    path, which Gemma 2's decode steps take on a GPU; NaN in every slot no row may read stays out."""
+    from test_attention import BS, D, H, HKV, build_batch
+
+    from vllmini.models.attention import torch_attention
+    from vllmini.models.base import AttentionMetadata, block_table_tensor
+
+    cap, scale = 0.5, D**-0.5
+    for q_lens, seq_lens in (([1, 5, 1, 8, 2], [9, 5, 17, 12, 2]), ([1, 1, 1], [5, 1, 13])):
+        q, k, v, (k_cache, v_cache), meta, hk, hv = build_batch(q_lens, seq_lens)
+        readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+        for b, n in enumerate(seq_lens):
+            for p in range(n):
+                readable[meta.block_tables[b, p // BS], p % BS] = True
+        k_cache[~readable], v_cache[~readable] = float("nan"), float("nan")
+        cache = (k_cache, v_cache)
+        out = torch_attention(q, k, v, meta, tuple(c.clone() for c in cache), scale, window, softcap=cap)
+        start = 0
+        for q_len, k_seq, v_seq in zip(q_lens, hk, hv):
+            scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len], k_seq.repeat_interleave(H // HKV, 1)) * scale
+            pos_q, pos_k = torch.arange(len(k_seq) - q_len, len(k_seq))[:, None], torch.arange(len(k_seq))[None, :]
+            seen = (pos_k <= pos_q) & (pos_k > pos_q - (window or len(k_seq)))
+            probs = (torch.tanh(scores / cap) * cap).masked_fill(~seen, float("-inf")).softmax(-1)
+            ref = torch.einsum("hqk,khd->qhd", probs, v_seq.repeat_interleave(H // HKV, 1))
+            torch.testing.assert_close(out[start : start + q_len], ref, atol=1e-5, rtol=1e-5)
+            start += q_len
+        if max(q_lens) == 1:  # the static path, over table columns padded to 8
+            cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+            static = AttentionMetadata.for_static_decode(cu, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                                         meta.slot_mapping, block_table_tensor(meta.block_tables.tolist(), 8),
+                                                         8 * BS)  # fmt: skip
+            got = torch_attention(q, k, v, static, tuple(c.clone() for c in cache), scale, window, softcap=cap)
+            torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
