@@ -387,3 +387,12 @@ def test_softcapped_torch_attention_over_every_kind_of_row(window):
                                                          8 * BS)  # fmt: skip
             got = torch_attention(q, k, v, static, tuple(c.clone() for c in cache), scale, window, softcap=cap)
             torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+
+
+def test_a_forced_backend_the_draft_cannot_run_is_refused_as_the_drafts(saved):
+    """Gemma 3 runs on the cpu backend, its Gemma 2 draft cannot (its scores are capped): the error says
+    which model it is about."""
+    with pytest.raises(ValueError, match=r"the draft model \(speculative_config.model\): attention_backend='cpu' "
+                                         r"cannot be used: .*attn_logit_softcapping=0.3"):  # fmt: skip
+        LLM(model=saved("gemma3")[0], attention_backend="cpu",
+            speculative_config={"model": saved("gemma2")[0], "num_speculative_tokens": 2})  # fmt: skip
