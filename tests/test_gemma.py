@@ -396,3 +396,26 @@ def test_a_forced_backend_the_draft_cannot_run_is_refused_as_the_drafts(saved):
                                          r"cannot be used: .*attn_logit_softcapping=0.3"):  # fmt: skip
         LLM(model=saved("gemma3")[0], attention_backend="cpu",
             speculative_config={"model": saved("gemma2")[0], "num_speculative_tokens": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padded_static_decode_equals_eager(name):
+    """What a CUDA graph replays for a Gemma decode step (rows padded, tables as wide as max_model_len,
+    padding rows in the pad block; the torch backend, whose static path Gemma 2 takes on a GPU) equals the
+    eager step: per-layer windows (7 keys here) and rope tables, both softcaps."""
+    from test_cuda_path import _decode_state, _random_model
+
+    from vllmini.engine.cuda_graph import DecodeGraphRunner
+    from vllmini.models.attention import torch_attention
+
+    block_size, max_model_len = 4, 40
+    model = _random_model(CASES[name][0](max_position_embeddings=64, sliding_window=7), torch_attention)
+    for batch in (3, 17):
+        caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
+        static_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            ref = model(torch.tensor(flat.ids), torch.tensor(flat.positions), flat.to_model_input("cpu").attn_metadata, caches)
+        runner = DecodeGraphRunner(model, static_caches, block_size, 20, max_model_len, num_blocks, torch.device("cpu"),
+                                   use_graphs=False)  # fmt: skip
+        assert runner.can_run(flat) and runner.padded_size(batch) > batch
+        torch.testing.assert_close(runner.run(flat), ref, atol=1e-4, rtol=1e-4)
