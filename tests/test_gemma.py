@@ -217,6 +217,11 @@ def test_preempted_requests_recompute_transformers_tokens(saved, name):
     assert_no_leaks(llm)
 
 
+def test_an_unsupported_activation_is_refused_naming_gemmas_key():
+    with pytest.raises(ValueError, match=r"hidden_activation 'gelu' is not supported"):
+        Gemma2ForCausalLM(tiny_gemma2_config(hidden_activation="gelu"))
+
+
 def test_gemma2_refuses_a_backend_without_softcap(saved):
     with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be used: .*attn_logit_softcapping=0.3"):
         LLM(model=saved("gemma2")[0], attention_backend="cpu")
