@@ -316,21 +316,26 @@ def fake_python(tmp_path: Path, driver_source: str, name: str = "fake_driver.py"
     return str(exe)
 
 
-def register_rounded_kv_attention(kv_cache_dtype: str) -> str:
-    """A transformers attention implementation (its SDPA, after rounding K/V as a
+def register_rounded_kv_attention(kv_cache_dtype: str, eager=None) -> str:
+    """A transformers attention implementation (its SDPA, or the model module's ``eager``
+    ``eager_attention_forward``, which Gemma 2's score softcap needs, after rounding K/V as a
     ``kv_cache_dtype`` cache holds them): the oracle for vllmini's fp8 / bfloat16 KV caches.
-    Returns the name to pass as ``attn_implementation``."""
+    Its mask function is registered too: without one transformers passes no mask, and a sliding
+    window would be dropped. Returns the name to pass as ``attn_implementation``."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
     from vllmini.kv.cache_dtype import KV_CACHE_DTYPES, round_to_cache
 
     cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+    attention = eager or sdpa_attention_forward
 
-    def rounded_sdpa(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, round_to_cache(key, cache_dtype),
-                                      round_to_cache(value, cache_dtype), attention_mask, **kwargs)  # fmt: skip
+    def rounded(module, query, key, value, attention_mask, **kwargs):
+        return attention(module, query, round_to_cache(key, cache_dtype), round_to_cache(value, cache_dtype),
+                         attention_mask, **kwargs)  # fmt: skip
 
-    name = f"vllmini_test_kv_{kv_cache_dtype}"
-    AttentionInterface.register(name, rounded_sdpa)
+    name = f"vllmini_test_kv_{kv_cache_dtype}{'_eager' if eager else ''}"
+    AttentionInterface.register(name, rounded)
+    AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
     return name

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralForCausalLM
+from transformers import Gemma2ForCausalLM, MistralForCausalLM
 
-from helpers import save_tiny_lora, save_tiny_model, tiny_mistral_config
+from helpers import randomize_norms, save_tiny_lora, save_tiny_model, tiny_gemma2_config, tiny_mistral_config
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 from vllmini.lora.request import LoRARequest
@@ -30,6 +30,14 @@ def mistral_dir(tmp_path_factory, default_model_dir) -> str:
     torch.manual_seed(0)
     hf = MistralForCausalLM(tiny_mistral_config(vocab_size=49152, initializer_range=0.05, sliding_window=24)).eval()
     return str(save_tiny_model(hf, tmp_path_factory.mktemp("combo_mistral"), default_model_dir))
+
+
+@pytest.fixture(scope="module")
+def gemma2_dir(tmp_path_factory, default_model_dir) -> str:
+    """Sliding (12) and full layers, capped attention scores (the torch backend's softcap path) and logits."""
+    torch.manual_seed(0)
+    hf = randomize_norms(Gemma2ForCausalLM(tiny_gemma2_config(vocab_size=49152))).eval()
+    return str(save_tiny_model(hf, tmp_path_factory.mktemp("combo_gemma2"), default_model_dir))
 
 
 def _generate(model, params: SamplingParams, lora=None, priority=None, **engine) -> list:
@@ -85,4 +93,15 @@ def test_priority_preemption_async_scheduling_and_forks_over_fp8(tiny_dir):
     want = _generate(tiny_dir, params, kv_cache_dtype="fp8_e5m2")
     got = _generate(tiny_dir, params, priority=[3, 1, 2, 0, 1], kv_cache_dtype="fp8_e5m2", scheduling_policy="priority",
                     async_scheduling=True, num_gpu_blocks_override=13)  # fmt: skip
+    _assert_same(got, want)
+
+
+def test_gemma2_draft_model_sampled_forks_over_fp8_with_preemption_and_chunking(gemma2_dir):
+    """Gemma 2 drafting for itself (a draft over sliding and full layers), n = 2 seeded samples per prompt,
+    an fp8 cache, priority preemption, 8-token blocks and 16-token steps: the reference's samples."""
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, seed=7, n=2, ignore_eos=True, logprobs=1)
+    want = _generate(gemma2_dir, params, kv_cache_dtype="fp8_e5m2")
+    got = _generate(gemma2_dir, params, priority=[3, 1, 2, 0, 1], kv_cache_dtype="fp8_e5m2", scheduling_policy="priority",
+                    speculative_config={"model": gemma2_dir, "num_speculative_tokens": 2}, num_gpu_blocks_override=20,
+                    block_size=8, max_num_batched_tokens=16)  # fmt: skip
     _assert_same(got, want)

@@ -126,10 +126,16 @@ def test_max_model_len_is_not_scaled_again():
     assert resolve_max_model_len(None, tiny_gemma3_config()) == 1024
 
 
-def test_attention_softcap_runs_on_the_torch_backend_only():
+def test_attention_softcap_runs_on_the_torch_backend_only(monkeypatch, caplog):
+    """Chosen by itself, with the reason logged (the cpu / flash backends would be the default), or refused by name."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
     cuda = torch.device("cuda")  # (selection only: no device is touched)
-    assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
-    assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
+    with caplog.at_level("INFO", logger="vllmini"):
+        assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
+        assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
+    assert sum("attn_logit_softcapping=50.0" in r.getMessage() for r in caplog.records) == 2
     for forced in ("cpu", "triton", "flash_attn", "torch_varlen"):
         with pytest.raises(ValueError, match=rf"attention_backend='{forced}' cannot be used: .*attn_logit_softcapping"):
             select_backend(forced, cuda, torch.bfloat16, 256, softcap=50.0)
@@ -156,12 +162,14 @@ def saved(tmp_path_factory, default_model_dir):
 def _engine_errors(llm: LLM, hf, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[str]]:
     """Greedy with logprobs through the engine, then transformers over prompt + output in one
     forward: the largest |logprob difference| over the reported tokens, and the steps where the
-    engine's token is not transformers' argmax (outside near ties)."""
+    engine's token is not transformers' argmax (outside near ties). Every completion must run to
+    ``max_tokens`` (a shorter one, cut by NaN logits, would compare fewer steps)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     worst, wrong = 0.0, []
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         tokens = out.outputs[0].token_ids
+        assert len(tokens) == max_tokens, f"prompt {i}: {len(tokens)} tokens ({out.outputs[0].finish_reason})"
         with torch.no_grad():
             rows = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         for step, (token, reported, row) in enumerate(zip(tokens, out.outputs[0].logprobs, rows)):
@@ -207,6 +215,11 @@ def test_preempted_requests_recompute_transformers_tokens(saved, name):
     assert llm.llm_engine.scheduler.stats.num_preemptions > 0
     assert not wrong and worst < 2e-4, (wrong, worst)
     assert_no_leaks(llm)
+
+
+def test_an_unsupported_activation_is_refused_naming_gemmas_key():
+    with pytest.raises(ValueError, match=r"hidden_activation 'gelu' is not supported"):
+        Gemma2ForCausalLM(tiny_gemma2_config(hidden_activation="gelu"))
 
 
 def test_gemma2_refuses_a_backend_without_softcap(saved):
@@ -295,3 +308,119 @@ def test_headless_gemma3_embeds_as_transformers(saved, tmp_path):
     assert llm.llm_engine.runner_type == "pooling" and llm.llm_engine.model.lm_head is None
     out = llm.embed([PROMPTS[3]], use_tqdm=False)[0]
     assert_close(out.outputs.embedding, hf_embedding(Path(model_dir), out.prompt_token_ids, "LAST"), "Gemma3TextModel")
+
+
+def test_draft_model_over_sliding_and_full_layers(saved):
+    """Gemma's sliding and full layers keep every KV block (none is released behind a window), so a
+    draft model may share them: Gemma 3 drafting for itself through chunked prefill, preemption and
+    the prefix cache has every draft accepted (its windowed attention over the shared blocks is the
+    target's), and the tokens are transformers'."""
+    model_dir, hf = saved("gemma3")
+    llm = LLM(model=model_dir, speculative_config={"model": model_dir, "num_speculative_tokens": 3}, block_size=4,
+              max_num_batched_tokens=8, num_gpu_blocks_override=16, enable_prefix_caching=True)  # fmt: skip
+    prompts = _prompts(4000, [5, 40, 29], 6)
+    prompts.append(prompts[1][:32] + prompts[2][:8])
+    worst, wrong = _engine_errors(llm, hf, prompts, 16)
+    assert not wrong and worst < 2e-4, (wrong, worst)
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize(("name", "kv_cache_dtype"), [("gemma2", "fp8_e5m2"), ("gemma3", "fp8_e4m3")])
+def test_torch_backend_over_a_nan_filled_fp8_cache(saved, name, kv_cache_dtype):
+    """Every KV slot starts as NaN (as a block reused from a request whose K/V were NaN): the torch
+    backend's mixed prefill/decode steps (8-token chunks, preemption, prefix-cache hits) must read
+    only what they wrote, through the score softcap too (Gemma 2: a masked NaN value times its zero
+    weight is NaN). Greedy tokens and logprobs equal transformers' with K/V rounded as the cache."""
+    import importlib
+
+    from helpers import register_rounded_kv_attention
+
+    model_dir, _ = saved(name)
+    eager = importlib.import_module(f"transformers.models.{name}.modeling_{name}").eager_attention_forward
+    rounded = CASES[name][1].from_pretrained(model_dir, attn_implementation=register_rounded_kv_attention(
+        kv_cache_dtype, eager)).eval()  # fmt: skip
+    llm = LLM(model=model_dir, attention_backend="torch", kv_cache_dtype=kv_cache_dtype, block_size=8,
+              max_num_batched_tokens=8, num_gpu_blocks_override=20, enable_prefix_caching=True)  # fmt: skip
+    for layer in llm.llm_engine.runner.kv_caches:
+        for cache in layer:
+            cache.view(torch.uint8).fill_(0xFF)  # NaN in both fp8 formats
+    prompts = _prompts(4000, [5, 40, 29, 3], 6)
+    prompts.append(prompts[1][:32] + prompts[2][:8])
+    for run in ("first", "prefix-cached"):
+        worst, wrong = _engine_errors(llm, rounded, prompts, 16)
+        assert not wrong and worst < 2e-4, (run, wrong, worst)
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0 and llm.llm_engine.block_manager.prefix_cache_hits > 0
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_softcapped_torch_attention_over_every_kind_of_row(window):
+    """Gemma 2's score cap in the torch backend against a dense reference: prompts, chunks after cached
+    tokens and decode rows in one step, then the same decode rows through the static (CUDA-graph)
+    path, which Gemma 2's decode steps take on a GPU; NaN in every slot no row may read stays out."""
+    from test_attention import BS, D, H, HKV, build_batch
+
+    from vllmini.models.attention import torch_attention
+    from vllmini.models.base import AttentionMetadata, block_table_tensor
+
+    cap, scale = 0.5, D**-0.5
+    for q_lens, seq_lens in (([1, 5, 1, 8, 2], [9, 5, 17, 12, 2]), ([1, 1, 1], [5, 1, 13])):
+        q, k, v, (k_cache, v_cache), meta, hk, hv = build_batch(q_lens, seq_lens)
+        readable = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+        for b, n in enumerate(seq_lens):
+            for p in range(n):
+                readable[meta.block_tables[b, p // BS], p % BS] = True
+        k_cache[~readable], v_cache[~readable] = float("nan"), float("nan")
+        cache = (k_cache, v_cache)
+        out = torch_attention(q, k, v, meta, tuple(c.clone() for c in cache), scale, window, softcap=cap)
+        start = 0
+        for q_len, k_seq, v_seq in zip(q_lens, hk, hv):
+            scores = torch.einsum("qhd,khd->hqk", q[start : start + q_len], k_seq.repeat_interleave(H // HKV, 1)) * scale
+            pos_q, pos_k = torch.arange(len(k_seq) - q_len, len(k_seq))[:, None], torch.arange(len(k_seq))[None, :]
+            seen = (pos_k <= pos_q) & (pos_k > pos_q - (window or len(k_seq)))
+            probs = (torch.tanh(scores / cap) * cap).masked_fill(~seen, float("-inf")).softmax(-1)
+            ref = torch.einsum("hqk,khd->qhd", probs, v_seq.repeat_interleave(H // HKV, 1))
+            torch.testing.assert_close(out[start : start + q_len], ref, atol=1e-5, rtol=1e-5)
+            start += q_len
+        if max(q_lens) == 1:  # the static path, over table columns padded to 8
+            cu = torch.arange(len(seq_lens) + 1, dtype=torch.int32)
+            static = AttentionMetadata.for_static_decode(cu, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                                         meta.slot_mapping, block_table_tensor(meta.block_tables.tolist(), 8),
+                                                         8 * BS)  # fmt: skip
+            got = torch_attention(q, k, v, static, tuple(c.clone() for c in cache), scale, window, softcap=cap)
+            torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
+
+
+def test_a_forced_backend_the_draft_cannot_run_is_refused_as_the_drafts(saved):
+    """Gemma 3 runs on the cpu backend, its Gemma 2 draft cannot (its scores are capped): the error says
+    which model it is about."""
+    with pytest.raises(ValueError, match=r"the draft model \(speculative_config.model\): attention_backend='cpu' "
+                                         r"cannot be used: .*attn_logit_softcapping=0.3"):  # fmt: skip
+        LLM(model=saved("gemma3")[0], attention_backend="cpu",
+            speculative_config={"model": saved("gemma2")[0], "num_speculative_tokens": 2})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_padded_static_decode_equals_eager(name):
+    """What a CUDA graph replays for a Gemma decode step (rows padded, tables as wide as max_model_len,
+    padding rows in the pad block; the torch backend, whose static path Gemma 2 takes on a GPU) equals the
+    eager step: per-layer windows (7 keys here) and rope tables, both softcaps."""
+    from test_cuda_path import _decode_state, _random_model
+
+    from vllmini.engine.cuda_graph import DecodeGraphRunner
+    from vllmini.models.attention import torch_attention
+
+    block_size, max_model_len = 4, 40
+    model = _random_model(CASES[name][0](max_position_embeddings=64, sliding_window=7), torch_attention)
+    for batch in (3, 17):
+        caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
+        static_caches = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.no_grad():
+            ref = model(torch.tensor(flat.ids), torch.tensor(flat.positions), flat.to_model_input("cpu").attn_metadata, caches)
+        runner = DecodeGraphRunner(model, static_caches, block_size, 20, max_model_len, num_blocks, torch.device("cpu"),
+                                   use_graphs=False)  # fmt: skip
+        assert runner.can_run(flat) and runner.padded_size(batch) > batch
+        torch.testing.assert_close(runner.run(flat), ref, atol=1e-4, rtol=1e-4)

@@ -75,10 +75,14 @@ def build_runtime(
                              pooling=pooler is not None)  # fmt: skip
     draft_spec = None
     if draft_model is not None:
-        draft_backend = start_backend(
-            args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
-            draft_model.num_kv_heads, draft_model.head_dim, cache_dtype=cache_dtype, softcap=draft_model.logits_soft_cap,
-        )[1]  # fmt: skip
+        try:  # (the same attention_backend: a forced one the draft cannot run is refused as the draft's)
+            draft_backend = start_backend(
+                args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
+                draft_model.num_kv_heads, draft_model.head_dim, draft_model.sliding_window, cache_dtype,
+                draft_model.logits_soft_cap,
+            )[1]  # fmt: skip
+        except ValueError as exc:
+            raise ValueError(f"the draft model (speculative_config.model): {exc}") from exc
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
                                  block_size, cache_dtype)  # fmt: skip

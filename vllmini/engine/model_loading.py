@@ -83,8 +83,8 @@ def disable_sliding_window(config: Any) -> int | None:
 def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target: LoadedModel, max_model_len: int) -> Any:
     """The draft model of ``speculative_config`` (method "draft_model"), loaded as the target is
     (same dtype and device), after checking that it can draft for it: a generating model of the
-    target's vocabulary (and tokenizer, where the draft folder has one), with no sliding window
-    (the shared blocks behind a window are released), covering ``max_model_len``. A ValueError
+    target's vocabulary (and tokenizer, where the draft folder has one), with no window in every
+    layer (the shared blocks behind it would be released), covering ``max_model_len``. A ValueError
     names ``speculative_config.model`` and what differs."""
     field = f"speculative_config.model={draft!r}"
     model_dir = resolve_model_dir(draft, args.cache_dir, download_dir=args.download_dir)
@@ -102,12 +102,14 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
     if resolve_max_model_len(None, config) < max_model_len:
         raise ValueError(f"{field}: its context ({resolve_max_model_len(None, config)} tokens) is shorter than "
                          f"max_model_len={max_model_len}; pass a smaller max_model_len")  # fmt: skip
-    unsupported = ("has sliding-window attention, which speculative decoding with a draft model does not support "
-                   "here (the KV blocks behind a window are released, and the two caches share them)")  # fmt: skip
-    if target.model.sliding_window is not None:
+    # (kv_window: a window in every layer, whose blocks behind it are released; sliding and full
+    # layers mixed, as Gemma 2/3, keep every block, which the two caches can share)
+    unsupported = ("has sliding-window attention in every layer, which speculative decoding with a draft model does "
+                   "not support here (the KV blocks behind a window are released, and the two caches share them)")  # fmt: skip
+    if target.model.kv_window is not None:
         raise ValueError(f"{field}: the target model {unsupported}")
     model, _ = load_model(model_dir, target.dtype, device, config, max_model_len=max_model_len)
-    if model.sliding_window is not None:
+    if model.kv_window is not None:
         raise ValueError(f"{field}: the draft model {unsupported}")
     if packing_available(device, target.dtype):
         prepack_linears(model)

@@ -113,6 +113,9 @@ def select_backend(
         if requested not in (None, "torch"):
             raise ValueError(f"attention_backend={requested!r} cannot be used: the model caps its attention scores "
                              f"(attn_logit_softcapping={softcap}), which only the torch backend does")  # fmt: skip
+        if requested is None:  # (say why: on CUDA, or on a CPU where the cpu backend was the default)
+            logger.info("attention backend: torch, the one that caps attention scores "
+                        "(attn_logit_softcapping=%s); the others do not", softcap)  # fmt: skip
         return "torch"
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]

@@ -54,8 +54,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         super().__init__(config)
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
-        act = getattr(self.config, "hidden_activation", None) or getattr(self.config, "hidden_act", "gelu_pytorch_tanh")
-        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, False, act)
+        field = "hidden_activation" if getattr(self.config, "hidden_activation", None) else "hidden_act"
+        act = getattr(self.config, field, None) or "gelu_pytorch_tanh"
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, False, act, field)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)

@@ -42,10 +42,12 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate=
 class GatedMLP(nn.Module):
     """Gated MLP (SiLU, or Gemma's GELU) with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
+                 act_field: str = "hidden_act") -> None:  # fmt: skip
+        """``act_field``: the config key ``act`` came from, for the error (Gemma's is hidden_activation)."""
         super().__init__()
         if act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+            raise ValueError(f"{act_field} {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act]
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
