@@ -67,6 +67,12 @@ def test_pause_abort_mode_and_requests_arriving_while_paused(tiny_dir):
         late = asyncio.create_task(_final(engine, GREEDY))
         await asyncio.sleep(0.3)
         assert not late.done() and not engine.engine.has_unfinished_requests()  # waiting, not admitted
+        await engine.pause_generation()  # again while paused: the waiting request is in flight too (vLLM's)
+        out = await asyncio.wait_for(late, 5)
+        assert out.outputs[0].finish_reason == "abort" and not out.outputs[0].token_ids
+        late = asyncio.create_task(_final(engine, GREEDY))
+        await asyncio.sleep(0.3)
+        assert not late.done()
         await engine.resume_generation()
         out = await asyncio.wait_for(late, 10)
         assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == GREEDY.max_tokens

@@ -3,7 +3,8 @@ names and rules: ``collective_rpc`` (on the engine's worker thread, between step
 ``pause_generation`` / ``resume_generation`` / ``is_paused``, and sleep mode
 (``sleep`` / ``wake_up`` / ``is_sleeping``).
 
-A pause takes one of vLLM's modes for the requests in flight (those accepted before the call):
+A pause takes one of vLLM's modes for the requests in flight (those accepted before the call,
+including, when already paused, those waiting for the resume):
 ``"abort"`` (the default) ends them with finish_reason "abort", ``"wait"`` lets them finish,
 ``"keep"`` freezes them where they are until ``resume_generation``. In every mode the requests
 that arrive while paused are accepted and wait, unscheduled, until the resume; the call returns
@@ -81,9 +82,9 @@ class AsyncPause:
         await self.check_health()
         with self._lock:  # from here on, new requests wait in _held
             self._pause_mode = mode
-            held = {state.request_id for state in self._held}
+            in_flight = list(self._streams)  # (again while paused: those held since the first pause too, as vLLM's)
         if mode == "abort":
-            await self._abort([rid for rid in self._streams if rid not in held])
+            await self._abort(in_flight)
         await self._until_idle()  # "wait": every request in flight finished; else: the running step done
         if clear_cache:  # ("keep": its requests are preempted, recomputed after the resume, as vLLM's)
             await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.reset_prefix_cache, True)
