@@ -23,7 +23,8 @@ from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.layers import GatedMLP, GemmaRMSNorm
 from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM
-from vllmini.models.rotary import RotaryEmbedding, rope_parameters
+from vllmini.models.layer_type_rope import RopeByLayerType
+from vllmini.models.rotary import rope_parameters
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -68,22 +69,13 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
+class Gemma3ForCausalLM(RopeByLayerType, Gemma2ForCausalLM):
     variant = DecoderVariant(qk_norm=True, mlp_bias=False, sliding="by_layer_type", norm=GemmaRMSNorm,
                              query_pre_attn_scalar=True)  # fmt: skip
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        head_dim = self.head_dim
-        self.model.rotary_emb = RotaryEmbedding(head_dim, gemma3_rope_parameters(config, "full_attention"))
-        self.model.rotary_emb_local = RotaryEmbedding(head_dim, gemma3_rope_parameters(config, "sliding_attention"))
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        self.local_rope = [kind == "sliding_attention" for kind in types]  # (kept under disable_sliding_window)
-
-    def rope_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        full = self.model.rotary_emb.cos_sin(positions)
-        local = self.model.rotary_emb_local.cos_sin(positions) if any(self.local_rope) else full
-        return [local if slides else full for slides in self.local_rope]
+        self.init_layer_type_rope(gemma3_rope_parameters)
 
 
 def gemma3_rope_parameters(config: Any, layer_type: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2/3, Mistral, Phi-3), also the body of Qwen2 and Qwen3.
+"""Llama-family decoder (Llama 2/3/3.1/3.2, SmolLM2/3, Mistral, Phi-3), also the body of Qwen2, Qwen3,
+Gemma 2/3, Granite and OLMo 2/3.
 
 q/k/v and gate/up are fused into one matmul each at load time; ``load_weights``
 maps HF checkpoint names onto the fused parameters.
@@ -33,6 +34,7 @@ class DecoderVariant:
     """What a Llama-family architecture changes in the shared decoder."""
 
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q (and one over k's) (OLMo 2/3)
     # Biases: None reads the config (attention_bias for q/k/v and o_proj, mlp_bias), as Llama and
     # SmolLM3 do; architectures whose transformers class fixes them ignore those keys.
     qkv_bias: bool | None = None
@@ -45,6 +47,7 @@ class DecoderVariant:
     sliding: str = "none"
     norm: type[RMSNorm] = RMSNorm  # every RMSNorm of the decoder (Gemma's: the weight is an offset from 1)
     query_pre_attn_scalar: bool = False  # Gemma: scores scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5
+    attention_multiplier: bool = False  # Granite: scores scaled by config.attention_multiplier itself
     attn_softcapping: bool = False  # Gemma 2: scores capped by attn_logit_softcapping (Gemma 3's config has the key unused)
 
     def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
@@ -64,9 +67,13 @@ class DecoderAttention(nn.Module):
         qkv_bias = variant.bias(variant.qkv_bias, config, "attention_bias")
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
-        self.q_norm = variant.norm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
-        self.k_norm = variant.norm(self.head_dim, config.rms_norm_eps) if variant.qk_norm else None
+        self.qk_norm_all_heads = variant.qk_norm_all_heads
+        q_width, k_width = (self.q_size, self.kv_size) if variant.qk_norm_all_heads else (self.head_dim, self.head_dim)
+        self.q_norm = variant.norm(q_width, config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = variant.norm(k_width, config.rms_norm_eps) if variant.qk_norm else None
         scale = (config.query_pre_attn_scalar if variant.query_pre_attn_scalar else self.head_dim) ** -0.5
+        if variant.attention_multiplier:
+            scale = float(config.attention_multiplier)
         softcap = getattr(config, "attn_logit_softcapping", None) if variant.attn_softcapping else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window, softcap)
 
@@ -78,10 +85,12 @@ class DecoderAttention(nn.Module):
         kv_cache: KVCache | None,
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None and self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)

@@ -18,6 +18,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("vllmini.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("vllmini.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
+    "GraniteForCausalLM": ("vllmini.models.granite", "GraniteForCausalLM"),
+    "Olmo2ForCausalLM": ("vllmini.models.olmo2", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("vllmini.models.olmo2", "Olmo3ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

@@ -1,0 +1,113 @@
+"""Granite 3 and OLMo 2 / OLMo 3 (models/granite.py, models/olmo2.py) against transformers on the
+same random weights: last-position logits of a flat batch within 1e-4, and through the engine
+(chunked prefill, prefix-cache hits, OLMo 3's sliding layers) greedy tokens equal and logprobs close."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GraniteConfig, Olmo2Config, Olmo3Config
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
+
+from helpers import (assert_greedy_matches, hf_greedy_logprobs, prompt_forward, randomize_biases, randomize_norms,
+                     save_tiny_model)  # fmt: skip
+from test_engine import assert_no_leaks
+from vllmini import LLM, SamplingParams
+from vllmini.models.layers import RMSNorm
+from vllmini.models.olmo2 import Olmo2RMSNorm
+from vllmini.models.weight_loader import load_model
+
+_SHAPE = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.05, tie_word_embeddings=False,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+
+def granite_config() -> GraniteConfig:
+    """Every multiplier away from 1 (Granite 3.x: 12, 0.0078, 0.22, 8), attention biases on."""
+    return GraniteConfig(**_SHAPE, architectures=["GraniteForCausalLM"], embedding_multiplier=6.0,
+                         attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0, attention_bias=True,
+                         rope_theta=10000.0)  # fmt: skip
+
+
+def olmo2_config() -> Olmo2Config:
+    return Olmo2Config(**_SHAPE, architectures=["Olmo2ForCausalLM"], rope_theta=500000.0)
+
+
+def olmo3_config() -> Olmo3Config:
+    """Layers 0-2 slide over 12 tokens, layer 3 sees all; the full layer's rope is scaled, the
+    sliding ones' is not (one rope_parameters set per layer type)."""
+    ropes = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 500000.0}}  # fmt: skip
+    return Olmo3Config(**_SHAPE, architectures=["Olmo3ForCausalLM"], sliding_window=12, rope_parameters=ropes)
+
+
+CONFIGS = {"granite": granite_config, "olmo2": olmo2_config, "olmo3": olmo3_config}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def pair(request, tmp_path_factory, default_model_dir):
+    """(name, transformers' model, its saved directory) with random norms and biases."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    hf = randomize_biases(randomize_norms(hf, std=0.3), std=0.1).eval()
+    return request.param, hf, save_tiny_model(hf, tmp_path_factory.mktemp(request.param), default_model_dir)
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_logits_match_transformers(pair):
+    name, hf, model_dir = pair
+    ours, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
+    assert type(ours).__name__ == hf.config.architectures[0]
+    windows = [layer.self_attn.attn.window for layer in ours.model.layers]
+    assert windows == ([12, 12, 12, None] if name == "olmo3" else [None] * 4)
+    prompts = _prompts([1, 7, 30, 45], seed=1)
+    logits = prompt_forward(ours, prompts)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
+
+
+def test_engine_greedy_and_logprobs_match_transformers(pair):
+    """Chunks of 16 tokens, a prefix-cache hit, sequences several of OLMo 3's windows long."""
+    name, hf, model_dir = pair
+    llm = LLM(model=str(model_dir), max_num_batched_tokens=16, enable_prefix_caching=True)
+    prompts = _prompts([3, 40, 29], seed=2)
+    prompts.append(prompts[1][:32] + prompts[2][:5])
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens, logprobs = hf_greedy_logprobs(hf, p, 16)
+        got = out.outputs[0]
+        assert_greedy_matches(got.token_ids, tokens, [1.0] * len(tokens), f"{name}, prompt of {len(p)}")
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("pair", ["granite"], indirect=True)
+def test_granite_scales_prompt_embeds_as_token_ids(pair):
+    """transformers and vLLM multiply whatever input embeddings they get by embedding_multiplier:
+    the table's rows given as prompt_embeds generate what their token ids do."""
+    _, hf, model_dir = pair
+    llm = LLM(model=str(model_dir), enable_prompt_embeds=True)
+    ids = _prompts([9], seed=3)[0]
+    embeds = hf.get_input_embeddings()(torch.tensor(ids)).detach()
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    by_ids, by_embeds = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": embeds}], greedy, use_tqdm=False)
+    assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_olmo2_norm_scales_in_float32_as_transformers():
+    """OLMo's RMSNorm multiplies the weight into the float32 values before the cast: in bfloat16
+    its outputs equal transformers' bit for bit, where Llama's order (cast, then scale) does not."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(64, 96).bfloat16(), torch.randn(96).bfloat16()
+    ref, ours, llama = HFOlmo2RMSNorm(96, 1e-6), Olmo2RMSNorm(96, 1e-6), RMSNorm(96, 1e-6)
+    for norm in (ref, ours, llama):
+        norm.weight.data = weight.clone()
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+        assert not torch.equal(llama(x), ref(x))
