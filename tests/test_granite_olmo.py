@@ -1,11 +1,11 @@
-"""Granite 3 and OLMo 2 / OLMo 3 (models/granite.py, models/olmo2.py) against transformers on the
+"""Granite 3 (dense and MoE) and OLMo 2 / OLMo 3 (models/granite.py, models/olmo2.py) against transformers on the
 same random weights: last-position logits of a flat batch within 1e-4, and through the engine
 (chunked prefill, prefix-cache hits, OLMo 3's sliding layers) greedy tokens equal and logprobs close."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteConfig, Olmo2Config, Olmo3Config
+from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig, Olmo2Config, Olmo3Config
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
 
 from helpers import (assert_greedy_matches, hf_greedy_logprobs, prompt_forward, randomize_biases, randomize_norms,
@@ -28,6 +28,13 @@ def granite_config() -> GraniteConfig:
                          rope_theta=10000.0)  # fmt: skip
 
 
+def granitemoe_config() -> GraniteMoeConfig:
+    """Granite's multipliers, 6 experts of width 48, top 2."""
+    multipliers = dict(embedding_multiplier=6.0, attention_multiplier=0.05, residual_multiplier=0.4, logits_scaling=3.0)
+    return GraniteMoeConfig(**{**_SHAPE, "intermediate_size": 48}, architectures=["GraniteMoeForCausalLM"],
+                            num_local_experts=6, num_experts_per_tok=2, **multipliers)  # fmt: skip
+
+
 def olmo2_config() -> Olmo2Config:
     return Olmo2Config(**_SHAPE, architectures=["Olmo2ForCausalLM"], rope_theta=500000.0)
 
@@ -40,7 +47,7 @@ def olmo3_config() -> Olmo3Config:
     return Olmo3Config(**_SHAPE, architectures=["Olmo3ForCausalLM"], sliding_window=12, rope_parameters=ropes)
 
 
-CONFIGS = {"granite": granite_config, "olmo2": olmo2_config, "olmo3": olmo3_config}
+CONFIGS = {"granite": granite_config, "granitemoe": granitemoe_config, "olmo2": olmo2_config, "olmo3": olmo3_config}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -65,6 +72,9 @@ def test_logits_match_transformers(pair):
     assert windows == ([12, 12, 12, None] if name == "olmo3" else [None] * 4)
     prompts = _prompts([1, 7, 30, 45], seed=1)
     logits = prompt_forward(ours, prompts)
+    trained = type(ours)(hf.config)  # a trainer's state_dict (transformers' in-memory names) fills every parameter
+    assert trained.load_weights(hf.state_dict().items()) == {n for n, _ in trained.named_parameters()}
+    torch.testing.assert_close(prompt_forward(trained.eval(), prompts), logits, atol=0, rtol=0)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0, -1]
@@ -98,6 +108,24 @@ def test_granite_scales_prompt_embeds_as_token_ids(pair):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     by_ids, by_embeds = llm.generate([{"prompt_token_ids": ids}, {"prompt_embeds": embeds}], greedy, use_tqdm=False)
     assert by_embeds.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
+def test_granite_moe_names_a_missing_expert_tensor_as_its_checkpoint_does(pair_dir_granitemoe):
+    """An incomplete checkpoint is refused naming the tensor in the checkpoint's own terms."""
+    from safetensors.torch import load_file, save_file
+
+    path = pair_dir_granitemoe / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.block_sparse_moe.output_linear.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.block_sparse_moe\.output_linear\.weight"):
+        load_model(pair_dir_granitemoe, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture
+def pair_dir_granitemoe(tmp_path, default_model_dir):
+    torch.manual_seed(0)
+    return save_tiny_model(AutoModelForCausalLM.from_config(granitemoe_config()), tmp_path, default_model_dir)
 
 
 def test_olmo2_norm_scales_in_float32_as_transformers():

@@ -1,4 +1,4 @@
-"""IBM Granite 3.x (``GraniteForCausalLM``): the Llama decoder with four scalars from config.json,
+"""IBM Granite 3.x (``GraniteForCausalLM``, and ``GraniteMoeForCausalLM`` with experts): the Llama decoder with four scalars from config.json,
 as transformers' modeling_granite.py applies them:
 - ``embedding_multiplier`` on the input embeddings;
 - ``attention_multiplier`` as the attention scale (in place of head_dim**-0.5);
@@ -7,13 +7,15 @@ as transformers' modeling_granite.py applies them:
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+from torch import nn
 
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM
+from vllmini.models.moe import FusedMoE, num_experts
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -49,3 +51,34 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return super().forward(*args, **kwargs) / float(self.config.logits_scaling)
+
+
+# GraniteMoe checkpoint names (after ``block_sparse_moe.``; transformers >= 5's in-memory names too)
+# -> ours (after ``mlp.``): all experts' gate/up and down in one tensor each, gate first, as ours
+_MOE_NAMES = {"input_linear.weight": "experts.gate_up_proj", "output_linear.weight": "experts.down_proj",
+              "router.layer.weight": "gate.weight", "router.weight": "gate.weight",
+              "experts.gate_up_proj": "experts.gate_up_proj", "experts.down_proj": "experts.down_proj"}  # fmt: skip
+_MOE_PARAMS = {"experts.w13": "input_linear.weight", "experts.w2": "output_linear.weight", "gate.weight": "router.layer.weight"}
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """Granite 3.0/3.1 MoE (granite-3.x-1b-a400m, 3b-a800m): Granite with a mixture of experts in
+    every layer's MLP (``block_sparse_moe``), softmax over the top-k router logits (equal to
+    renormalised top-k probabilities)."""
+
+    def build_mlp(self, layer_idx: int) -> nn.Module:
+        config = self.config
+        return FusedMoE(config.hidden_size, config.intermediate_size, num_experts(config),
+                        config.num_experts_per_tok, True, getattr(config, "hidden_act", "silu"))  # fmt: skip
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights((_moe_name(name), t) for name, t in weights)
+
+    def checkpoint_names(self, param: str) -> list[str]:
+        layer, sep, leaf = param.partition(".mlp.")
+        return [f"{layer}.block_sparse_moe.{_MOE_PARAMS[leaf]}"] if sep and leaf in _MOE_PARAMS else [param]
+
+
+def _moe_name(name: str) -> str:
+    layer, sep, leaf = name.partition(".block_sparse_moe.")
+    return f"{layer}.mlp.{_MOE_NAMES.get(leaf, leaf)}" if sep else name

@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma2ForCausalLM": ("vllmini.models.gemma3", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("vllmini.models.granite", "GraniteForCausalLM"),
+    "GraniteMoeForCausalLM": ("vllmini.models.granite", "GraniteMoeForCausalLM"),
     "Olmo2ForCausalLM": ("vllmini.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("vllmini.models.olmo2", "Olmo3ForCausalLM"),
 }
