@@ -45,6 +45,12 @@ def prompt_forward(model, prompts: list[list[int]]) -> torch.Tensor:
         return model(ids, pos, AttentionMetadata.for_prompts(lens))
 
 
+def hf_last_logits(hf_model, prompts: list[list[int]]) -> torch.Tensor:
+    """transformers' last-position logits of each prompt, one forward per prompt: ``[len(prompts), vocab]``."""
+    with torch.no_grad():
+        return torch.stack([hf_model(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+
 def greedy_paged(model, prompts: list[list[int]], max_new: int, block_size: int = 16) -> list[list[int]]:
     """Greedy decoding over a paged KV cache, all sequences in one flat batch per step.
 

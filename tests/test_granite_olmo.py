@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig, Olmo2Config, Olmo3Config
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
 
-from helpers import (assert_greedy_matches, hf_greedy_logprobs, prompt_forward, randomize_biases, randomize_norms,
-                     save_tiny_model)  # fmt: skip
+from helpers import (assert_greedy_matches, hf_greedy_logprobs, hf_last_logits, prompt_forward, randomize_biases,
+                     randomize_norms, save_tiny_model)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 from vllmini.models.layers import RMSNorm
@@ -75,10 +75,7 @@ def test_logits_match_transformers(pair):
     trained = type(ours)(hf.config)  # a trainer's state_dict (transformers' in-memory names) fills every parameter
     assert trained.load_weights(hf.state_dict().items()) == {n for n, _ in trained.named_parameters()}
     torch.testing.assert_close(prompt_forward(trained.eval(), prompts), logits, atol=0, rtol=0)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
 
 
 def test_engine_greedy_and_logprobs_match_transformers(pair):

@@ -11,8 +11,8 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
 from transformers import SmolLM3ForCausalLM as HFSmolLM3
 
-from helpers import (assert_greedy_matches, greedy_paged, hf_greedy, prompt_forward, randomize_biases,
-                     tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config,
+from helpers import (assert_greedy_matches, greedy_paged, hf_greedy, hf_last_logits, prompt_forward,
+                     randomize_biases, tiny_llama_config, tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config,
                      tiny_qwen3_config, tiny_smollm3_config)  # fmt: skip
 from vllmini.models.llama import LlamaForCausalLM
 from vllmini.models.qwen2 import Qwen2ForCausalLM
@@ -74,10 +74,7 @@ def test_tiny_logits_match_in_one_flat_batch(tiny_pair):
     prompts = _prompts(hf.config.vocab_size, LENGTHS)
     logits = prompt_forward(ours, prompts)
     assert logits.shape == (len(prompts), hf.config.vocab_size)
-    for i, p in enumerate(prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
 
 
 def test_tiny_greedy_matches_generate(tiny_pair):
@@ -123,10 +120,7 @@ def default_prompts(default_model_dir):
 def test_default_model_logits_match(default_pair, default_prompts):
     ours, hf = default_pair
     logits = prompt_forward(ours, default_prompts)
-    for i, p in enumerate(default_prompts):
-        with torch.no_grad():
-            ref = hf(torch.tensor([p])).logits[0, -1]
-        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits, hf_last_logits(hf, default_prompts), atol=1e-4, rtol=0)
 
 
 def test_default_model_greedy_matches_generate(default_pair, default_prompts):
