@@ -49,9 +49,11 @@ class DecoderVariant:
     query_pre_attn_scalar: bool = False  # Gemma: scores scaled by query_pre_attn_scalar**-0.5, not head_dim**-0.5
     attention_multiplier: bool = False  # Granite: scores scaled by config.attention_multiplier itself
     attn_softcapping: bool = False  # Gemma 2: scores capped by attn_logit_softcapping (Gemma 3's config has the key unused)
+    bias_key: str | None = None  # one config key for every bias the fields above leave to the config (ERNIE 4.5: use_bias)
+    rope_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GPT-J / GLM style: ERNIE 4.5), not the two halves
 
     def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
-        return bool(getattr(config, key, False)) if fixed is None else fixed
+        return bool(getattr(config, self.bias_key or key, False)) if fixed is None else fixed
 
 
 class DecoderAttention(nn.Module):
@@ -67,7 +69,7 @@ class DecoderAttention(nn.Module):
         qkv_bias = variant.bias(variant.qkv_bias, config, "attention_bias")
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
-        self.qk_norm_all_heads = variant.qk_norm_all_heads
+        self.qk_norm_all_heads, self.rope_interleaved = variant.qk_norm_all_heads, variant.rope_interleaved
         q_width, k_width = (self.q_size, self.kv_size) if variant.qk_norm_all_heads else (self.head_dim, self.head_dim)
         self.q_norm = variant.norm(q_width, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = variant.norm(k_width, config.rms_norm_eps) if variant.qk_norm else None
@@ -93,7 +95,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+            q, k = apply_rotary(q, *cos_sin, self.rope_interleaved), apply_rotary(k, *cos_sin, self.rope_interleaved)
         return self.o_proj(self.attn(q, k, v, meta, kv_cache))
 
 

@@ -17,6 +17,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("vllmini.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("vllmini.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Gemma2ForCausalLM": ("vllmini.models.gemma3", "Gemma2ForCausalLM"),
+    "Ernie4_5ForCausalLM": ("vllmini.models.ernie45", "Ernie4_5ForCausalLM"),
+    "Exaone4ForCausalLM": ("vllmini.models.exaone4", "Exaone4ForCausalLM"),
     "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("vllmini.models.granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("vllmini.models.granite", "GraniteMoeForCausalLM"),

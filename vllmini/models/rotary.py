@@ -203,13 +203,18 @@ def fit_rope_context(model: nn.Module, max_model_len: int) -> None:
             module.fit_context(max_model_len)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, heads, head_dim]`` by per-token angles (HF's rotate_half convention); with a
-    partial rotary embedding only the first ``cos.shape[-1]`` dims turn, the rest pass through."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` by per-token angles (HF's rotate_half convention: dim i turns
+    with dim i + rotary_dim/2; ``interleaved``: dims 2i and 2i+1 turn together, as GLM's and ERNIE 4.5's);
+    with a partial rotary embedding only the first ``cos.shape[-1]`` dims turn, the rest pass through."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
     half = rot // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    if interleaved:  # (the tables hold each frequency twice, in halves: one per pair instead)
+        rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+        cos, sin = cos[:, :half].repeat_interleave(2, dim=-1), sin[:, :half].repeat_interleave(2, dim=-1)
+    else:
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)

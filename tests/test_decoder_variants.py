@@ -1,11 +1,12 @@
-"""Granite 3 (dense and MoE) and OLMo 2 / OLMo 3 (models/granite.py, models/olmo2.py) against transformers on the
-same random weights: last-position logits of a flat batch within 1e-4, and through the engine
-(chunked prefill, prefix-cache hits, OLMo 3's sliding layers) greedy tokens equal and logprobs close."""
+"""Granite 3 (dense and MoE), OLMo 2 / OLMo 3, EXAONE 4.0 and ERNIE 4.5 (models/granite.py, olmo2.py,
+exaone4.py, ernie45.py) against transformers on the same random weights: last-position logits of a flat batch within 1e-4, and through the engine
+(chunked prefill, prefix-cache hits, OLMo 3's and EXAONE 4's sliding layers) greedy tokens equal and logprobs close."""
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GraniteConfig, GraniteMoeConfig, Olmo2Config, Olmo3Config
+from transformers import (AutoModelForCausalLM, Ernie4_5Config, Exaone4Config, GraniteConfig, GraniteMoeConfig, Olmo2Config,
+                          Olmo3Config)  # fmt: skip
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
 
 from helpers import (assert_greedy_matches, hf_greedy_logprobs, hf_last_logits, prompt_forward, randomize_biases,
@@ -47,7 +48,28 @@ def olmo3_config() -> Olmo3Config:
     return Olmo3Config(**_SHAPE, architectures=["Olmo3ForCausalLM"], sliding_window=12, rope_parameters=ropes)
 
 
-CONFIGS = {"granite": granite_config, "granitemoe": granitemoe_config, "olmo2": olmo2_config, "olmo3": olmo3_config}
+def exaone4_config() -> Exaone4Config:
+    """EXAONE-4.0-32B's hybrid: 3 sliding layers with RoPE, then a global one without (NoPE)."""
+    return Exaone4Config(**_SHAPE, architectures=["Exaone4ForCausalLM"], sliding_window=12, sliding_window_pattern=4)
+
+
+def exaone4_global_config() -> Exaone4Config:
+    """EXAONE-4.0-1.2B's form: no sliding window, every layer global with RoPE."""
+    return Exaone4Config(**_SHAPE, architectures=["Exaone4ForCausalLM"], sliding_window=None,
+                         layer_types=["full_attention"] * 4)  # fmt: skip
+
+
+def ernie45_config() -> Ernie4_5Config:
+    """Biases on every projection (use_bias), tied embeddings as ERNIE-4.5-0.3B."""
+    return Ernie4_5Config(**{**_SHAPE, "tie_word_embeddings": True}, architectures=["Ernie4_5ForCausalLM"],
+                          use_bias=True)  # fmt: skip
+
+
+CONFIGS = {"granite": granite_config, "granitemoe": granitemoe_config, "olmo2": olmo2_config, "olmo3": olmo3_config,
+           "exaone4": exaone4_config, "exaone4-global": exaone4_global_config, "ernie45": ernie45_config}  # fmt: skip
+# the layers that slide over 12 tokens, and those without RoPE
+WINDOWS = {"olmo3": [12, 12, 12, None], "exaone4": [12, 12, 12, None]}
+NOPE = {"exaone4": [False, False, False, True]}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -69,7 +91,8 @@ def test_logits_match_transformers(pair):
     ours, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
     assert type(ours).__name__ == hf.config.architectures[0]
     windows = [layer.self_attn.attn.window for layer in ours.model.layers]
-    assert windows == ([12, 12, 12, None] if name == "olmo3" else [None] * 4)
+    assert windows == WINDOWS.get(name, [None] * 4)
+    assert [not layer.self_attn.use_rope for layer in ours.model.layers] == NOPE.get(name, [False] * 4)
     prompts = _prompts([1, 7, 30, 45], seed=1)
     logits = prompt_forward(ours, prompts)
     trained = type(ours)(hf.config)  # a trainer's state_dict (transformers' in-memory names) fills every parameter
