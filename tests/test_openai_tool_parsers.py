@@ -1,4 +1,4 @@
-"""vLLM's pythonic, mistral, phi4_mini_json and qwen3_coder tool-call parsers: each reads what Python's own
+"""vLLM's pythonic, mistral, phi4_mini_json, granite and qwen3_coder tool-call parsers: each reads what Python's own
 readers read (``repr``/``ast`` for the Python calls, ``json`` for Mistral's array, the schema's
 types for Qwen3-Coder's XML), whole and streamed at any split of the text alike; text before and
 after the calls is content; broken calls are content and never an error. Then each through the
@@ -142,6 +142,26 @@ def test_phi4_mini_reads_the_array_after_functools_whole_and_streamed(before, ca
 
 
 @SETTINGS
+@given(calls=st.lists(st.tuples(identifiers, arguments), min_size=1, max_size=3), tags=st.sampled_from(["<|tool_call|>", "<tool_call>", "<|tool_call|><tool_call>", ""]),
+       lead=st.sampled_from(["", " ", "\n"]), gap=st.sampled_from(["", " ", "\n"]), after=st.sampled_from(["", "\n", " Done."]), layout=layouts,
+       data=st.data())  # fmt: skip
+def test_granite_reads_the_array_after_either_tag_whole_and_streamed(calls, tags, lead, gap, after, layout, data):
+    """Granite 3.0's <|tool_call|> token, 3.1's <tool_call> string, both or neither, then the array."""
+    text = lead + tags + gap + dumps([{"name": n, "arguments": a} for n, a in calls], layout) + after
+    got = both(parser("granite"), text, data)
+    assert got["calls"] == [(n, canonical(a)) for n, a in calls]
+    assert got["content"] == (after.strip() or None)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_granite_output_not_opening_with_calls_is_content(data):
+    for text in ('Sure. <|tool_call|>[{"name": "f", "arguments": {}}]', "<tool_call>not json", "<|tool_call|>[1]",
+                 '{"name": "f", "arguments": {}}', "<tool_calls are>", "[] is empty"):  # fmt: skip
+        assert both(parser("granite"), text, data) == {"content": text, "reasoning": None, "calls": []}, text
+
+
+@SETTINGS
 @given(data=st.data())
 def test_mistral_broken_calls_are_content(data):
     for text in ('[TOOL_CALLS]{"name": "f", "arguments": {}}', "Hi[TOOL_CALLS] not json", "[TOOL_CALLS][]",
@@ -235,7 +255,7 @@ def test_qwen3_coder_broken_calls_are_content(data):
 
 
 FRAGMENTS = ["[", "]", "(", ")", "f", "a", "=", "'x'", '"y"', ",", " ", "\n", "1", "null", "{", "}", ":", '"name"',
-             '"arguments"', "[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<function=f>", "</function>",
+             '"arguments"', "[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|tool_call|>", "<function=f>", "</function>",
              "<parameter=p>", "</parameter>", "\\", "'''", "#"]  # fmt: skip
 
 
@@ -252,8 +272,8 @@ def test_any_output_is_read_without_error_and_calls_read_whole_stream_alike(piec
 
 
 def test_unknown_parser_names_the_new_choices():
-    with pytest.raises(ValueError, match="hermes, llama3_json, llama4_json, mistral, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml"):
-        get_tool_parser("granite")
+    with pytest.raises(ValueError, match="granite, hermes, llama3_json, llama4_json, mistral, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml"):
+        get_tool_parser("granite-20b-fc")
 
 
 # -- through the chat server
