@@ -196,13 +196,18 @@ def write_tiny_gguf(
             w.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, array)
+    finish_gguf(w, extra_tensors)
+    return expected
+
+
+def finish_gguf(w: GGUFWriter, extra_tensors: dict[str, np.ndarray] | None = None) -> None:
+    """Add the extra (e.g. unknown) tensors and write the file out."""
     for name, array in (extra_tensors or {}).items():
         w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return expected
 
 
 def _read_all(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vllmini.models import gguf_moe, gguf_rope
+from vllmini.models import gguf_gemma, gguf_moe, gguf_rope
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +32,10 @@ CONVERTER_VERSION = 5  # 2: special tokens pinned to the GGUF metadata; 3: slidi
 # 5: tokenizer_config.json lists the added tokens
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py); a ``llama`` file
-# with ``llama.expert_count`` is Mixtral (gguf_moe.py).
+# with ``llama.expert_count`` is Mixtral (gguf_moe.py); Gemma's settings: gguf_gemma.py.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    **gguf_moe.MOE_ARCHITECTURES,
+    **gguf_moe.MOE_ARCHITECTURES, **gguf_gemma.GEMMA_ARCHITECTURES,
 }  # fmt: skip
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -53,8 +53,9 @@ _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
-# where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up; MoE routers
-_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, **gguf_moe.MOE_BLOCK_NAMES}
+# where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up; MoE routers;
+# Gemma's four norms per layer (ffn_norm is its pre-feedforward norm)
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, **gguf_moe.MOE_BLOCK_NAMES, **gguf_gemma.GEMMA_BLOCK_NAMES}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -182,6 +183,7 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> dict[str, Any]:
     from gguf.quants import dequantize
 
     rope = gguf_rope.rope_config(reader, gguf_path, arch)
+    gguf_gemma.check_rope(gguf_path, arch, rope)
     gguf_moe.check_experts(reader, gguf_path, arch)
     probed: set = set()
     for t in _weight_tensors(reader):
@@ -214,6 +216,8 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str,
         config.sliding_window = int(window.contents())
     for name, value in rope.items():
         setattr(config, name, {**(config.rope_parameters or {}), **value} if name == "rope_parameters" else value)
+    if arch in gguf_gemma.GEMMA_ARCHITECTURES:
+        config = gguf_gemma.gemma_config(config, reader, arch, rope)
     config.dtype = "float32"
     config.tie_word_embeddings = all(t.name != "output.weight" for t in reader.tensors)
     config.save_pretrained(out)
@@ -335,6 +339,7 @@ def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Te
         if expert is not None:  # one expert's rows of the stacked tensor (quantized blocks never span experts)
             data, shape = data[expert], shape[1:]
         w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(gguf_moe.hf_shape(name, shape))
+        w = gguf_gemma.hf_weight(name, w, arch)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = unpermute_rotary(w, config.num_attention_heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
