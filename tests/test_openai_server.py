@@ -304,6 +304,18 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(
     assert r.json()["id"] == "cmpl-mine"  # (vLLM's: the request_id is the base of the id)
 
 
+async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http, engine):
+    """The prompts queued before the refused one are aborted together, at the next step: each
+    samples its first token at most, and the 400 does not wait a step per prompt (before, each
+    one's abort waited for its own step while the rest ran on: 256 prompts took ~10 s to refuse)."""
+    generated = engine.engine.num_generated_tokens
+    body = {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None, "ignore_eos": True}
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens - generated <= 32  # (was 992)
+
+
 async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
     """vLLM's server refuses what its offline engine (and ours) cut to the context's end; a
     prompt truncated by truncate_prompt_tokens counts as truncated."""

@@ -131,10 +131,13 @@ class RequestGroup:
         await self._close_streams()
 
     async def _close_streams(self) -> None:
-        """Close every stream (its request is aborted unless it finished; a no-op once closed)."""
+        """Close every stream (its request is aborted unless it finished; a no-op once closed), all
+        at once: their aborts reach the engine in one step (one by one, each waited for its own
+        step while the others ran on)."""
         self.unfinished.clear()
-        for stream in self.streams:
-            await stream.aclose()
+        closed = await asyncio.gather(*(stream.aclose() for stream in self.streams), return_exceptions=True)
+        if errors := [e for e in closed if isinstance(e, BaseException)]:
+            raise errors[0]
 
 
 class EventStream:
