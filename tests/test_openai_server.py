@@ -485,6 +485,29 @@ async def test_a_chunked_upload_over_the_limit_on_a_socket_is_refused_and_the_co
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/invocations"])
+async def test_a_client_gone_while_sending_its_body_is_not_a_server_error(engine, path, caplog):
+    """Starlette raises ClientDisconnect into the route reading the body: answered 499 (no one
+    reads it), not raised out of the app, which uvicorn logged as an error with a traceback."""
+    messages = [{"type": "http.request", "body": b'{"model": "tiny", "prompt": ', "more_body": True},
+                {"type": "http.disconnect"}]  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "client": ("c", 1)}  # fmt: skip
+    await build_app(engine)(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    await wait_idle(engine)
+
+
 async def hang_up_after_first_event(c: httpx.AsyncClient, path: str, body: dict) -> None:
     """Stream a request and close the stream after its first event (its request is aborted)."""
     async with c.stream("POST", path, json=body) as r:

@@ -33,7 +33,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -218,6 +218,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if not task.cancelled() else None
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that hung up while sending its body (a route was reading it): nothing to answer or
+    abort; without this handler each one was logged as the server's own error, with a traceback."""
+    return Response(status_code=499)
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat_template: str | None = None,
               api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None, *,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
@@ -350,7 +356,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     middleware += [] if cors is None else [cors.middleware()]
     middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={ClientDisconnect: _client_gone})
 
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str, port: int,
