@@ -257,14 +257,17 @@ async def test_chat_template_kwargs_that_clash_with_the_renderer_are_a_400(http,
     await wait_idle(engine)
 
 
-async def test_a_request_chat_template_naming_a_server_file_is_refused(http, engine, tmp_path):
-    """A client must not make the server read its files (the --chat-template option may name
-    one; a request's chat_template is Jinja text or one of the tokenizer's template names)."""
+async def test_a_request_chat_template_naming_a_server_file_is_refused(engine, tmp_path):
+    """A client must not make the server read its files, even one that trusts request templates
+    (the --chat-template option may name one; a request's chat_template is Jinja text or one of
+    the tokenizer's template names)."""
     path = tmp_path / "secret.jinja"
     path.write_text("{{ messages[0]['content'] }}")
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": str(path)}
-    r = await http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
+    app = build_app(engine, trust_request_chat_template=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "not a file path" in r.json()["error"]["message"]
     await wait_idle(engine)
 
 
@@ -358,7 +361,7 @@ def test_a_bad_chat_template_stops_the_server_before_it_listens(engine, tmp_path
 async def test_a_server_chat_template_is_used_and_a_request_may_name_its_own(engine, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
-    app = build_app(engine, NAME, chat_template=str(template))
+    app = build_app(engine, NAME, chat_template=str(template), trust_request_chat_template=True)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         server = (await http.post("/v1/chat/completions", json=body)).json()
@@ -366,6 +369,25 @@ async def test_a_server_chat_template_is_used_and_a_request_may_name_its_own(eng
     tok = engine.get_tokenizer()
     assert server["usage"]["prompt_tokens"] == len(tok("[user] hi\n[assistant]", add_special_tokens=False).input_ids)
     assert own["usage"]["prompt_tokens"] == len(tok("<hi>", add_special_tokens=False).input_ids)
+
+
+OWN_TEMPLATE = "<{{ messages[0]['content'] }}>"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"max_tokens": 1, "chat_template": OWN_TEMPLATE}),
+    ("/v1/chat/completions", {"max_tokens": 1, "chat_template_kwargs": {"chat_template": OWN_TEMPLATE}}),
+    ("/tokenize", {"chat_template": OWN_TEMPLATE}),
+])  # fmt: skip
+async def test_a_request_chat_template_is_refused_unless_the_server_trusts_them(engine, http, route, body):
+    """As vLLM's (--trust-request-chat-template, off by default): Jinja's sandbox bounds no work,
+    and a template of two nested range(100000) loops (10^10 turns, rendered on the event loop)
+    held every stream for minutes."""
+    r = await http.post(route, json={"messages": [{"role": "user", "content": "hi"}], **body})
+    error = r.json()["error"]["message"]
+    assert r.status_code == 400 and "trust-request-chat-template" in error, r.text
+    assert error.startswith("chat_template_kwargs.chat_template" if "chat_template_kwargs" in body else "chat_template:")
+    await wait_idle(engine)
 
 
 async def test_models_health_version_and_api_key(engine, http):

@@ -231,7 +231,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
               enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None,
               response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
-              enable_request_id_headers: bool = False, enable_force_include_usage: bool = False) -> Starlette:  # fmt: skip
+              enable_request_id_headers: bool = False, enable_force_include_usage: bool = False,
+              trust_request_chat_template: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
@@ -239,7 +240,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     answer browsers' cross-origin requests from those origins (None: no CORS headers at all).
     ``response_role``: a chat answer's role after a generation prompt; ``return_tokens_as_token_ids``:
     the default of requests that do not say; ``enable_request_id_headers``: every response carries
-    ``X-Request-Id``; ``enable_force_include_usage``: every stream ends with its usage (vLLM's server flags)."""
+    ``X-Request-Id``; ``enable_force_include_usage``: every stream ends with its usage;
+    ``trust_request_chat_template``: a request may bring its own chat template (vLLM's server flags)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -255,6 +257,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     if not isinstance(response_role, str) or not response_role:
         raise ValueError(f"response_role must be a non-empty role name, got {response_role!r}")
     chat.response_role = response_role
+    chat.trust_request_chat_template = trust_request_chat_template
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
     responses = OpenAIServingResponses(chat)
@@ -367,7 +370,7 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
     enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids,
-    enable_request_id_headers, enable_force_include_usage);
+    enable_request_id_headers, enable_force_include_usage, trust_request_chat_template);
     ``uvicorn_options``: uvicorn.run's (root_path, log_level, access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 

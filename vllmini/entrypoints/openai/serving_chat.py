@@ -55,6 +55,7 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         self.enable_auto_tools = enable_auto_tools
         self.response_role = "assistant"  # vLLM's --response-role (build_app's)
+        self.trust_request_chat_template = False  # vLLM's --trust-request-chat-template (build_app's)
         self.tool_parser = None if tool_parser is None else get_tool_parser(tool_parser)
         self.reasoning_parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         # the engine's grammars wait out the reasoning (its reasoning_config, without enable_in_reasoning)
@@ -157,8 +158,21 @@ class OpenAIServingChat(OpenAIServing):
         stopped (a named one stays "stop")."""
         return "tool_calls" if reason == "stop" and parser.tools_called and choice.mode != "named" else reason
 
+    def check_request_template(self, request: Any) -> None:
+        """A request's own template (``chat_template``, or one in ``chat_template_kwargs``) only on a
+        server that trusts them, as vLLM's ``--trust-request-chat-template``: Jinja's sandbox bounds
+        no work, and one template of nested loops would hold the event loop, every stream with it."""
+        if self.trust_request_chat_template:
+            return
+        for field, given in (("chat_template", request.chat_template),
+                             ("chat_template_kwargs.chat_template", (request.chat_template_kwargs or {}).get("chat_template"))):  # fmt: skip
+            if given is not None:
+                raise ValueError(f"{field}: a request's own chat template is refused unless the server trusts them "
+                                 "(`vllmini serve --trust-request-chat-template`, as vLLM's)")  # fmt: skip
+
     def render(self, request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         """``{"prompt", "prompt_token_ids"}`` of the request's messages through the chat template."""
+        self.check_request_template(request)
         named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
         if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
             # render_chat would read it as a path: a client must not make the server open its files
