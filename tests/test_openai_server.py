@@ -319,6 +319,37 @@ async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http
     assert engine.engine.num_generated_tokens - generated <= 32  # (was 992)
 
 
+async def test_prompts_are_tokenized_off_the_event_loop_once(http, engine, monkeypatch):
+    """As vLLM's async tokenizer: a long prompt took seconds to tokenize on the event loop (twice
+    for a completion), holding every stream meanwhile; the routes tokenize on their own thread."""
+    import threading
+
+    tok = engine.get_tokenizer()
+    seen: list[str] = []
+    original = type(tok).__call__
+
+    def spy(self, text, *args, **kwargs):
+        if isinstance(text, str) and "MARK" in text:
+            seen.append(threading.current_thread().name)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    chat = {"messages": [{"role": "user", "content": "MARK"}], "max_tokens": 2}
+    for path, body, calls in (
+        ("/v1/completions", {"prompt": "MARK", "max_tokens": 2}, 1),
+        # (the truncation tokenizes each text again, without special tokens, to keep them)
+        ("/v1/completions", {"prompt": ["MARK", "MARK"], "max_tokens": 2, "truncate_prompt_tokens": 1}, 4),
+        ("/v1/completions", {"prompt": "MARK", "max_tokens": 2, "add_special_tokens": False, "echo": True}, 1),
+        ("/v1/chat/completions", chat, 1), ("/v1/chat/completions", {**chat, "add_special_tokens": True}, 2),
+        ("/v1/responses", {"input": "MARK", "max_output_tokens": 2}, 1), ("/tokenize", {"prompt": "MARK"}, 1),
+    ):  # fmt: skip
+        seen.clear()
+        r = await http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert len(seen) == calls and all(name.startswith("vllmini-tokenize") for name in seen), (path, body, seen)
+    await wait_idle(engine)
+
+
 async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
     """vLLM's server refuses what its offline engine (and ours) cut to the context's end; a
     prompt truncated by truncate_prompt_tokens counts as truncated."""
