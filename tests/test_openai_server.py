@@ -296,6 +296,15 @@ async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, ht
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+async def test_a_body_nested_too_deeply_is_a_400(http, engine, path):
+    """msgspec raises RecursionError past its depth limit (a 500 before), not a DecodeError."""
+    body = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = await http.post(path, content=body)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text[:300]
+    await wait_idle(engine)
+
+
 async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
     """The second prompt is refused after the first was queued: the first is aborted. (max_tokens
     null: to the end of the context, so that the server checks no length before queuing.)"""
