@@ -257,14 +257,17 @@ async def test_chat_template_kwargs_that_clash_with_the_renderer_are_a_400(http,
     await wait_idle(engine)
 
 
-async def test_a_request_chat_template_naming_a_server_file_is_refused(http, engine, tmp_path):
-    """A client must not make the server read its files (the --chat-template option may name
-    one; a request's chat_template is Jinja text or one of the tokenizer's template names)."""
+async def test_a_request_chat_template_naming_a_server_file_is_refused(engine, tmp_path):
+    """A client must not make the server read its files, even one that trusts request templates
+    (the --chat-template option may name one; a request's chat_template is Jinja text or one of
+    the tokenizer's template names)."""
     path = tmp_path / "secret.jinja"
     path.write_text("{{ messages[0]['content'] }}")
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "chat_template": str(path)}
-    r = await http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and "chat_template" in r.json()["error"]["message"]
+    app = build_app(engine, trust_request_chat_template=True)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        r = await http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "not a file path" in r.json()["error"]["message"]
     await wait_idle(engine)
 
 
@@ -293,6 +296,15 @@ async def test_bad_requests_leave_others_streaming_and_nothing_leaked(client, ht
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+async def test_a_body_nested_too_deeply_is_a_400(http, engine, path):
+    """msgspec raises RecursionError past its depth limit (a 500 before), not a DecodeError."""
+    body = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    r = await http.post(path, content=body)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text[:300]
+    await wait_idle(engine)
+
+
 async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
     """The second prompt is refused after the first was queued: the first is aborted. (max_tokens
     null: to the end of the context, so that the server checks no length before queuing.)"""
@@ -302,6 +314,49 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(
     await wait_idle(engine)
     r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "request_id": "mine"})
     assert r.json()["id"] == "cmpl-mine"  # (vLLM's: the request_id is the base of the id)
+
+
+async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http, engine):
+    """The prompts queued before the refused one are aborted together, at the next step: each
+    samples its first token at most, and the 400 does not wait a step per prompt (before, each
+    one's abort waited for its own step while the rest ran on: 256 prompts took ~10 s to refuse)."""
+    generated = engine.engine.num_generated_tokens
+    body = {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None, "ignore_eos": True}
+    r = await http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens - generated <= 32  # (was 992)
+
+
+async def test_prompts_are_tokenized_off_the_event_loop_once(http, engine, monkeypatch):
+    """As vLLM's async tokenizer: a long prompt took seconds to tokenize on the event loop (twice
+    for a completion), holding every stream meanwhile; the routes tokenize on their own thread."""
+    import threading
+
+    tok = engine.get_tokenizer()
+    seen: list[str] = []
+    original = type(tok).__call__
+
+    def spy(self, text, *args, **kwargs):
+        if isinstance(text, str) and "MARK" in text:
+            seen.append(threading.current_thread().name)
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(tok), "__call__", spy)
+    chat = {"messages": [{"role": "user", "content": "MARK"}], "max_tokens": 2}
+    for path, body, calls in (
+        ("/v1/completions", {"prompt": "MARK", "max_tokens": 2}, 1),
+        # (the truncation tokenizes each text again, without special tokens, to keep them)
+        ("/v1/completions", {"prompt": ["MARK", "MARK"], "max_tokens": 2, "truncate_prompt_tokens": 1}, 4),
+        ("/v1/completions", {"prompt": "MARK", "max_tokens": 2, "add_special_tokens": False, "echo": True}, 1),
+        ("/v1/chat/completions", chat, 1), ("/v1/chat/completions", {**chat, "add_special_tokens": True}, 2),
+        ("/v1/responses", {"input": "MARK", "max_output_tokens": 2}, 1), ("/tokenize", {"prompt": "MARK"}, 1),
+    ):  # fmt: skip
+        seen.clear()
+        r = await http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert len(seen) == calls and all(name.startswith("vllmini-tokenize") for name in seen), (path, body, seen)
+    await wait_idle(engine)
 
 
 async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
@@ -346,7 +401,7 @@ def test_a_bad_chat_template_stops_the_server_before_it_listens(engine, tmp_path
 async def test_a_server_chat_template_is_used_and_a_request_may_name_its_own(engine, tmp_path):
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
-    app = build_app(engine, NAME, chat_template=str(template))
+    app = build_app(engine, NAME, chat_template=str(template), trust_request_chat_template=True)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         server = (await http.post("/v1/chat/completions", json=body)).json()
@@ -354,6 +409,25 @@ async def test_a_server_chat_template_is_used_and_a_request_may_name_its_own(eng
     tok = engine.get_tokenizer()
     assert server["usage"]["prompt_tokens"] == len(tok("[user] hi\n[assistant]", add_special_tokens=False).input_ids)
     assert own["usage"]["prompt_tokens"] == len(tok("<hi>", add_special_tokens=False).input_ids)
+
+
+OWN_TEMPLATE = "<{{ messages[0]['content'] }}>"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/chat/completions", {"max_tokens": 1, "chat_template": OWN_TEMPLATE}),
+    ("/v1/chat/completions", {"max_tokens": 1, "chat_template_kwargs": {"chat_template": OWN_TEMPLATE}}),
+    ("/tokenize", {"chat_template": OWN_TEMPLATE}),
+])  # fmt: skip
+async def test_a_request_chat_template_is_refused_unless_the_server_trusts_them(engine, http, route, body):
+    """As vLLM's (--trust-request-chat-template, off by default): Jinja's sandbox bounds no work,
+    and a template of two nested range(100000) loops (10^10 turns, rendered on the event loop)
+    held every stream for minutes."""
+    r = await http.post(route, json={"messages": [{"role": "user", "content": "hi"}], **body})
+    error = r.json()["error"]["message"]
+    assert r.status_code == 400 and "trust-request-chat-template" in error, r.text
+    assert error.startswith("chat_template_kwargs.chat_template" if "chat_template_kwargs" in body else "chat_template:")
+    await wait_idle(engine)
 
 
 async def test_models_health_version_and_api_key(engine, http):
@@ -470,6 +544,29 @@ async def test_a_chunked_upload_over_the_limit_on_a_socket_is_refused_and_the_co
             assert refused_for_size(await c.post("/v1/completions", content=chunks()), 1 << 20)
             r = await c.post("/v1/completions", json={"model": NAME, "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/invocations"])
+async def test_a_client_gone_while_sending_its_body_is_not_a_server_error(engine, path, caplog):
+    """Starlette raises ClientDisconnect into the route reading the body: answered 499 (no one
+    reads it), not raised out of the app, which uvicorn logged as an error with a traceback."""
+    messages = [{"type": "http.request", "body": b'{"model": "tiny", "prompt": ', "more_body": True},
+                {"type": "http.disconnect"}]  # fmt: skip
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "server": ("t", 80), "client": ("c", 1)}  # fmt: skip
+    await build_app(engine)(scope, receive, send)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
     await wait_idle(engine)
 
 

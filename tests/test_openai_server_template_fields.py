@@ -33,7 +33,8 @@ def bos_dir(tiny_dir, tmp_path_factory):
 async def http(bos_dir):
     engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(bos_dir), served_model_name="tiny"))
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t") as client:
+        app = build_app(engine, trust_request_chat_template=True)  # (the requests bring their own template)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
             yield client, engine.get_tokenizer()
     finally:
         await engine.shutdown()

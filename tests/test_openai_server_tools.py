@@ -439,7 +439,7 @@ async def test_tool_choice_none_parses_nothing_and_still_hands_the_tools_to_the_
                 "{% for m in messages %}{{ m['content'] }}{% endfor %}")  # fmt: skip
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none", "max_tokens": 200, "chat_template": template,
             **forced(text)}  # fmt: skip
-    async with http(engine, **HERMES) as h:
+    async with http(engine, **HERMES, trust_request_chat_template=True) as h:
         out = (await h.post("/v1/chat/completions", json=body)).json()
     assert out["choices"][0]["message"] == {"role": "assistant", "content": text}
     assert out["choices"][0]["finish_reason"] == "stop"
@@ -457,7 +457,7 @@ async def test_tool_messages_and_assistant_tool_calls_render_through_the_templat
     calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(PARIS)}}]
     messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]  # fmt: skip
-    async with http(engine, **HERMES) as h:
+    async with http(engine, **HERMES, trust_request_chat_template=True) as h:
         tokens = (await h.post("/tokenize", json={"messages": messages, "chat_template": template})).json()["tokens"]
         reply = await h.post("/v1/chat/completions", json={"messages": messages, "tools": TOOLS, "chat_template": template,
                                                              "max_tokens": 3})  # fmt: skip
@@ -541,9 +541,12 @@ def test_the_serve_flags(tiny_dir, engine, capsys, monkeypatch):
     assert seen == {"enable_auto_tool_choice": True, "tool_call_parser": "llama3_json", "reasoning_parser": "qwen3",
                     "max_request_body_size": 32 << 20, "enable_prompt_tokens_details": False, "cors": None,
                     "response_role": "assistant", "return_tokens_as_token_ids": False,
-                    "enable_request_id_headers": False, "enable_force_include_usage": False}  # (the defaults)
+                    "enable_request_id_headers": False, "enable_force_include_usage": False,
+                    "trust_request_chat_template": False}  # (the defaults)
     assert main(["serve", str(tiny_dir), "--max-request-body-size", "1000", "--kv-cache-memory", str(KV)]) == 0
     assert seen["max_request_body_size"] == 1000
+    assert main(["serve", str(tiny_dir), "--trust-request-chat-template", "--kv-cache-memory", str(KV)]) == 0
+    assert seen["trust_request_chat_template"] is True
     assert main(["serve", str(tiny_dir), "--enable-prompt-tokens-details", "--kv-cache-memory", str(KV)]) == 0
     assert seen["enable_prompt_tokens_details"] is True
     assert main(["serve", str(tiny_dir), "--max-request-body-size", "-1"]) == 2  # (before the model loads)

@@ -33,7 +33,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -218,6 +218,12 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if not task.cancelled() else None
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that hung up while sending its body (a route was reading it): nothing to answer or
+    abort; without this handler each one was logged as the server's own error, with a traceback."""
+    return Response(status_code=499)
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat_template: str | None = None,
               api_key: str | None = None, lora_modules: list[LoRAModulePath] | None = None, *,
               enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
@@ -225,7 +231,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
               max_request_body_size: int | None = DEFAULT_MAX_REQUEST_BODY_SIZE,
               enable_prompt_tokens_details: bool = False, cors: CorsOptions | None = None,
               response_role: str = "assistant", return_tokens_as_token_ids: bool = False,
-              enable_request_id_headers: bool = False, enable_force_include_usage: bool = False) -> Starlette:  # fmt: skip
+              enable_request_id_headers: bool = False, enable_force_include_usage: bool = False,
+              trust_request_chat_template: bool = False) -> Starlette:  # fmt: skip
     """The app; its lifespan shuts the engine down when the server stops. ``lora_modules`` are
     loaded now: a bad one raises ValueError (naming it) before the server listens, as does a bad
     parser name or ``enable_auto_tool_choice`` without ``tool_call_parser`` (vLLM's flags), a
@@ -233,7 +240,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     answer browsers' cross-origin requests from those origins (None: no CORS headers at all).
     ``response_role``: a chat answer's role after a generation prompt; ``return_tokens_as_token_ids``:
     the default of requests that do not say; ``enable_request_id_headers``: every response carries
-    ``X-Request-Id``; ``enable_force_include_usage``: every stream ends with its usage (vLLM's server flags)."""
+    ``X-Request-Id``; ``enable_force_include_usage``: every stream ends with its usage;
+    ``trust_request_chat_template``: a request may bring its own chat template (vLLM's server flags)."""
     served_model_name = _served_name(engine, served_model_name)
     body_limit = _check_body_limit(max_request_body_size)
     models = OpenAIServingModels(engine, served_model_name)
@@ -249,6 +257,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     if not isinstance(response_role, str) or not response_role:
         raise ValueError(f"response_role must be a non-empty role name, got {response_role!r}")
     chat.response_role = response_role
+    chat.trust_request_chat_template = trust_request_chat_template
     tokenization = OpenAIServingTokenization(chat)
     embedding = OpenAIServingEmbedding(engine, served_model_name, chat, models)
     responses = OpenAIServingResponses(chat)
@@ -350,7 +359,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     middleware += [] if cors is None else [cors.middleware()]
     middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                     exception_handlers={ClientDisconnect: _client_gone})
 
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str, port: int,
@@ -360,7 +370,7 @@ def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str,
     """Serve until interrupted (Ctrl-C), then shut the engine down. ``options``: build_app's
     keywords (enable_auto_tool_choice, tool_call_parser, reasoning_parser, max_request_body_size,
     enable_prompt_tokens_details, cors, response_role, return_tokens_as_token_ids,
-    enable_request_id_headers, enable_force_include_usage);
+    enable_request_id_headers, enable_force_include_usage, trust_request_chat_template);
     ``uvicorn_options``: uvicorn.run's (root_path, log_level, access_log, ssl_keyfile, ssl_certfile)."""
     import uvicorn
 

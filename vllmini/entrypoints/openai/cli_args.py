@@ -14,6 +14,9 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--chat-template", default=None, help="a Jinja chat template or its file's path (default: the tokenizer's)")
     p.add_argument("--response-role", default="assistant", help="a chat answer's role after a generation prompt")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a request bring its own chat template (chat_template, chat_template_kwargs): "
+                        "refused by default, as a template can hold the server busy")  # fmt: skip
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
@@ -63,7 +66,7 @@ def app_options(ns: argparse.Namespace) -> dict:
     """``build_app``'s keywords from the flags above (the ones checked or parsed in cli.py aside)."""
     names = ("enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "max_request_body_size",
              "enable_prompt_tokens_details", "response_role", "return_tokens_as_token_ids",
-             "enable_request_id_headers", "enable_force_include_usage")  # fmt: skip
+             "enable_request_id_headers", "enable_force_include_usage", "trust_request_chat_template")  # fmt: skip
     return {name: getattr(ns, name) for name in names}
 
 

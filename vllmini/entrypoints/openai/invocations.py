@@ -56,7 +56,7 @@ def sagemaker_routes(routes: list[BaseRoute], tasks: tuple[str, ...], health: Ca
     async def invocations(request: Request) -> Response:
         try:
             body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply)
             return refuse(400, f"the request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return refuse(400, "the request body must be a JSON object")

@@ -333,7 +333,7 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> tuple[Any, list[s
     types is a ValueError naming the field."""
     try:
         raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply, a 500 otherwise)
         raise ValueError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ValueError("the request body must be a JSON object")

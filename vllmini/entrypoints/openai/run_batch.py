@@ -233,7 +233,8 @@ async def main(ns: argparse.Namespace, engine_args: Any) -> int:
         try:
             app = build_app(engine, engine_args.get_served_model_name(), ns.chat_template,
                             reasoning_parser=ns.reasoning_parser, response_role=ns.response_role,
-                            enable_prompt_tokens_details=ns.enable_prompt_tokens_details)  # fmt: skip
+                            enable_prompt_tokens_details=ns.enable_prompt_tokens_details,
+                            trust_request_chat_template=ns.trust_request_chat_template)  # fmt: skip
             in_flight = 2 * engine.engine.args.max_num_seqs
             total, refused = await run_batch(app, input_path, output_path, in_flight, total)
         finally:

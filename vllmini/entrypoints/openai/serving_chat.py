@@ -19,7 +19,7 @@ from vllmini.entrypoints.openai.output_parser import ChatOutputParser
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from vllmini.entrypoints.openai.serving_engine import (
-    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
+    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
 )  # fmt: skip
 from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 from vllmini.entrypoints.openai.tool_choice import ToolChoice, tool_schema
@@ -55,6 +55,7 @@ class OpenAIServingChat(OpenAIServing):
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         self.enable_auto_tools = enable_auto_tools
         self.response_role = "assistant"  # vLLM's --response-role (build_app's)
+        self.trust_request_chat_template = False  # vLLM's --trust-request-chat-template (build_app's)
         self.tool_parser = None if tool_parser is None else get_tool_parser(tool_parser)
         self.reasoning_parser = None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
         # the engine's grammars wait out the reasoning (its reasoning_config, without enable_in_reasoning)
@@ -63,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, request: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         """The whole response, or (``stream``) its events; raises ValueError for a bad request
         before anything is generated."""
-        prepared = self.prepare(request)
+        prepared = await self.prepare(request)
         request_id = self.new_id("chatcmpl", request.request_id)
         group = await RequestGroup.start(self.engine, request_id, [prepared.prompt], prepared.params, request.priority,
                                          prepared.lora_request, request.cache_salt, prepared.beam)  # fmt: skip
@@ -73,7 +74,7 @@ class OpenAIServingChat(OpenAIServing):
             return EventStream(self._stream(request, request_id, group, prompt_ids, choice, make), group)
         return await self._whole(request, request_id, group, choice, make)
 
-    def prepare(self, request: ChatCompletionRequest, max_tokens_name: str | None = None) -> PreparedChat:
+    async def prepare(self, request: ChatCompletionRequest, max_tokens_name: str | None = None) -> PreparedChat:
         """The request checked and made ready for the engine (the Responses API runs its requests
         through here too; ``max_tokens_name``: its name for max_tokens in errors, else the field the
         request set). ValueError names a bad field, ModelNotFoundError an unknown model."""
@@ -87,9 +88,7 @@ class OpenAIServingChat(OpenAIServing):
         choice = request.resolved_tool_choice()
         if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
-        prompt = self.render(request)
-        if request.add_special_tokens:  # (vLLM's: the tokenizer's own BOS/EOS too, besides the template's)
-            prompt = {**prompt, "prompt_token_ids": self.tokenizer(prompt["prompt"]).input_ids}
+        prompt = await off_loop(self._rendered, request)
         # (``is None``, not ``or``: 0 is refused by SamplingParams, not taken for "not given")
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_tokens is None:
@@ -101,6 +100,14 @@ class OpenAIServingChat(OpenAIServing):
         # (a beam also stops where the context ends)
         beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)
         return PreparedChat(prompt, params, choice, make, lora_request, beam)
+
+    def _rendered(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """(On the tokenizer thread.) The prompt: the messages through the template, tokenized; with
+        ``add_special_tokens`` (vLLM's) the tokenizer's own BOS/EOS too, besides the template's."""
+        prompt = self.render(request)
+        if request.add_special_tokens:
+            prompt = {**prompt, "prompt_token_ids": self.tokenizer(prompt["prompt"]).input_ids}
+        return prompt
 
     def _parsing(
         self, request: ChatCompletionRequest, choice: ToolChoice, prompt: str, params: SamplingParams
@@ -157,8 +164,21 @@ class OpenAIServingChat(OpenAIServing):
         stopped (a named one stays "stop")."""
         return "tool_calls" if reason == "stop" and parser.tools_called and choice.mode != "named" else reason
 
+    def check_request_template(self, request: Any) -> None:
+        """A request's own template (``chat_template``, or one in ``chat_template_kwargs``) only on a
+        server that trusts them, as vLLM's ``--trust-request-chat-template``: Jinja's sandbox bounds
+        no work, and one template of nested loops would hold the event loop, every stream with it."""
+        if self.trust_request_chat_template:
+            return
+        for field, given in (("chat_template", request.chat_template),
+                             ("chat_template_kwargs.chat_template", (request.chat_template_kwargs or {}).get("chat_template"))):  # fmt: skip
+            if given is not None:
+                raise ValueError(f"{field}: a request's own chat template is refused unless the server trusts them "
+                                 "(`vllmini serve --trust-request-chat-template`, as vLLM's)")  # fmt: skip
+
     def render(self, request: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
         """``{"prompt", "prompt_token_ids"}`` of the request's messages through the chat template."""
+        self.check_request_template(request)
         named = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, dict) else {}
         if request.chat_template and "{" not in request.chat_template and request.chat_template not in named:
             # render_chat would read it as a path: a client must not make the server open its files

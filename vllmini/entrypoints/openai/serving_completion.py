@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry, RequestOutput
+from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.protocol import CompletionRequest
 from vllmini.entrypoints.openai.skip_tokenizer import check_completion
 from vllmini.entrypoints.openai.serving_engine import (
-    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, sse,
+    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
 )
 
 
@@ -22,11 +23,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = request.prompts()
         if self.tokenizer is None:  # skip_tokenizer_init: token ids in and out
             check_completion(request, prompts)
-        if not request.add_special_tokens:  # (the text kept beside its ids: echo and truncation read it)
-            prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids}
-                       if isinstance(p, str) else p for p in prompts]  # fmt: skip
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
-        if request.max_tokens is not None:  # (the engine tokenizes them again: truncation reads the text)
+        prompts = await off_loop(self._tokenized, prompts, params, request.add_special_tokens)
+        if request.max_tokens is not None:
             for prompt in prompts:
                 self.check_context(len(self.engine.engine.tokenize(prompt)[1]), params)
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
@@ -39,6 +38,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return EventStream(self._stream(request, request_id, group), group)
         return await self._whole(request, request_id, group)
+
+    def _tokenized(self, prompts: list[Any], params: SamplingParams, add_special_tokens: bool) -> list[Any]:
+        """(On the tokenizer thread.) The text prompts as the engine's ids, the text kept beside them
+        (echo reads it), truncated as the engine would; without ``add_special_tokens``, no BOS/EOS."""
+        if not add_special_tokens:
+            prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids}
+                       if isinstance(p, str) else p for p in prompts]  # fmt: skip
+        return [self.engine.engine.input_processor.pretokenize(p, params) for p in prompts]
 
     async def _whole(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}

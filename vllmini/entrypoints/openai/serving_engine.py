@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import msgspec
 
@@ -20,6 +22,15 @@ from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 from vllmini.lora.request import LoRARequest
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occur with this
+# the routes' tokenizing (a long prompt: seconds) runs here, one at a time, as vLLM's async tokenizer:
+# on the event loop it held every stream meanwhile
+_TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-tokenize")
+T = TypeVar("T")
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the tokenizer thread, its exception raised here."""
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, functools.partial(fn, *args))
 
 
 def json_logprob(logprob: float) -> float:
@@ -131,10 +142,13 @@ class RequestGroup:
         await self._close_streams()
 
     async def _close_streams(self) -> None:
-        """Close every stream (its request is aborted unless it finished; a no-op once closed)."""
+        """Close every stream (its request is aborted unless it finished; a no-op once closed), all
+        at once: their aborts reach the engine in one step (one by one, each waited for its own
+        step while the others ran on)."""
         self.unfinished.clear()
-        for stream in self.streams:
-            await stream.aclose()
+        closed = await asyncio.gather(*(stream.aclose() for stream in self.streams), return_exceptions=True)
+        if errors := [e for e in closed if isinstance(e, BaseException)]:
+            raise errors[0]
 
 
 class EventStream:

@@ -107,7 +107,7 @@ class OpenAIServingResponses:
         conversation = history + request.input_messages()
         system = [{"role": "system", "content": request.instructions}] if request.instructions else []
         chat_request = request.to_chat(system + conversation)
-        prepared = self.chat.prepare(chat_request, "max_output_tokens")
+        prepared = await self.chat.prepare(chat_request, "max_output_tokens")
         response_id = request.request_id or new_id("resp")
         group = await RequestGroup.start(self.chat.engine, response_id, [prepared.prompt], prepared.params,
                                          request.priority, prepared.lora_request)  # fmt: skip

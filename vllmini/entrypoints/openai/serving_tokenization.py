@@ -6,6 +6,7 @@ from typing import Any
 
 from vllmini.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllmini.entrypoints.openai.serving_engine import off_loop
 
 
 class OpenAIServingTokenization:
@@ -16,6 +17,9 @@ class OpenAIServingTokenization:
     async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         self.chat.check_model(request.model)
         request.check()
+        return await off_loop(self._tokenize, request)  # (a long prompt: seconds, which held every stream)
+
+    def _tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         if request.messages is not None:
             rendered = self.chat.render(request)
             ids = rendered["prompt_token_ids"]
