@@ -275,3 +275,36 @@ def test_torch_decode_zeroes_only_the_hidden_gathered_rows(window):
         torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
     ops = {event.key for event in prof.key_averages()}
     assert "aten::index_fill_" in ops and "aten::masked_fill_" not in ops
+
+
+@pytest.mark.parametrize(("q_len", "length", "k_first", "window"), [(12, 40, 0, None), (30, 30, 0, None), (12, 37, 8, 7)])
+def test_capped_prefill_tiles_bound_the_scores_and_keep_the_output(monkeypatch, q_len, length, k_first, window):
+    """Gemma 2's eager prefill (SDPA has no softcap) in tiles of query rows: a chunk after cached tokens, a
+    whole prompt, a window behind block-aligned keys. Each tile holds at most SOFTCAP_TILE_SCORES scores and
+    no more than the chunk as a whole prompt would (q_len x q_len per head, what the warm-up runs), reads
+    only the keys its rows see, and the output is the one-piece call's (to float32 rounding: shorter sums)."""
+    from vllmini.models import eager_attention
+
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(1, H, q_len, D, generator=g)
+    k, v = (torch.randn(1, HKV, length, D, generator=g) for _ in range(2))
+    q_first = k_first + length - q_len
+    pos_q, pos_k = torch.arange(q_first, q_first + q_len)[:, None], torch.arange(k_first, k_first + length)[None, :]
+    mask = (pos_k <= pos_q) & (pos_k > pos_q - (window or length))
+    whole = eager_attention.attend(q, k, v, 0.3, 0.5, attn_mask=mask, enable_gqa=True)
+    assert (eager_attention.attend(q, k, v, 0.3, attn_mask=mask, enable_gqa=True) - whole).abs().max() > 0.1
+    scores, real = [], eager_attention.attend
+
+    def counted(q, k, *args, **kwargs):  # each tile's scores: heads x rows x keys
+        scores.append(q.shape[1] * q.shape[2] * k.shape[2])
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(eager_attention, "attend", counted)
+    for budget in (2**22, H * length * 3, 1):
+        monkeypatch.setattr(eager_attention, "SOFTCAP_TILE_SCORES", budget)
+        scores.clear()
+        tiled = eager_attention.capped_prefill(q, k, v, 0.3, 0.5, q_first, k_first, window)
+        torch.testing.assert_close(tiled, whole, atol=1e-6, rtol=1e-6)
+        assert max(scores) <= max(min(budget, H * q_len * q_len), H * length)  # (one row at least)
+        assert sum(scores) <= H * q_len * length
+    assert len(scores) == q_len  # the smallest budget: one row a tile

@@ -25,14 +25,14 @@ import inspect
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
+from vllmini.models.eager_attention import attend, capped_prefill
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -202,13 +202,15 @@ def torch_attention(
         # the math path, which builds every L x L score (7x slower at L = 2048 here)
         qi = q[start : start + q_len].transpose(0, 1)[None]
         keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
-        if q_len == seq_len and (window is None or window >= seq_len):
-            oi = attend(qi, keys, vals, scale, softcap, is_causal=True, enable_gqa=True)
+        if softcap is not None:  # (eager math: in tiles of query rows)
+            oi = capped_prefill(qi, keys, vals, scale, softcap, seq_len - q_len, first, window)
+        elif q_len == seq_len and (window is None or window >= seq_len):
+            oi = attend(qi, keys, vals, scale, is_causal=True, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
-            oi = attend(qi, keys, vals, scale, softcap, attn_mask=mask, enable_gqa=True)
+            oi = attend(qi, keys, vals, scale, attn_mask=mask, enable_gqa=True)
         out[start : start + q_len] = oi[0].transpose(0, 1)
     return out
 
@@ -234,24 +236,6 @@ def _static_decode(
     keys, vals = _zero_masked(keys, vals, mask[:, None, None, :])
     out = attend(qd, keys, vals, scale, softcap, attn_mask=mask[:, None, None, :])
     return out.reshape(batch, num_heads, head_dim)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None = None,
-           **sdpa: Any) -> torch.Tensor:  # fmt: skip
-    """SDPA (``sdpa``: its attn_mask / is_causal / enable_gqa), or, with ``softcap``, the eager math
-    transformers' Gemma 2 runs (SDPA has no cap): ``softcap * tanh(scores / softcap)``, then the
-    mask, a float32 softmax and the values."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, **sdpa)
-    if k.shape[-3] != q.shape[-3]:  # grouped-query heads ([H, L, D] rows: enable_gqa)
-        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    mask = sdpa.get("attn_mask")
-    if sdpa.get("is_causal"):
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _hidden_positions(group: _DecodeGroup, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
