@@ -157,10 +157,8 @@ def torch_attention(
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
     decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
-    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window)`` (the cpu backend).
-    ``softcap``: scores capped to (-softcap, softcap) (Gemma 2; not with ``decode``)."""
-    if decode is not None and softcap is not None:
-        raise ValueError("the decode kernel does not cap attention scores (softcap): use the torch backend")
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window, softcap)`` (the cpu
+    backend). ``softcap``: scores capped to (-softcap, softcap) (Gemma 2)."""
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -177,7 +175,7 @@ def torch_attention(
         bd = group.block_tables.shape[0]
         qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if decode is not None:
-            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window)
+            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window, softcap)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
             mask, hidden = _hidden_positions(group, window)
             keys = gather_blocks(k_cache, group.block_tables, q.dtype)
