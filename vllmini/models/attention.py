@@ -18,6 +18,8 @@ The pure-PyTorch backend (any device):
   query heads into the query-length axis so no K/V repeat is needed), or all in one call
   of a ``decode`` kernel that reads the paged cache itself (the cpu backend's);
 - multi-token rows (prefill chunks) attend per sequence with a lower-right causal mask.
+With a ``softcap`` (Gemma 2) the scores are capped by whichever backend can (backend_select.py picks
+among those); the torch backend's prefill caps them in eager math, a tile of query rows at a time.
 """
 from __future__ import annotations
 
@@ -272,23 +274,27 @@ def flash_attention(
     kv_cache: KVCache | None,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """flash-attn 2.x: one varlen call for the whole mixed prefill/decode batch, reading
     K/V straight from the paged cache through ``block_table`` (causal is lower-right
     aligned there, which is what a chunk after cached tokens needs; a sliding window is its
-    ``window_size`` of ``window - 1`` keys to the left)."""
+    ``window_size`` of ``window - 1`` keys to the left; ``softcap`` its own argument, flash-attn
+    >= 2.6, which backend_select.py checks for before it picks this backend for a capped model)."""
     from flash_attn import flash_attn_varlen_func
 
-    sliding = {"window_size": (window - 1, 0)} if window is not None else {}
+    options = {"window_size": (window - 1, 0)} if window is not None else {}
+    if softcap is not None:
+        options["softcap"] = softcap
     if kv_cache is None:
         return flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-            softmax_scale=scale, causal=True, **sliding,
+            softmax_scale=scale, causal=True, **options,
         )  # fmt: skip
     write_kv(k, v, kv_cache, meta.slot_mapping)
     return flash_attn_varlen_func(
         q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-        softmax_scale=scale, causal=True, block_table=meta.block_tables, **sliding,
+        softmax_scale=scale, causal=True, block_table=meta.block_tables, **options,
     )  # fmt: skip
 
 
@@ -301,7 +307,8 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
     backend signature, or None when the installed torch lacks it or its paged arguments
     (``block_table``/``seqused_k``/``enable_gqa``, torch >= 2.12-ish): its schema is read once
     here, at start-up, instead of failing inside a forward. ``varlen_attn`` may be a stand-in
-    (tests)."""
+    (tests). The bound function's ``supports_softcap``: the schema has a ``softcap`` argument
+    (torch 2.13's has none), which a capped model (Gemma 2) needs."""
     if varlen_attn is None:
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -313,11 +320,11 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         return None
     if not _VARLEN_PAGED_ARGS <= params:
         return None
-    fn = varlen_attn
+    fn, supports_softcap = varlen_attn, "softcap" in params
 
     def torch_varlen_attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """One varlen call for the whole mixed batch; causal is (-1, 0) windowing, aligned to the
         bottom-right like flash-attn's, which a chunk after cached tokens needs. With one query
@@ -326,6 +333,10 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         left = -1 if window is None else window - 1
         sizes = (left, -1) if meta.max_seqlen_q == 1 else (left, 0)
         common = {"scale": scale, "window_size": sizes, "enable_gqa": True}
+        if softcap is not None:
+            if not supports_softcap:
+                raise ValueError("this torch's varlen_attn takes no softcap")
+            common["softcap"] = softcap
         if kv_cache is None:
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             return fn(q, k, v, cu, cu, n, n, **common)
@@ -335,6 +346,7 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
             seqused_k=meta.seq_lens, block_table=meta.block_tables, **common,
         )  # fmt: skip
 
+    torch_varlen_attention.supports_softcap = supports_softcap
     return torch_varlen_attention
 
 
@@ -348,7 +360,7 @@ class Attention(nn.Module):
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.window = window  # sliding-window attention (None: full)
-        self.softcap = softcap  # tanh cap on the scores (Gemma 2; the torch backend only)
+        self.softcap = softcap  # tanh cap on the scores (Gemma 2), passed to the backend when set
         self.backend: AttentionBackend = torch_attention
 
     def forward(
