@@ -26,7 +26,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (tests set it when 
 
 import torch  # noqa: E402
 
-# (name, dtype, head_dim, query heads per KV head, block size[, KV cache dtype when not the model's])
+# (name, dtype, head_dim, query heads per KV head, block size[, KV cache dtype (None: the model's)[, softcap]])
 SHAPES = {
     "qwen3-0.6b-bf16": (torch.bfloat16, 128, 2, 256),
     "smollm2-bf16": (torch.bfloat16, 64, 3, 256),
@@ -34,6 +34,7 @@ SHAPES = {
     "qwen3-0.6b-fp32": (torch.float32, 128, 2, 256),
     "qwen3-0.6b-bf16-fp8kv": (torch.bfloat16, 128, 2, 256, torch.float8_e4m3fn),
     "smollm2-bf16-fp8e5m2kv": (torch.bfloat16, 64, 3, 256, torch.float8_e5m2),
+    "gemma2-2b-bf16-softcap": (torch.bfloat16, 256, 2, 256, None, True),  # attn_logit_softcapping
 }
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}  # fmt: skip
@@ -41,23 +42,27 @@ SIZE_LIMITS = {"registers": 255, "shared_bytes": 227 * 1024}  # per thread / per
 
 
 def launches(
-    dtype: torch.dtype, head_dim: int, group: int, block_size: int, cache_dtype: torch.dtype | None = None
+    dtype: torch.dtype, head_dim: int, group: int, block_size: int, cache_dtype: torch.dtype | None = None,
+    softcap: bool = False,
 ) -> dict[str, tuple[str, dict]]:
     """(kernel, constants) of every launch the backend makes for this shape (see triton_attention)."""
     from vllmini.models.triton_attention import SPLIT_MAX, _next_pow2, kernel_constants, prefill_block_q
 
+    def constants(block_q: int, block: int, **kw) -> dict:
+        return kernel_constants(dtype, head_dim, group, block_q, block, softcap=softcap, **kw)
+
     prefill_q = prefill_block_q(dtype, group)
-    decode = kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True)
+    decode = constants(1, block_size, tile_is_seq=True, paged=True)
     attention = "_paged_attention_kernel"
     return {
         "decode": (attention, decode),
-        "decode-split": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=True, paged=True,
-                                                     split=True, cache_dtype=cache_dtype)),  # fmt: skip
+        "decode-split": (attention, constants(1, block_size, tile_is_seq=True, paged=True, split=True,
+                                              cache_dtype=cache_dtype)),  # fmt: skip
         "merge-splits": ("_merge_splits_kernel", {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": decode["HEAD_DIM_PAD"],
                                                   "SPLITS_PAD": _next_pow2(SPLIT_MAX)}),  # fmt: skip
-        "decode-in-mixed-step": (attention, kernel_constants(dtype, head_dim, group, 1, block_size, tile_is_seq=False, paged=True)),
-        "prefill-paged": (attention, kernel_constants(dtype, head_dim, group, prefill_q, block_size, tile_is_seq=False, paged=True)),
-        "prefill-no-cache": (attention, kernel_constants(dtype, head_dim, group, prefill_q, 1, tile_is_seq=False, paged=False)),
+        "decode-in-mixed-step": (attention, constants(1, block_size, tile_is_seq=False, paged=True)),
+        "prefill-paged": (attention, constants(prefill_q, block_size, tile_is_seq=False, paged=True)),
+        "prefill-no-cache": (attention, constants(prefill_q, 1, tile_is_seq=False, paged=False)),
     }  # fmt: skip
 
 
@@ -84,7 +89,7 @@ def compile_one(
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
-        elif name == "scale":
+        elif name in ("scale", "softcap"):
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
@@ -130,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"arch": args.arch, "triton": triton.__version__, "results": {}}
     failed = False
     for shape in args.shapes.split(","):
-        dtype, head_dim, group, block_size, *cache_dtype = SHAPES[shape]
-        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size, *cache_dtype).items():
+        dtype, head_dim, group, block_size, cache_dtype, softcap = (*SHAPES[shape], None, False)[:6]
+        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size, cache_dtype, softcap).items():
             key = f"{shape}/{launch}"
             try:
-                row = compile_one(kernel_name, constants, dtype, args.arch, *cache_dtype)
+                row = compile_one(kernel_name, constants, dtype, args.arch, cache_dtype)
                 row["within_limits"] = all(row[k] <= v for k, v in SIZE_LIMITS.items())
             except Exception as exc:  # a compile error is the finding: report it, go on
                 row, failed = {"error": f"{type(exc).__name__}: {exc}"[:500]}, True

@@ -18,14 +18,18 @@ H, HKV, D, BS = 6, 2, 8, 4
 
 
 def dense_reference(
-    q_seq: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, scale: float, window: int | None = None
+    q_seq: torch.Tensor, k_seq: torch.Tensor, v_seq: torch.Tensor, scale: float, window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Lower-right causal attention of ``q_seq [q, H, D]`` over ``k/v_seq [L, Hkv, D]``; with a
-    ``window``, each query sees its last ``window`` positions (transformers' sliding window)."""
+    ``window``, each query sees its last ``window`` positions (transformers' sliding window); with a
+    ``softcap``, scores become ``softcap * tanh(scores / softcap)`` (Gemma 2)."""
     q_len, seq_len = q_seq.shape[0], k_seq.shape[0]
     k = k_seq.repeat_interleave(H // HKV, dim=1)
     v = v_seq.repeat_interleave(H // HKV, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q_seq, k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     pos_q, pos_k = torch.arange(seq_len - q_len, seq_len)[:, None], torch.arange(seq_len)[None, :]
     allowed = (pos_k <= pos_q) & (pos_k > pos_q - (window or seq_len))
     scores = scores.masked_fill(~allowed, float("-inf"))
@@ -117,12 +121,13 @@ def test_sliding_window_matches_dense_reference(mix, window):
         torch.testing.assert_close(torch_attention(q, k, v, static, cache, D**-0.5, window), out, atol=1e-5, rtol=1e-5)
 
 
-def _fake_flash_module() -> types.ModuleType:
+def _fake_flash_module(softcap: bool = True) -> types.ModuleType:
     """flash_attn_varlen_func with flash-attn's semantics (paged via block_table, causal aligned
-    to the bottom-right), written densely, so our glue can be checked without a GPU."""
+    to the bottom-right, ``softcap`` 0.0 for none), written densely, so our glue can be checked
+    without a GPU. ``softcap=False``: flash-attn < 2.6's signature, without the argument."""
 
     def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):  # fmt: skip
+                               softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, block_table=None):  # fmt: skip
         assert causal and q.dtype == k.dtype and window_size[1] in (-1, 0)
         window = None if window_size[0] < 0 else window_size[0] + 1  # keys [i - left, i]
         out = torch.empty_like(q)
@@ -135,24 +140,33 @@ def _fake_flash_module() -> types.ModuleType:
             else:
                 blocks = block_table[i, : math.ceil(seq_len / k.shape[1])].long()
                 ks, vs = k[blocks].flatten(0, 1)[:seq_len], v[blocks].flatten(0, 1)[:seq_len]
-            out[qs:qe] = dense_reference(q[qs:qe], ks, vs, softmax_scale, window)
+            out[qs:qe] = dense_reference(q[qs:qe], ks, vs, softmax_scale, window, softcap or None)
         return out
 
+    def without_softcap(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale=None, causal=False, window_size=(-1, -1), block_table=None):  # fmt: skip
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                      causal, window_size, block_table=block_table)  # fmt: skip
+
     mod = types.ModuleType("flash_attn")
-    mod.flash_attn_varlen_func = flash_attn_varlen_func
+    mod.flash_attn_varlen_func = flash_attn_varlen_func if softcap else without_softcap
     return mod
 
 
-@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (3, None), (None, 0.5), (3, 0.5)])
 @pytest.mark.parametrize("mix", sorted(MIXES))
-def test_flash_glue_passes_paged_metadata(monkeypatch, mix, window):
+def test_flash_glue_passes_paged_metadata(monkeypatch, mix, window, softcap):
+    """The paged metadata, the window and Gemma 2's softcap (flash-attn >= 2.6's argument)."""
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module())
     q_lens, seq_lens = MIXES[mix]
     q, k, v, cache, meta, _, _ = build_batch(q_lens, seq_lens, seed=1)
     cache_copy = (cache[0].clone(), cache[1].clone())
-    out = flash_attention(q, k, v, meta, cache, D**-0.5, window)
-    ref = torch_attention(q, k, v, meta, cache_copy, D**-0.5, window)
+    capped = {} if softcap is None else {"softcap": softcap}
+    out = flash_attention(q, k, v, meta, cache, D**-0.5, window, **capped)
+    ref = torch_attention(q, k, v, meta, cache_copy, D**-0.5, window, **capped)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if softcap is not None:  # (the cap bites on these scores)
+        assert (torch_attention(q, k, v, meta, cache_copy, D**-0.5, window) - ref).abs().max() > 0.1
     torch.testing.assert_close(cache[0], cache_copy[0])  # both wrote the same new K/V
 
 
@@ -275,3 +289,36 @@ def test_torch_decode_zeroes_only_the_hidden_gathered_rows(window):
         torch.testing.assert_close(out[b : b + 1], ref, atol=1e-5, rtol=1e-5)
     ops = {event.key for event in prof.key_averages()}
     assert "aten::index_fill_" in ops and "aten::masked_fill_" not in ops
+
+
+@pytest.mark.parametrize(("q_len", "length", "k_first", "window"), [(12, 40, 0, None), (30, 30, 0, None), (12, 37, 8, 7)])
+def test_capped_prefill_tiles_bound_the_scores_and_keep_the_output(monkeypatch, q_len, length, k_first, window):
+    """Gemma 2's eager prefill (SDPA has no softcap) in tiles of query rows: a chunk after cached tokens, a
+    whole prompt, a window behind block-aligned keys. Each tile holds at most SOFTCAP_TILE_SCORES scores and
+    no more than the chunk as a whole prompt would (q_len x q_len per head, what the warm-up runs), reads
+    only the keys its rows see, and the output is the one-piece call's (to float32 rounding: shorter sums)."""
+    from vllmini.models import eager_attention
+
+    g = torch.Generator().manual_seed(q_len)
+    q = torch.randn(1, H, q_len, D, generator=g)
+    k, v = (torch.randn(1, HKV, length, D, generator=g) for _ in range(2))
+    q_first = k_first + length - q_len
+    pos_q, pos_k = torch.arange(q_first, q_first + q_len)[:, None], torch.arange(k_first, k_first + length)[None, :]
+    mask = (pos_k <= pos_q) & (pos_k > pos_q - (window or length))
+    whole = eager_attention.attend(q, k, v, 0.3, 0.5, attn_mask=mask, enable_gqa=True)
+    assert (eager_attention.attend(q, k, v, 0.3, attn_mask=mask, enable_gqa=True) - whole).abs().max() > 0.1
+    scores, real = [], eager_attention.attend
+
+    def counted(q, k, *args, **kwargs):  # each tile's scores: heads x rows x keys
+        scores.append(q.shape[1] * q.shape[2] * k.shape[2])
+        return real(q, k, *args, **kwargs)
+
+    monkeypatch.setattr(eager_attention, "attend", counted)
+    for budget in (2**22, H * length * 3, 1):
+        monkeypatch.setattr(eager_attention, "SOFTCAP_TILE_SCORES", budget)
+        scores.clear()
+        tiled = eager_attention.capped_prefill(q, k, v, 0.3, 0.5, q_first, k_first, window)
+        torch.testing.assert_close(tiled, whole, atol=1e-6, rtol=1e-6)
+        assert max(scores) <= max(min(budget, H * q_len * q_len), H * length)  # (one row at least)
+        assert sum(scores) <= H * q_len * length
+    assert len(scores) == q_len  # the smallest budget: one row a tile

@@ -14,8 +14,8 @@ from helpers import tiny_llama_config
 from vllmini.models import cpu_attention
 from vllmini.models.attention import torch_attention
 from vllmini.models.backend_check import check_backend, start_backend
-from vllmini.models.base import AttentionMetadata
-from vllmini.models.cpu_attention import KernelBuildError, cpu_attention as cpu_backend, paged_decode
+from vllmini.models.base import AttentionMetadata, block_table_tensor
+from vllmini.models.cpu_attention import CACHE_DTYPES, KernelBuildError, cpu_attention as cpu_backend, paged_decode
 
 CPU = torch.device("cpu")
 
@@ -110,6 +110,60 @@ def test_sliding_window_reads_only_the_last_window_positions(monkeypatch, dtype,
     wide = [t.float() if t.is_floating_point() else t for t in (q, k_cache, v_cache, tables, seq_lens)]
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-5, "rtol": 2**-8}
     torch.testing.assert_close(got.float(), reference(*wide, 0.125, window), **tol)
+
+
+def capped_reference(q, k_cache, v_cache, tables, lens, scale, softcap, window=None):
+    """The eager math transformers' Gemma 2 runs, per row: ``softcap * tanh(scores / softcap)``, then the
+    softmax over the row's last ``window`` (or all) positions, on the cache widened to float32."""
+    outs = []
+    for b, n in enumerate(lens.tolist()):
+        lo = max(0, n - window) if window else 0
+        keys = k_cache[tables[b].long()].float().flatten(0, 1)[lo:n]  # [n - lo, Hkv, D]
+        vals = v_cache[tables[b].long()].float().flatten(0, 1)[lo:n]
+        scores = torch.einsum("hgd,khd->hgk", q[b].float(), keys) * scale
+        probs = (torch.tanh(scores / softcap) * softcap).softmax(-1)
+        outs.append(torch.einsum("hgk,khd->hgd", probs, vals))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)
+@pytest.mark.parametrize(("splits", "window"), [(1, None), (3, None), (2, 45)])
+def test_kernel_caps_scores_on_every_cache_kind(monkeypatch, cache_dtype, splits, window):
+    """Gemma 2's attn_logit_softcapping in the kernel: every cache kind (fp8 folds its rebias into the
+    scale before the cap), rows cut into key ranges or not, a window; scores of ~N(0, 3) against a
+    cap of 2, so the cap bites (the uncapped kernel is far off)."""
+    from vllmini.kv.cache_dtype import to_cache
+
+    monkeypatch.setattr(cpu_attention, "num_splits", lambda *a: splits)
+    lens = [1, 16, 17, 300, 33]
+    q, k_cache, v_cache, tables, seq_lens = random_paged(len(lens), 2, 3, 32, 16, lens, seed=4)
+    k_cache, v_cache = to_cache(k_cache, cache_dtype), to_cache(v_cache, cache_dtype)
+    q, scale, cap = q * 3, 32**-0.5, 2.0
+    got = paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap=cap)
+    want = capped_reference(q, k_cache, v_cache, tables, seq_lens, scale, cap, window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert (paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window) - want).abs().max() > 0.1
+    with pytest.raises(ValueError, match="softcap must be positive"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap=0.0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e5m2])
+def test_backend_caps_scores_on_mixed_and_static_steps_as_the_torch_backend(cache_dtype):
+    """The cpu backend for Gemma 2: prompts, chunks after cached tokens and decode rows (the kernel's), with
+    and without a window, as the torch backend caps them (check_backend's steps), over float32, bfloat16
+    and fp8 caches; then decode rows through the static path (what a graph replays: gather + eager math)."""
+    assert check_backend(cpu_backend, CPU, torch.float32, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4,
+                         window=5, cache_dtype=cache_dtype, softcap=0.5) is None  # fmt: skip
+    from test_attention import BS, D, build_batch
+
+    q, k, v, cache, meta, *_ = build_batch([1, 1, 1], [5, 1, 13], seed=2)
+    eager = cpu_backend(q, k, v, meta, tuple(c.clone() for c in cache), D**-0.5, softcap=0.5)
+    cu = torch.arange(4, dtype=torch.int32)
+    static = AttentionMetadata.for_static_decode(cu, cu, meta.seq_lens, meta.slot_mapping,
+                                                 block_table_tensor(meta.block_tables.tolist(), 6), 6 * BS)  # fmt: skip
+    torch.testing.assert_close(cpu_backend(q, k, v, static, tuple(c.clone() for c in cache), D**-0.5, softcap=0.5),
+                               eager, atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert (cpu_backend(q, k, v, static, tuple(c.clone() for c in cache), D**-0.5) - eager).abs().max() > 0.1
 
 
 def test_num_splits_only_when_threads_would_idle():

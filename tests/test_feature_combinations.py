@@ -34,7 +34,7 @@ def mistral_dir(tmp_path_factory, default_model_dir) -> str:
 
 @pytest.fixture(scope="module")
 def gemma2_dir(tmp_path_factory, default_model_dir) -> str:
-    """Sliding (12) and full layers, capped attention scores (the torch backend's softcap path) and logits."""
+    """Sliding (12) and full layers, capped attention scores (the cpu backend's C kernel and eager prefill) and logits."""
     torch.manual_seed(0)
     hf = randomize_norms(Gemma2ForCausalLM(tiny_gemma2_config(vocab_size=49152))).eval()
     return str(save_tiny_model(hf, tmp_path_factory.mktemp("combo_gemma2"), default_model_dir))

@@ -18,7 +18,6 @@ from helpers import (NEAR_TIE, assert_greedy_matches, greedy_paged, hf_greedy, p
 from test_engine import assert_no_leaks, kv_bytes
 from vllmini import LLM, SamplingParams
 from vllmini.config import resolve_max_model_len
-from vllmini.models.backend_select import select_backend
 from vllmini.models.gemma3 import Gemma2ForCausalLM, Gemma3ForCausalLM, gemma3_rope_parameters
 from vllmini.models.layers import GemmaRMSNorm, RMSNorm
 from vllmini.models.rotary import inverse_frequencies
@@ -126,22 +125,6 @@ def test_max_model_len_is_not_scaled_again():
     assert resolve_max_model_len(None, tiny_gemma3_config()) == 1024
 
 
-def test_attention_softcap_runs_on_the_torch_backend_only(monkeypatch, caplog):
-    """Chosen by itself, with the reason logged (the cpu / flash backends would be the default), or refused by name."""
-    import logging
-
-    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
-    cuda = torch.device("cuda")  # (selection only: no device is touched)
-    with caplog.at_level("INFO", logger="vllmini"):
-        assert select_backend(None, torch.device("cpu"), torch.float32, 16, softcap=50.0) == "torch"
-        assert select_backend(None, cuda, torch.bfloat16, 256, softcap=50.0) == "torch"
-    # (distinct records: pytest 9.2's caplog.at_level(logger=...) may hand a record to two of its handlers)
-    assert len({id(r) for r in caplog.records if "attn_logit_softcapping=50.0" in r.getMessage()}) == 2
-    for forced in ("cpu", "triton", "flash_attn", "torch_varlen"):
-        with pytest.raises(ValueError, match=rf"attention_backend='{forced}' cannot be used: .*attn_logit_softcapping"):
-            select_backend(forced, cuda, torch.bfloat16, 256, softcap=50.0)
-
-
 # -- the whole engine ------------------------------------------------------------------------------------
 
 
@@ -189,11 +172,11 @@ ENGINE_CASES = [("gemma3", "cpu"), ("gemma3", "torch"), ("gemma2", None)]
 def test_engine_matches_transformers(saved, name, backend):
     """Prompts several windows long, prefilled in 16-token chunks (each chunk reads the window behind
     it back from the cache), one sharing another's prefix; then the same prompts again, from the
-    prefix cache. Gemma 2's attention softcap picks the torch backend by itself."""
+    prefix cache. Gemma 2 takes the cpu backend by itself, its C kernel capping the decode rows' scores."""
     model_dir, hf = saved(name)
     llm = LLM(model=model_dir, attention_backend=backend, max_num_batched_tokens=16, enable_prefix_caching=True)
     engine = llm.llm_engine
-    assert engine.attention_backend == (backend or "torch")
+    assert engine.attention_backend == (backend or "cpu")
     assert [layer.self_attn.attn.window for layer in engine.model.model.layers] == WINDOWS[name]
     assert engine.model.kv_window is None  # full layers read every block: none is released
     prompts = _prompts(4000, [5, 40, 29], 6)
@@ -223,9 +206,16 @@ def test_an_unsupported_activation_is_refused_naming_gemmas_key():
         Gemma2ForCausalLM(tiny_gemma2_config(hidden_activation="gelu"))
 
 
-def test_gemma2_refuses_a_backend_without_softcap(saved):
-    with pytest.raises(ValueError, match=r"attention_backend='cpu' cannot be used: .*attn_logit_softcapping=0.3"):
-        LLM(model=saved("gemma2")[0], attention_backend="cpu")
+def test_gemma2_refuses_a_backend_without_softcap(saved, monkeypatch):
+    """flash-attn before 2.6 (its flash_attn_varlen_func without ``softcap``), forced: refused by name."""
+    import sys
+
+    from test_attention import _fake_flash_module
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module(softcap=False))
+    with pytest.raises(ValueError, match=r"attention_backend='flash_attn' cannot be used: .*attn_logit_softcapping=0.3\)"
+                                         r" and this flash-attn's flash_attn_varlen_func takes no softcap"):  # fmt: skip
+        LLM(model=saved("gemma2")[0], attention_backend="flash_attn")
 
 
 def test_disable_sliding_window_keeps_the_local_rope(saved):
@@ -271,7 +261,7 @@ def test_bfloat16_is_as_close_as_transformers_bfloat16(saved, name):
 
     model_dir, _ = saved(name)
     llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory=2**22, block_size=8)
-    assert llm.llm_engine.attention_backend == ("cpu" if name == "gemma3" else "torch")
+    assert llm.llm_engine.attention_backend == "cpu"
     ours, theirs = logprob_errors(llm, model_dir, _prompts(4000, [3, 40, 17], 9), 16)
     assert_as_close_as_transformers_bf16(ours, theirs)
     assert_no_leaks(llm)
@@ -395,27 +385,37 @@ def test_softcapped_torch_attention_over_every_kind_of_row(window):
             torch.testing.assert_close(got, out, atol=1e-5, rtol=1e-5)
 
 
-def test_a_forced_backend_the_draft_cannot_run_is_refused_as_the_drafts(saved):
-    """Gemma 3 runs on the cpu backend, its Gemma 2 draft cannot (its scores are capped): the error says
-    which model it is about."""
-    with pytest.raises(ValueError, match=r"the draft model \(speculative_config.model\): attention_backend='cpu' "
+def test_a_forced_backend_the_draft_cannot_run_is_refused_as_the_drafts(saved, monkeypatch):
+    """Gemma 3 may have flash-attn < 2.6 (a stand-in, let onto the CPU; the engine fails before a forward), its
+    Gemma 2 draft may not (its scores are capped, which that flash-attn cannot): the error names the draft."""
+    import sys
+
+    from test_attention import _fake_flash_module
+
+    from vllmini.models import backend_check, backend_select
+
+    monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_module(softcap=False))
+    monkeypatch.setattr(backend_select, "_fused_problems", lambda *args: [])
+    monkeypatch.setattr(backend_check, "check_backend", lambda *args: None)
+    with pytest.raises(ValueError, match=r"the draft model \(speculative_config.model\): attention_backend='flash_attn' "
                                          r"cannot be used: .*attn_logit_softcapping=0.3"):  # fmt: skip
-        LLM(model=saved("gemma3")[0], attention_backend="cpu",
+        LLM(model=saved("gemma3")[0], attention_backend="flash_attn",
             speculative_config={"model": saved("gemma2")[0], "num_speculative_tokens": 2})  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_padded_static_decode_equals_eager(name):
+@pytest.mark.parametrize(("name", "backend"), [("gemma2", "torch"), ("gemma3", "torch"), ("gemma2", "cpu")])
+def test_padded_static_decode_equals_eager(name, backend):
     """What a CUDA graph replays for a Gemma decode step (rows padded, tables as wide as max_model_len,
-    padding rows in the pad block; the torch backend, whose static path Gemma 2 takes on a GPU) equals the
-    eager step: per-layer windows (7 keys here) and rope tables, both softcaps."""
+    padding rows in the pad block; the torch backend's static path) equals the eager step: per-layer windows
+    (7 keys here) and rope tables, both softcaps; on the cpu backend the eager step's decode rows are its
+    C kernel's (capped there), the static ones the eager math's."""
     from test_cuda_path import _decode_state, _random_model
 
     from vllmini.engine.cuda_graph import DecodeGraphRunner
-    from vllmini.models.attention import torch_attention
+    from vllmini.models.backend_select import get_backend
 
     block_size, max_model_len = 4, 40
-    model = _random_model(CASES[name][0](max_position_embeddings=64, sliding_window=7), torch_attention)
+    model = _random_model(CASES[name][0](max_position_embeddings=64, sliding_window=7), get_backend(backend))
     for batch in (3, 17):
         caches, flat, num_blocks = _decode_state(model, batch, block_size, max_model_len, seed=batch)
         static_caches = [(k.clone(), v.clone()) for k, v in caches]

@@ -42,12 +42,12 @@ def _plain_meta(meta: AttentionMetadata, device: torch.device = torch.device("cp
     )
 
 
-def run_kernel(ta, q, k, v, meta, cache, scale, window=None):
-    """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU."""
+def run_kernel(ta, q, k, v, meta, cache, scale, window=None, **capped):
+    """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU (``capped``: its softcap)."""
     q, k, v = on_device(q, k, v)
     cache = None if cache is None else tuple(on_device(*cache))
     meta = _plain_meta(meta, DEVICE) if cache is not None else AttentionMetadata.for_prompts(meta.query_lens_cpu, DEVICE)
-    out = ta.triton_attention(q, k, v, meta, cache, scale, window)
+    out = ta.triton_attention(q, k, v, meta, cache, scale, window, **capped)
     return out.cpu(), None if cache is None else tuple(c.cpu() for c in cache)
 
 
@@ -159,6 +159,40 @@ def test_sliding_window_on_every_launch_kind(ta, monkeypatch, window, split):
     meta = AttentionMetadata.for_prompts(lens)
     out, _ = run_kernel(ta, q, k, v, meta, None, 0.2, window)
     torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.2, window), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_caps_scores_on_every_launch_kind(ta, monkeypatch, dtype):
+    """Gemma 2's softcap (the SOFTCAP constant): prefill tiles after cached tokens, decode rows in a mixed
+    step, decode rows split into shares, the static decode a graph replays, prompts without a cache, with
+    and without a window, as the torch backend caps them. Scores ~N(0, 1) against a cap of 0.5: the
+    uncapped kernel is far off. (float16, not bfloat16: the interpreter computes bfloat16 wrongly.)"""
+    from vllmini.models.base import block_table_tensor
+
+    monkeypatch.setattr(ta, "_num_sms", lambda device: 16)
+    monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
+    heads, kv_heads, head_dim, cap = 6, 2, 24, 0.5
+    tol = 2e-5 if dtype == torch.float32 else 3e-3
+    g = torch.Generator().manual_seed(21)
+    for q_lens, seq_lens in (([1, 40, 9, 1], [70, 40, 33, 1]), ([1, 1, 1], [70, 45, 7])):
+        q, k, v, meta, cache = _paged_step(g, heads, kv_heads, head_dim, q_lens, seq_lens)
+        for window in (None, 5):
+            out, _ = run_kernel(ta, *(x.to(dtype) for x in (q, k, v)), meta, tuple(c.to(dtype) for c in cache),
+                                head_dim**-0.5, window, softcap=cap)  # fmt: skip
+            ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, window, softcap=cap)
+            torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+            assert (torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, window) - ref).abs().max() > 0.1
+    cu = torch.arange(4, dtype=torch.int32)  # the last step's decode rows again, as a graph replays them (split)
+    tables = block_table_tensor(meta.block_tables.tolist(), 6)
+    static = AttentionMetadata.for_static_decode(*on_device(cu, cu, meta.seq_lens, meta.slot_mapping, tables), 96)
+    got = ta.triton_attention(*on_device(q, k, v), static, tuple(on_device(*cache)), head_dim**-0.5, softcap=cap)
+    ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, softcap=cap)
+    torch.testing.assert_close(got.cpu(), ref, atol=2e-5, rtol=2e-5)
+    lens = [3, 20, 1]
+    q, k, v = (torch.randn(sum(lens), n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
+    meta = AttentionMetadata.for_prompts(lens)
+    out, _ = run_kernel(ta, q, k, v, meta, None, 0.3, 5, softcap=cap)
+    torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.3, 5, softcap=cap), atol=2e-5, rtol=2e-5)
 
 
 def test_kernel_without_cache_and_in_fp16(ta):

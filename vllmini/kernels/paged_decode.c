@@ -9,6 +9,10 @@
    all KV heads, with an online softmax per query head (running max m, running sum l,
    unnormalised output acc); while it works on a block it prefetches the next one (the blocks
    are scattered in memory, so the hardware prefetcher cannot guess them).
+   With softcap > 0 (Gemma 2's attn_logit_softcapping) each score s becomes softcap * tanh(s / softcap)
+   before the softmax; the capped and uncapped loops are separate specialisations of attend (no
+   branch in the uncapped one), and tanh is computed from one expf of a non-positive argument
+   (no overflow), in a loop of its own so that it vectorises.
    Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN.
 
    Layouts (all contiguous): q, out [batch, num_kv_heads, group, head_dim], float32;
@@ -66,12 +70,28 @@ static inline float rebias(int kind) {
     return kind == KIND_E4M3 ? 0x1p120f : kind == KIND_E5M2 ? 0x1p112f : 1.f;
 }
 
+/* softcap * tanh(x / softcap) of n scores, in place, and their max (at least floor). tanh(|y|) is
+   (1 - e) / (1 + e) with e = exp(-2|y|) in (0, 1]: no overflow, and one expf per score. */
+static inline float cap_scores(float *s, int64_t n, float softcap, float floor) {
+    const float inv = 1.f / softcap;
+    float top = floor;
+#pragma omp simd reduction(max : top)
+    for (int64_t t = 0; t < n; t++) {
+        const float e = expf(-2.f * fabsf(s[t] * inv));
+        const float c = copysignf(softcap * (1.f - e) / (1.f + e), s[t]);
+        s[t] = c;
+        top = c > top ? c : top;
+    }
+    return top;
+}
+
 /* Positions [start, end) of one row for all its query heads: m, l, acc hold that range's
-   running max, sum and unnormalised output when it returns (l = 0 for an empty range). */
+   running max, sum and unnormalised output when it returns (l = 0 for an empty range).
+   capped (a constant where inlined): scores pass through cap_scores. */
 static inline __attribute__((always_inline)) void attend(
     const float *qb, const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
     int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-    float scale, float *m, float *l, float *acc, int kind) {
+    float scale, float *m, float *l, float *acc, int kind, int capped, float softcap) {
     const int64_t elem = kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1; /* bytes */
     const float k_scale = scale * rebias(kind); /* fp8 keys' rebias, once per score */
     const int64_t token_stride = num_kv_heads * head_dim * elem;
@@ -108,8 +128,9 @@ static inline __attribute__((always_inline)) void attend(
 #pragma omp simd reduction(+ : dot)
                 for (int64_t d = 0; d < head_dim; d++) dot += qi[d] * load(kt, d, kind);
                 s[t] = dot * k_scale;
-                block_max = s[t] > block_max ? s[t] : block_max;
+                if (!capped) block_max = s[t] > block_max ? s[t] : block_max;
             }
+            if (capped) block_max = cap_scores(s, n, softcap, block_max);
             const float correction = pos > start ? expf(m[i] - block_max) : 0.f;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -138,7 +159,8 @@ static inline __attribute__((always_inline)) void attend(
 void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_kind,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   float *out, int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
-                  int64_t block_size, float scale, int num_threads, int64_t num_splits, int64_t window) {
+                  int64_t block_size, float scale, int num_threads, int64_t num_splits, int64_t window,
+                  float softcap) {
     const int64_t heads = num_kv_heads * group, part_size = heads * (head_dim + 2);
     float *parts = num_splits > 1 ? malloc(sizeof(float) * batch * num_splits * part_size) : NULL;
     if (num_splits > 1 && !parts) num_splits = 1; /* no scratch: one range per row */
@@ -153,13 +175,23 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
         float m[MAX_HEADS], l[MAX_HEADS], acc[MAX_HEADS * MAX_HEAD_DIM];
         const float *qb = q + b * heads * head_dim;
         const int32_t *table = block_tables + b * table_stride;
-#define ATTEND(kind) attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, \
-                                block_size, scale, m, l, acc, kind)
-        switch (cache_kind) { /* calls with constant kinds: one specialised copy of attend each */
-        case KIND_BF16: ATTEND(KIND_BF16); break;
-        case KIND_E4M3: ATTEND(KIND_E4M3); break;
-        case KIND_E5M2: ATTEND(KIND_E5M2); break;
-        default: ATTEND(KIND_F32);
+#define ATTEND(kind, capped) attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, \
+                                        block_size, scale, m, l, acc, kind, capped, softcap)
+        /* calls with constant kinds and cap flags: one specialised copy of attend each */
+        if (softcap > 0.f) {
+            switch (cache_kind) {
+            case KIND_BF16: ATTEND(KIND_BF16, 1); break;
+            case KIND_E4M3: ATTEND(KIND_E4M3, 1); break;
+            case KIND_E5M2: ATTEND(KIND_E5M2, 1); break;
+            default: ATTEND(KIND_F32, 1);
+            }
+        } else {
+            switch (cache_kind) {
+            case KIND_BF16: ATTEND(KIND_BF16, 0); break;
+            case KIND_E4M3: ATTEND(KIND_E4M3, 0); break;
+            case KIND_E5M2: ATTEND(KIND_E5M2, 0); break;
+            default: ATTEND(KIND_F32, 0);
+            }
         }
         if (!parts) {
             float *o = out + b * heads * head_dim;

@@ -18,6 +18,8 @@ The pure-PyTorch backend (any device):
   query heads into the query-length axis so no K/V repeat is needed), or all in one call
   of a ``decode`` kernel that reads the paged cache itself (the cpu backend's);
 - multi-token rows (prefill chunks) attend per sequence with a lower-right causal mask.
+With a ``softcap`` (Gemma 2) the scores are capped by whichever backend can (backend_select.py picks
+among those); the torch backend's prefill caps them in eager math, a tile of query rows at a time.
 """
 from __future__ import annotations
 
@@ -25,14 +27,14 @@ import inspect
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
+from vllmini.models.eager_attention import attend, capped_prefill
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -157,10 +159,8 @@ def torch_attention(
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
     decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
-    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window)`` (the cpu backend).
-    ``softcap``: scores capped to (-softcap, softcap) (Gemma 2; not with ``decode``)."""
-    if decode is not None and softcap is not None:
-        raise ValueError("the decode kernel does not cap attention scores (softcap): use the torch backend")
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window, softcap)`` (the cpu
+    backend). ``softcap``: scores capped to (-softcap, softcap) (Gemma 2)."""
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -177,7 +177,7 @@ def torch_attention(
         bd = group.block_tables.shape[0]
         qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if decode is not None:
-            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window)
+            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window, softcap)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
             mask, hidden = _hidden_positions(group, window)
             keys = gather_blocks(k_cache, group.block_tables, q.dtype)
@@ -202,13 +202,15 @@ def torch_attention(
         # the math path, which builds every L x L score (7x slower at L = 2048 here)
         qi = q[start : start + q_len].transpose(0, 1)[None]
         keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
-        if q_len == seq_len and (window is None or window >= seq_len):
-            oi = attend(qi, keys, vals, scale, softcap, is_causal=True, enable_gqa=True)
+        if softcap is not None:  # (eager math: in tiles of query rows)
+            oi = capped_prefill(qi, keys, vals, scale, softcap, seq_len - q_len, first, window)
+        elif q_len == seq_len and (window is None or window >= seq_len):
+            oi = attend(qi, keys, vals, scale, is_causal=True, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
             pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
             pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
             mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
-            oi = attend(qi, keys, vals, scale, softcap, attn_mask=mask, enable_gqa=True)
+            oi = attend(qi, keys, vals, scale, attn_mask=mask, enable_gqa=True)
         out[start : start + q_len] = oi[0].transpose(0, 1)
     return out
 
@@ -234,24 +236,6 @@ def _static_decode(
     keys, vals = _zero_masked(keys, vals, mask[:, None, None, :])
     out = attend(qd, keys, vals, scale, softcap, attn_mask=mask[:, None, None, :])
     return out.reshape(batch, num_heads, head_dim)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float | None = None,
-           **sdpa: Any) -> torch.Tensor:  # fmt: skip
-    """SDPA (``sdpa``: its attn_mask / is_causal / enable_gqa), or, with ``softcap``, the eager math
-    transformers' Gemma 2 runs (SDPA has no cap): ``softcap * tanh(scores / softcap)``, then the
-    mask, a float32 softmax and the values."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, **sdpa)
-    if k.shape[-3] != q.shape[-3]:  # grouped-query heads ([H, L, D] rows: enable_gqa)
-        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3) for t in (k, v))
-    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
-    mask = sdpa.get("attn_mask")
-    if sdpa.get("is_causal"):
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _hidden_positions(group: _DecodeGroup, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -290,23 +274,27 @@ def flash_attention(
     kv_cache: KVCache | None,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """flash-attn 2.x: one varlen call for the whole mixed prefill/decode batch, reading
     K/V straight from the paged cache through ``block_table`` (causal is lower-right
     aligned there, which is what a chunk after cached tokens needs; a sliding window is its
-    ``window_size`` of ``window - 1`` keys to the left)."""
+    ``window_size`` of ``window - 1`` keys to the left; ``softcap`` its own argument, flash-attn
+    >= 2.6, which backend_select.py checks for before it picks this backend for a capped model)."""
     from flash_attn import flash_attn_varlen_func
 
-    sliding = {"window_size": (window - 1, 0)} if window is not None else {}
+    options = {"window_size": (window - 1, 0)} if window is not None else {}
+    if softcap is not None:
+        options["softcap"] = softcap
     if kv_cache is None:
         return flash_attn_varlen_func(
             q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-            softmax_scale=scale, causal=True, **sliding,
+            softmax_scale=scale, causal=True, **options,
         )  # fmt: skip
     write_kv(k, v, kv_cache, meta.slot_mapping)
     return flash_attn_varlen_func(
         q, kv_cache[0], kv_cache[1], meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-        softmax_scale=scale, causal=True, block_table=meta.block_tables, **sliding,
+        softmax_scale=scale, causal=True, block_table=meta.block_tables, **options,
     )  # fmt: skip
 
 
@@ -319,7 +307,8 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
     backend signature, or None when the installed torch lacks it or its paged arguments
     (``block_table``/``seqused_k``/``enable_gqa``, torch >= 2.12-ish): its schema is read once
     here, at start-up, instead of failing inside a forward. ``varlen_attn`` may be a stand-in
-    (tests)."""
+    (tests). The bound function's ``supports_softcap``: the schema has a ``softcap`` argument
+    (torch 2.13's has none), which a capped model (Gemma 2) needs."""
     if varlen_attn is None:
         try:
             from torch.nn.attention.varlen import varlen_attn
@@ -331,11 +320,11 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         return None
     if not _VARLEN_PAGED_ARGS <= params:
         return None
-    fn = varlen_attn
+    fn, supports_softcap = varlen_attn, "softcap" in params
 
     def torch_varlen_attention(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
-        scale: float, window: int | None = None,
+        scale: float, window: int | None = None, softcap: float | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """One varlen call for the whole mixed batch; causal is (-1, 0) windowing, aligned to the
         bottom-right like flash-attn's, which a chunk after cached tokens needs. With one query
@@ -344,6 +333,10 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
         left = -1 if window is None else window - 1
         sizes = (left, -1) if meta.max_seqlen_q == 1 else (left, 0)
         common = {"scale": scale, "window_size": sizes, "enable_gqa": True}
+        if softcap is not None:
+            if not supports_softcap:
+                raise ValueError("this torch's varlen_attn takes no softcap")
+            common["softcap"] = softcap
         if kv_cache is None:
             cu, n = meta.cu_seqlens_q, meta.max_seqlen_q
             return fn(q, k, v, cu, cu, n, n, **common)
@@ -353,6 +346,7 @@ def torch_varlen_backend(varlen_attn: Callable[..., torch.Tensor] | None = None)
             seqused_k=meta.seq_lens, block_table=meta.block_tables, **common,
         )  # fmt: skip
 
+    torch_varlen_attention.supports_softcap = supports_softcap
     return torch_varlen_attention
 
 
@@ -366,7 +360,7 @@ class Attention(nn.Module):
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.window = window  # sliding-window attention (None: full)
-        self.softcap = softcap  # tanh cap on the scores (Gemma 2; the torch backend only)
+        self.softcap = softcap  # tanh cap on the scores (Gemma 2), passed to the backend when set
         self.backend: AttentionBackend = torch_attention
 
     def forward(

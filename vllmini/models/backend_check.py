@@ -31,14 +31,15 @@ def start_backend(
 ) -> tuple[str, AttentionFn]:  # fmt: skip
     """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``
     (``cache_dtype``: what the KV cache holds, None: ``dtype``; ``softcap``: the model's attention
-    score cap, which only the torch backend applies).
+    score cap, which the check applies too).
     A chosen backend that fails falls back to the torch one with a warning; a forced one
     (``EngineArgs.attention_backend``) that fails is a ValueError naming it and the failure."""
     name = select_backend(requested, device, dtype, block_size, cache_dtype, softcap)
     fn = get_backend(name)
     if name == "torch":
         return name, fn
-    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, cache_dtype)
+    problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, cache_dtype,
+                            softcap)  # fmt: skip
     if problem is None:
         return name, fn
     if requested == name:
@@ -65,12 +66,15 @@ def check_backend(
     block_size: int,
     window: int | None = None,
     cache_dtype: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> str | None:
     """None when ``backend`` matches the torch path on every kind of step, else why not; with a
     model that slides (``window``), each step is also run with a window shorter than its
     contexts (the value does not matter to a kernel, the masking does). The caches hold
-    ``cache_dtype`` (None: ``dtype``), and the new K/V come in it, as ``Attention`` passes them."""
+    ``cache_dtype`` (None: ``dtype``), and the new K/V come in it, as ``Attention`` passes them.
+    ``softcap``: both cap their scores (passed only when set, as ``Attention`` passes it)."""
     cache_dtype = cache_dtype or dtype
+    capped = {} if softcap is None else {"softcap": softcap}
     g = torch.Generator().manual_seed(0)
     scale = head_dim**-0.5
     tol = 1e-3 if dtype == torch.float32 else 3e-2
@@ -86,8 +90,8 @@ def check_backend(
         for w in windows:
             lens = [5, 1, 17]
             q, k, v = qkv(sum(lens))
-            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w)
-            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w)
+            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
+            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
             problems += _compare(f"prompts without a cache{_windowed(w)}", got, want, tol)
         for (q_lens, seq_lens), w in ((step, w) for step in _steps(block_size) for w in windows):
             blocks = [-(-n // block_size) for n in seq_lens]
@@ -99,7 +103,7 @@ def check_backend(
             k, v = to_cache(k, cache_dtype), to_cache(v, cache_dtype)  # as Attention.forward passes them
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
-                   tuple(c.clone() for c in cache), scale, w)
+                   tuple(c.clone() for c in cache), scale, w, **capped)
                 for fn in (backend, torch_attention)
             )  # fmt: skip
             what = "decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step"

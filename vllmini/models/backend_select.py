@@ -62,16 +62,55 @@ def triton_interpreter_problem() -> str | None:
     return None
 
 
-def _flash_attn_importable() -> bool:
-    """flash-attn with a paged varlen kernel. A wheel built for another torch fails at import
-    (undefined symbol) or at first attribute access: either way we fall back, never crash."""
+def _flash_attn_params() -> frozenset[str]:
+    """The arguments of flash-attn's ``flash_attn_varlen_func`` (empty: not importable). A wheel
+    built for another torch fails at import (undefined symbol) or at first attribute access:
+    either way we fall back, never crash."""
     try:
         from flash_attn import flash_attn_varlen_func
 
-        return "block_table" in inspect.signature(flash_attn_varlen_func).parameters
+        return frozenset(inspect.signature(flash_attn_varlen_func).parameters)
     except Exception as exc:  # ImportError, OSError, an ABI error surfacing as anything else
         logger.debug("flash-attn not usable: %s", exc)
-        return False
+        return frozenset()
+
+
+def _flash_attn_importable() -> bool:
+    """flash-attn with a paged varlen kernel."""
+    return "block_table" in _flash_attn_params()
+
+
+def _softcap_problem(name: str) -> str | None:
+    """Why an installed FlashAttention backend cannot cap attention scores (None: it can, or it
+    is not installed, which the caller reports): flash-attn's ``softcap`` came in 2.6."""
+    if name == "flash_attn" and _flash_attn_importable() and "softcap" not in _flash_attn_params():
+        return "this flash-attn's flash_attn_varlen_func takes no softcap (flash-attn >= 2.6 does)"
+    varlen = torch_varlen_backend() if name == "torch_varlen" else None
+    if varlen is not None and not varlen.supports_softcap:
+        return f"torch {torch.__version__}'s varlen_attn takes no softcap"
+    return None
+
+
+def _fused_choice(softcap: float | None) -> str | None:
+    """flash-attn, else torch's varlen FlashAttention, whichever is installed (and caps scores,
+    for a model with ``softcap``); None, with the reason logged, when neither can run."""
+    flash, capless = _flash_attn_importable(), []
+    for name, installed in (("flash_attn", flash), ("torch_varlen", torch_varlen_backend() is not None)):
+        if not installed:
+            continue
+        if softcap is not None and (problem := _softcap_problem(name)):
+            capless.append(problem)
+            continue
+        if name == "torch_varlen" and not flash:
+            logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
+        return name
+    if capless:
+        logger.info("FlashAttention backends skipped: the model caps its attention scores "
+                    "(attn_logit_softcapping=%s) and %s", softcap, "; ".join(capless))  # fmt: skip
+    else:
+        logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
+                       torch.__version__)  # fmt: skip
+    return None
 
 
 def _fused_problems(
@@ -98,25 +137,22 @@ def select_backend(
     cache_dtype: torch.dtype | None = None, softcap: float | None = None,
 ) -> str:  # fmt: skip
     """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``;
-    ``softcap``: the model caps its attention scores, Gemma 2, which only the torch backend does).
+    ``softcap``: the model caps its attention scores, Gemma 2's attn_logit_softcapping).
     ``requested`` (EngineArgs.attention_backend) is validated: a configuration it cannot run is a
     ValueError naming the backend and the constraint.
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
-    reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, else
-    skipped with the reason logged), else our Triton kernel when triton imports, else the torch
-    backend (SDPA over gathered blocks). On CPU: the cpu backend (its C decode kernel) for
-    float32 and bfloat16, else (float16) the torch backend."""
+    reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, and,
+    with a softcap, only when their call takes one: else skipped with the reason logged), else
+    our Triton kernel when triton imports, else the torch backend (SDPA over gathered blocks).
+    On CPU: the cpu backend (its C decode kernel) for float32 and bfloat16, else (float16) the
+    torch backend. Every backend caps scores but flash-attn < 2.6 and a torch whose varlen_attn
+    takes no softcap (2.13's)."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
     cache_dtype = cache_dtype or dtype
-    if softcap is not None:  # (the decode kernels, Triton's and flash-attn's calls take no cap)
-        if requested not in (None, "torch"):
-            raise ValueError(f"attention_backend={requested!r} cannot be used: the model caps its attention scores "
-                             f"(attn_logit_softcapping={softcap}), which only the torch backend does")  # fmt: skip
-        if requested is None:  # (say why: on CUDA, or on a CPU where the cpu backend was the default)
-            logger.info("attention backend: torch, the one that caps attention scores "
-                        "(attn_logit_softcapping=%s); the others do not", softcap)  # fmt: skip
-        return "torch"
+    if softcap is not None and requested is not None and (problem := _softcap_problem(requested)):
+        raise ValueError(f"attention_backend={requested!r} cannot be used: the model caps its attention scores "
+                         f"(attn_logit_softcapping={softcap}) and {problem}")  # fmt: skip
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
         if dtype not in MODEL_DTYPES:
@@ -149,14 +185,8 @@ def select_backend(
     problems = _fused_problems("flash_attn", device, dtype, block_size, cache_dtype)
     if problems:
         logger.info("FlashAttention backends skipped: %s", "; ".join(problems))
-    elif _flash_attn_importable():
-        return "flash_attn"
-    elif torch_varlen_backend() is not None:
-        logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
-        return "torch_varlen"
-    else:
-        logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
-                       torch.__version__)  # fmt: skip
+    elif (fused := _fused_choice(softcap)) is not None:
+        return fused
     if dtype == torch.float32 and cache_dtype.itemsize == 1:  # (forced, it runs: correct, slower)
         logger.info("a float32 model over an fp8 KV cache: the torch backend (the Triton kernel's float32 tiles "
                     "spill registers widening fp8: bench/triton_compile_check.py)")  # fmt: skip

@@ -9,8 +9,9 @@ Both are the Llama decoder with, as transformers' modeling_gemma2/3.py:
 - ``final_logit_softcapping`` (set in Gemma 2, None in Gemma 3) on the logits.
 Gemma 3 adds q/k RMSNorm and a second rope: its sliding layers turn at ``rope_local_base_freq``
 (unscaled), the full ones at ``rope_theta`` with ``rope_scaling``. Gemma 2 caps its attention
-scores (``attn_logit_softcapping``), which only the torch attention backend does
-(backend_select.py picks it, and refuses any other by name).
+scores (``attn_logit_softcapping``), which every attention backend applies but flash-attn before 2.6
+and torch's varlen_attn (2.13's takes no softcap): backend_select.py skips those, and refuses them by
+name when forced.
 """
 from __future__ import annotations
 

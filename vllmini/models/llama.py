@@ -190,8 +190,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def logits_soft_cap(self) -> float | None:
-        """The cap on attention scores (Gemma 2's attn_logit_softcapping), which only the torch
-        backend applies (backend_select.py); None: uncapped."""
+        """The cap on attention scores (Gemma 2's attn_logit_softcapping), which backend_select.py
+        needs a backend to apply (flash-attn < 2.6 and torch's varlen_attn cannot); None: uncapped."""
         return self.model.layers[0].self_attn.attn.softcap
 
     @property

@@ -11,7 +11,9 @@ at a time through the block table with an online softmax (fp32 accumulators). Ca
 is lower-right aligned: query ``j`` of a chunk of ``q_len`` new tokens sits at position
 ``seq_len - q_len + j``, which is what a chunk after cached tokens needs. With a sliding
 ``window`` (> 0) a query also skips keys more than ``window - 1`` positions behind it, and a
-tile starts at the first ``BLOCK_N`` run its earliest query still needs.
+tile starts at the first ``BLOCK_N`` run its earliest query still needs. A ``softcap`` (Gemma 2's
+``attn_logit_softcapping``; the ``SOFTCAP`` constant, so uncapped launches compile as before)
+caps each score to ``softcap * tanh(score / softcap)`` before the mask and the softmax.
 
 Launches:
 - a decode-only step (including ``static_decode``, what a CUDA graph replays): one tile per
@@ -57,20 +59,30 @@ SPLIT_MIN_KEYS = 256  # ... and none shorter than this when the step's longest c
 # The block-table width changes from step to step (Triton would specialize it on == 1 and on
 # divisibility by 16), and a tile map's second row starts at 4 x (number of tiles) bytes (its
 # alignment would vary); neither value helps the generated code, so neither is specialized.
+@triton.jit
+def _tanh(x):
+    """tanh from one exp of a non-positive argument (no overflow); ``tl`` has no tanh in every
+    Triton this runs on (3.9's has none outside libdevice, which the interpreter lacks)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
 @triton.jit(
-    do_not_specialize=["stride_bt", "num_tokens", "window"],
+    do_not_specialize=["stride_bt", "num_tokens", "window", "softcap"],
     do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"],
 )
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tile_seq_ptr, tile_start_ptr,
     part_ptr, ml_ptr,
-    scale, num_tokens, window,
+    scale, num_tokens, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_IS_SEQ: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -123,6 +135,8 @@ def _paged_attention_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N]
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         keep = (pos[None, :] <= last_pos[:, None]) & pos_ok[None, :]
         keep = keep & ((window <= 0) | (pos[None, :] > last_pos[:, None] - window))
         s = tl.where(keep, s, float("-inf"))
@@ -200,21 +214,22 @@ def prefill_block_q(dtype: torch.dtype, group: int) -> int:
 
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool,
-    split: bool = False, cache_dtype: torch.dtype | None = None,
+    split: bool = False, cache_dtype: torch.dtype | None = None, softcap: bool = False,
 ) -> dict:  # fmt: skip
     """The compile-time constants of one launch: what the launcher passes, and what
     bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have.
     An fp32 split-KV launch takes 16 keys a step, not 32: with 32, Triton 3.6 (the GPU image's)
     gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers). A
     split-KV launch over an fp8 cache (``cache_dtype``; None: q's dtype) takes half too: the
-    widening's registers spilled 8 bytes at head_dim 128 with 64 keys a step (Triton 3.9)."""
+    widening's registers spilled 8 bytes at head_dim 128 with 64 keys a step (Triton 3.9).
+    ``softcap``: the launch caps its scores (the value is a run-time argument)."""
     narrow = split and (dtype == torch.float32 or (cache_dtype is not None and cache_dtype.itemsize == 1))
     block_n = BLOCK_N // _shrink(dtype) // (2 if narrow else 1)
     return {
         "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
         "BLOCK_N": block_n, "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
-        "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split,
+        "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split, "SOFTCAP": softcap,
     }  # fmt: skip
 
 
@@ -243,14 +258,14 @@ def decode_splits(num_programs: int, max_context: int | None, num_sms: int) -> i
 
 def _plan(
     meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
-    paged: bool, cache_dtype: torch.dtype | None = None,
+    paged: bool, cache_dtype: torch.dtype | None = None, softcap: bool = False,
 ) -> list[_Launch]:  # fmt: skip
     """Split the step into launches (see the module docstring), once per step."""
 
     def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None, splits: int = 1) -> _Launch:
         constants = kernel_constants(
             dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged, split=splits > 1,
-            cache_dtype=cache_dtype,
+            cache_dtype=cache_dtype, softcap=softcap,
         )
         return _Launch(block_q, num_tiles, tiles, constants, splits)
 
@@ -281,9 +296,10 @@ def triton_attention(
     kv_cache: KVCache | None,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``; writes the new K/V into the cache
-    first (one indexed copy each, as every backend does)."""
+    first (one indexed copy each, as every backend does). ``softcap``: scores capped (Gemma 2)."""
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     if q.stride(-1) != 1:
@@ -300,16 +316,18 @@ def triton_attention(
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(
-            meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None, cache_dtype=keys.dtype
+            meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None, cache_dtype=keys.dtype,
+            softcap=softcap is not None,
         )
     for launch in plan:
-        run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window)
+        run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window, softcap)
     return out
 
 
 def run_launch(
     launch: _Launch, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
-    block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None, **overrides: int,
+    block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+    softcap: float | None = None, **overrides: int,
 ) -> None:  # fmt: skip
     """One kernel launch of a plan. ``overrides`` replace compile-time constants or launch
     options (``BLOCK_N``, ``num_warps``, ``num_stages``): bench/attention_micro.py sweeps them."""
@@ -322,11 +340,13 @@ def run_launch(
     else:
         part, ml = out, meta.seq_lens  # not read (SPLIT is False)
     constants = {**launch.constants, **overrides}
+    if constants["SOFTCAP"] != (softcap is not None):  # (a plan is per step, shared by every layer)
+        raise ValueError(f"a launch planned {'with' if constants['SOFTCAP'] else 'without'} a softcap run with {softcap}")
     _paged_attention_kernel[(launch.num_tiles, keys.shape[2], splits)](
         out, q, keys, vals,
         block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
         part, ml,
-        scale, q.shape[0], window or 0,
+        scale, q.shape[0], window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
         **constants,
