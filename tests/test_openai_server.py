@@ -618,6 +618,28 @@ async def test_continuous_usage_in_a_chat_stream_counts_the_prompt_from_the_firs
     await wait_idle(engine)
 
 
+async def test_continuous_usage_is_each_choices_own_as_in_vllm(http, engine):
+    """With n > 1 and several prompts, vLLM's continuous usage is per chunk of one choice: its
+    prompt's tokens and the tokens it has so far (it was the sums over every choice and prompt)."""
+    options = {"model": NAME, "max_tokens": 3, "n": 2, "ignore_eos": True, "return_token_ids": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    for path, body, num_prompts in (("/v1/completions", {"prompt": ["Hi", PROMPTS[0]]}, 2),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}]}, 1)):
+        *chunks, last = events((await http.post(path, json={**options, **body})).text)
+        prompts, generated = {}, {}
+        for chunk in chunks:
+            (choice,) = chunk["choices"]  # (one choice a chunk, as vLLM's)
+            i = choice["index"]
+            prompts[i] = len(chunk.get("prompt_token_ids") or choice.get("prompt_token_ids") or []) or prompts[i]
+            generated[i] = generated.get(i, 0) + len(choice.get("token_ids") or [])
+            assert chunk["usage"] == {"prompt_tokens": prompts[i], "completion_tokens": generated[i],
+                                      "total_tokens": prompts[i] + generated[i]}, (path, chunk)  # fmt: skip
+        assert sorted(generated.items()) == [(i, 3) for i in range(2 * num_prompts)]
+        assert last["usage"]["completion_tokens"] == 6 * num_prompts
+        assert last["usage"]["prompt_tokens"] == sum(prompts[i] for i in range(0, 2 * num_prompts, 2))
+    await wait_idle(engine)
+
+
 async def test_prompt_logprobs_come_back_as_vllm_returns_them(http, engine, offline):
     prompt = "The capital of France is"
     ref = offline.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]

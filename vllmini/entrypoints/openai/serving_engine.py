@@ -172,12 +172,21 @@ class Usage:
         self.details = details
         self.prompt_tokens: dict[int, int] = {}  # per prompt index
         self.cached_tokens: dict[int, int] = {}
+        self.choice_tokens: dict[tuple[int, int], int] = {}  # per (prompt index, completion index)
         self.completion_tokens = 0
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.cached_tokens[i] = out.num_cached_tokens or 0
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            self.choice_tokens[i, c.index] = self.choice_tokens.get((i, c.index), 0) + len(c.token_ids)
+            self.completion_tokens += len(c.token_ids)
+
+    def choice(self, i: int, index: int) -> dict[str, int]:
+        """A streamed chunk's usage with ``continuous_usage_stats``, as vLLM's: that choice's own,
+        its prompt's tokens and the tokens it has generated so far (not the request's sums)."""
+        prompt, completion = self.prompt_tokens.get(i, 0), self.choice_tokens.get((i, index), 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())
