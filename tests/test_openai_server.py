@@ -316,6 +316,16 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(
     assert r.json()["id"] == "cmpl-mine"  # (vLLM's: the request_id is the base of the id)
 
 
+async def test_unknown_routes_and_methods_are_answered_in_json_as_in_vllm(http):
+    """vLLM's FastAPI app answers them {"detail": ...} (Starlette's were plain text)."""
+    for method, path, status, detail in (("GET", "/v1/nope", 404, "Not Found"), ("POST", "/nope", 404, "Not Found"),
+                                         ("GET", "/v1/completions", 405, "Method Not Allowed")):  # fmt: skip
+        r = await http.request(method, path)
+        assert r.status_code == status and r.json() == {"detail": detail}, (path, r.text)
+        assert r.headers["content-type"] == "application/json"
+    assert (await http.get("/v1/chat/completions")).headers["allow"] == "POST"
+
+
 async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http, engine):
     """The prompts queued before the refused one are aborted together, at the next step: each
     samples its first token at most, and the 400 does not wait a step per prompt (before, each
