@@ -10,6 +10,7 @@ import json
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -302,6 +303,23 @@ async def test_a_body_nested_too_deeply_is_a_400(http, engine, path):
     body = b'{"model": "tiny", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     r = await http.post(path, content=body)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text[:300]
+    await wait_idle(engine)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+async def test_a_number_past_the_float_range_is_a_400_naming_its_field(http, engine, path):
+    """1e999 reads as inf, as in vLLM's server (Python's json), which its field refuses naming
+    itself; msgspec's "Number out of range - at `$[...]`" named none. In an ignored field it is ignored."""
+    chat = {"messages": [{"role": "user", "content": "x"}]} if path == "/v1/chat/completions" else {"prompt": "x"}
+    for field, value in (("temperature", b"1e999"), ("max_tokens", b"1e999"), ("presence_penalty", b"-1e999"),
+                         ("logit_bias", b'{"1": 1e999}')):  # fmt: skip
+        body = msgspec.json.encode({"model": NAME, **chat})[:-1] + b', "%s": %s}' % (field.encode(), value)
+        r = await http.post(path, content=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+    body = msgspec.json.encode({"model": NAME, "max_tokens": 2, **chat})[:-1] + b', "not_a_field": 1e999}'
+    assert (await http.post(path, content=body)).status_code == 200
+    r = await http.post(path, content=b'{"prompt": "x", "temperature": 1e999, "n": NaN}')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]  # (still JSON's grammar)
     await wait_idle(engine)
 
 
