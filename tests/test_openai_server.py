@@ -324,8 +324,8 @@ async def test_a_number_past_the_float_range_is_a_400_naming_its_field(http, eng
 
 
 async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
-    """The second prompt is refused after the first was queued: the first is aborted. (max_tokens
-    null: to the end of the context, so that the server checks no length before queuing.)"""
+    """The second prompt is refused, the first with it, never queued. (max_tokens null: to the end of
+    the context, so that the server checks no length before the engine does.)"""
     body = {"prompt": [[1, 2, 3], [99999999]], "max_tokens": None, "ignore_eos": True}
     r = await http.post("/v1/completions", json=body)
     assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
@@ -344,16 +344,21 @@ async def test_unknown_routes_and_methods_are_answered_in_json_as_in_vllm(http):
     assert (await http.get("/v1/chat/completions")).headers["allow"] == "POST"
 
 
-async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http, engine):
-    """The prompts queued before the refused one are aborted together, at the next step: each
-    samples its first token at most, and the 400 does not wait a step per prompt (before, each
-    one's abort waited for its own step while the rest ran on: 256 prompts took ~10 s to refuse)."""
-    generated = engine.engine.num_generated_tokens
-    body = {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None, "ignore_eos": True}
-    r = await http.post("/v1/completions", json=body)
-    assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
+async def test_a_bad_last_prompt_of_many_queues_none_of_them(http, engine):
+    """As vLLM's server, every prompt is checked before any is queued: none runs and /metrics counts
+    no abort (the 32 queued ahead of the bad one were aborted, each counted, after sampling a token)."""
     await wait_idle(engine)
-    assert engine.engine.num_generated_tokens - generated <= 32  # (was 992)
+    before, generated = await _scrape(http), engine.engine.num_generated_tokens
+    for path, body in (("/v1/completions", {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None}),
+                       ("/v1/completions", {"prompt": [[1, 2, 3]] * 2 + [[]], "max_tokens": 2, "n": 2}),
+                       ("/v1/completions", {"prompt": ["a", "b", [1, 2, 3], 7], "max_tokens": 2})):  # fmt: skip
+        r = await http.post(path, json={**body, "ignore_eos": True})
+        assert r.status_code == 400, r.text
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens == generated  # (was 32 tokens)
+    finished = [{k: v for k, v in counts.items() if k[0] == "vllm:request_success_total"}
+                for counts in (before, await _scrape(http))]  # fmt: skip
+    assert finished[0] == finished[1]  # (was one "abort" per prompt queued)
 
 
 async def test_prompts_are_tokenized_off_the_event_loop_once(http, engine, monkeypatch):

@@ -83,23 +83,22 @@ class RequestGroup:
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
         lora_request: LoRARequest | None = None, cache_salt: str | None = None, beam: BeamSearchParams | None = None,
     ) -> RequestGroup:  # fmt: skip
-        """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
-        sent; those queued before it are aborted then. ``cache_salt``: a request's (vLLM's), put
-        in each prompt. ``beam``: each prompt is a beam search instead (one final output)."""
+        """Check every prompt, then queue them all, so that a bad one is refused (ValueError) before
+        any answer is sent and with nothing queued, as vLLM's server checks them all before it
+        schedules one. ``cache_salt``: a request's (vLLM's), put in each prompt. ``beam``: each
+        prompt is a beam search instead (one final output), checked now and run once read."""
         if cache_salt is not None:
             prompts = [salted(prompt, cache_salt) for prompt in prompts]
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        if beam is None:
+            return cls(await engine.add_requests(ids, prompts, params, priority=priority, lora_request=lora_request))
         group = cls([])
         try:
             for rid, prompt in zip(ids, prompts):
-                if beam is not None:
-                    group.streams.append(engine.beam_search(prompt, rid, beam, lora_request))
-                else:
-                    group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
-                                                                  lora_request=lora_request))  # fmt: skip
+                group.streams.append(engine.beam_search(prompt, rid, beam, lora_request))
                 group.unfinished.add(len(group.streams) - 1)
         except BaseException:
-            await group.close()
+            await group.close()  # (none has started: closing them runs nothing)
             raise
         return group
 
