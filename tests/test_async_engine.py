@@ -656,7 +656,9 @@ async def test_add_requests_checks_every_prompt_before_it_queues_one(tiny_dir, o
                 await engine.add_requests(ids, prompts, params)
             assert not engine._streams and not engine._new and not engine.engine.requests
         streams = await engine.add_requests(["a", None], [good, "Hi"], params)
-        finals = [[o async for o in stream][-1] for stream in streams]
+        finals = []
+        for stream in streams:
+            finals.append([o async for o in stream][-1])
         expected = offline.generate([good, "Hi"], params, use_tqdm=False)
         assert [f.outputs[0].token_ids for f in finals] == [e.outputs[0].token_ids for e in expected]
         assert_no_leaks(engine)
