@@ -644,6 +644,26 @@ async def test_add_request_refuses_at_the_call_and_abort_frees_an_unread_stream(
         assert_no_leaks(engine)
 
 
+async def test_add_requests_checks_every_prompt_before_it_queues_one(tiny_dir, offline):
+    """A bad prompt (or an id taken twice) among many refuses them all with nothing queued, as
+    vLLM's server checks a request's prompts before it schedules one; good ones run as add_request's."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good = {"prompt_token_ids": [5, 6, 7]}
+    async with make_engine(tiny_dir) as engine:
+        for ids, prompts, error in ((["a", "b", "c"], [good, good, [10**9]], "outside the vocabulary"),
+                                    (["a", "a"], [good, good], "already in use")):  # fmt: skip
+            with pytest.raises(ValueError, match=error):
+                await engine.add_requests(ids, prompts, params)
+            assert not engine._streams and not engine._new and not engine.engine.requests
+        streams = await engine.add_requests(["a", None], [good, "Hi"], params)
+        finals = []
+        for stream in streams:
+            finals.append([o async for o in stream][-1])
+        expected = offline.generate([good, "Hi"], params, use_tqdm=False)
+        assert [f.outputs[0].token_ids for f in finals] == [e.outputs[0].token_ids for e in expected]
+        assert_no_leaks(engine)
+
+
 async def test_a_stream_from_add_request_closed_before_its_first_read_aborts_its_request(tiny_dir):
     """add_request's stream closed unread (a client gone before the first output) aborts its
     request and frees its id, as one closed after reading does."""

@@ -10,6 +10,7 @@ import json
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -305,9 +306,26 @@ async def test_a_body_nested_too_deeply_is_a_400(http, engine, path):
     await wait_idle(engine)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/invocations"])
+async def test_a_number_past_the_float_range_is_a_400_naming_its_field(http, engine, path):
+    """1e999 reads as inf, as in vLLM's server (Python's json), which its field refuses naming
+    itself; msgspec's "Number out of range - at `$[...]`" named none. In an ignored field it is ignored."""
+    chat = {"messages": [{"role": "user", "content": "x"}]} if path == "/v1/chat/completions" else {"prompt": "x"}
+    for field, value in (("temperature", b"1e999"), ("max_tokens", b"1e999"), ("presence_penalty", b"-1e999"),
+                         ("logit_bias", b'{"1": 1e999}')):  # fmt: skip
+        body = msgspec.json.encode({"model": NAME, **chat})[:-1] + b', "%s": %s}' % (field.encode(), value)
+        r = await http.post(path, content=body)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.text)
+    body = msgspec.json.encode({"model": NAME, "max_tokens": 2, **chat})[:-1] + b', "not_a_field": 1e999}'
+    assert (await http.post(path, content=body)).status_code == 200
+    r = await http.post(path, content=b'{"prompt": "x", "temperature": 1e999, "n": NaN}')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]  # (still JSON's grammar)
+    await wait_idle(engine)
+
+
 async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(http, engine):
-    """The second prompt is refused after the first was queued: the first is aborted. (max_tokens
-    null: to the end of the context, so that the server checks no length before queuing.)"""
+    """The second prompt is refused, the first with it, never queued. (max_tokens null: to the end of
+    the context, so that the server checks no length before the engine does.)"""
     body = {"prompt": [[1, 2, 3], [99999999]], "max_tokens": None, "ignore_eos": True}
     r = await http.post("/v1/completions", json=body)
     assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
@@ -316,16 +334,31 @@ async def test_a_bad_prompt_in_a_batch_refuses_the_request_and_frees_the_others(
     assert r.json()["id"] == "cmpl-mine"  # (vLLM's: the request_id is the base of the id)
 
 
-async def test_a_bad_last_prompt_of_many_aborts_the_queued_ones_in_one_step(http, engine):
-    """The prompts queued before the refused one are aborted together, at the next step: each
-    samples its first token at most, and the 400 does not wait a step per prompt (before, each
-    one's abort waited for its own step while the rest ran on: 256 prompts took ~10 s to refuse)."""
-    generated = engine.engine.num_generated_tokens
-    body = {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None, "ignore_eos": True}
-    r = await http.post("/v1/completions", json=body)
-    assert r.status_code == 400 and "99999999" in r.json()["error"]["message"]
+async def test_unknown_routes_and_methods_are_answered_in_json_as_in_vllm(http):
+    """vLLM's FastAPI app answers them {"detail": ...} (Starlette's were plain text)."""
+    for method, path, status, detail in (("GET", "/v1/nope", 404, "Not Found"), ("POST", "/nope", 404, "Not Found"),
+                                         ("GET", "/v1/completions", 405, "Method Not Allowed")):  # fmt: skip
+        r = await http.request(method, path)
+        assert r.status_code == status and r.json() == {"detail": detail}, (path, r.text)
+        assert r.headers["content-type"] == "application/json"
+    assert (await http.get("/v1/chat/completions")).headers["allow"] == "POST"
+
+
+async def test_a_bad_last_prompt_of_many_queues_none_of_them(http, engine):
+    """As vLLM's server, every prompt is checked before any is queued: none runs and /metrics counts
+    no abort (the 32 queued ahead of the bad one were aborted, each counted, after sampling a token)."""
     await wait_idle(engine)
-    assert engine.engine.num_generated_tokens - generated <= 32  # (was 992)
+    before, generated = await _scrape(http), engine.engine.num_generated_tokens
+    for path, body in (("/v1/completions", {"prompt": [[1, 2, 3]] * 32 + [[99999999]], "max_tokens": None}),
+                       ("/v1/completions", {"prompt": [[1, 2, 3]] * 2 + [[]], "max_tokens": 2, "n": 2}),
+                       ("/v1/completions", {"prompt": ["a", "b", [1, 2, 3], 7], "max_tokens": 2})):  # fmt: skip
+        r = await http.post(path, json={**body, "ignore_eos": True})
+        assert r.status_code == 400, r.text
+    await wait_idle(engine)
+    assert engine.engine.num_generated_tokens == generated  # (was 32 tokens)
+    finished = [{k: v for k, v in counts.items() if k[0] == "vllm:request_success_total"}
+                for counts in (before, await _scrape(http))]  # fmt: skip
+    assert finished[0] == finished[1]  # (was one "abort" per prompt queued)
 
 
 async def test_prompts_are_tokenized_off_the_event_loop_once(http, engine, monkeypatch):
@@ -615,6 +648,28 @@ async def test_continuous_usage_in_a_chat_stream_counts_the_prompt_from_the_firs
     prompt = chunks[-1]["usage"]["prompt_tokens"]
     assert prompt > 0 and all(c["usage"]["prompt_tokens"] == prompt for c in chunks)
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 4]
+    await wait_idle(engine)
+
+
+async def test_continuous_usage_is_each_choices_own_as_in_vllm(http, engine):
+    """With n > 1 and several prompts, vLLM's continuous usage is per chunk of one choice: its
+    prompt's tokens and the tokens it has so far (it was the sums over every choice and prompt)."""
+    options = {"model": NAME, "max_tokens": 3, "n": 2, "ignore_eos": True, "return_token_ids": True, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    for path, body, num_prompts in (("/v1/completions", {"prompt": ["Hi", PROMPTS[0]]}, 2),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}]}, 1)):
+        *chunks, last = events((await http.post(path, json={**options, **body})).text)
+        prompts, generated = {}, {}
+        for chunk in chunks:
+            (choice,) = chunk["choices"]  # (one choice a chunk, as vLLM's)
+            i = choice["index"]
+            prompts[i] = len(chunk.get("prompt_token_ids") or choice.get("prompt_token_ids") or []) or prompts[i]
+            generated[i] = generated.get(i, 0) + len(choice.get("token_ids") or [])
+            assert chunk["usage"] == {"prompt_tokens": prompts[i], "completion_tokens": generated[i],
+                                      "total_tokens": prompts[i] + generated[i]}, (path, chunk)  # fmt: skip
+        assert sorted(generated.items()) == [(i, 3) for i in range(2 * num_prompts)]
+        assert last["usage"]["completion_tokens"] == 6 * num_prompts
+        assert last["usage"]["prompt_tokens"] == sum(prompts[i] for i in range(0, 2 * num_prompts, 2))
     await wait_idle(engine)
 
 

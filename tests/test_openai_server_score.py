@@ -6,6 +6,7 @@ and a generating server answers these routes 404."""
 from __future__ import annotations
 
 import re
+import threading
 from typing import Iterator
 
 import httpx
@@ -176,6 +177,40 @@ async def test_bad_requests_are_400s_naming_the_field(engines, model, path, body
                              json={"query": QUERY, "documents": DOCS} if model != "classifier" else {"input": "ok"})  # fmt: skip
         assert ok.status_code == 200  # (others are unaffected)
     await wait_idle(engine)  # (no KV block leaked)
+
+
+async def test_inputs_are_tokenized_off_the_event_loop_once(engines, monkeypatch):
+    """As the generating routes (vLLM's async tokenizer): a long input took seconds to tokenize on
+    the event loop, holding every other stream meanwhile; the pooling routes tokenize on the
+    tokenizer thread, each text once (twice when truncated: the text again, to keep BOS)."""
+    seen: list[str] = []
+    for cls in {type(engine.get_tokenizer()) for engine in engines.values()}:
+        def spy(self, text=None, *args, original=cls.__call__, **kwargs):
+            if "MARK" in f"{text}{kwargs.get('text_pair')}":
+                seen.append(threading.current_thread().name)
+            return original(self, text, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__call__", spy)
+    chat = {"messages": [{"role": "user", "content": "MARK"}]}
+    for model, path, body, calls in (
+        ("embed", "/v1/embeddings", {"input": "MARK"}, 1), ("embed", "/v1/embeddings", chat, 1),
+        ("embed", "/v1/embeddings", {"input": ["MARK a b c", "MARK"], "truncate_prompt_tokens": 2}, 3),
+        ("embed", "/v1/embeddings", {"input": "MARK", "add_special_tokens": False}, 1),
+        ("embed", "/pooling", {"input": ["MARK", "MARK"]}, 2), ("embed", "/pooling", chat, 1),
+        ("embed", "/score", {"text_1": "MARK", "text_2": ["MARK b", "MARK c"]}, 3),
+        ("embed", "/rerank", {"query": "MARK", "documents": ["MARK b"]}, 2),
+        ("reranker", "/score", {"text_1": "MARK", "text_2": ["MARK b", "MARK c"]}, 2),
+        ("reranker", "/rerank", {"query": "MARK", "documents": ["MARK b"]}, 1),
+        ("classifier", "/classify", {"input": ["MARK", "MARK b"]}, 2),
+        ("classifier", "/classify", {"input": "MARK", "add_special_tokens": False}, 1),
+    ):  # fmt: skip
+        seen.clear()
+        async with client_of(engines[model]) as http:
+            r = await http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        assert len(seen) == calls and all(name.startswith("vllmini-tokenize") for name in seen), (path, body, seen)
+    for engine in engines.values():
+        await wait_idle(engine)
 
 
 async def test_a_generating_server_answers_the_pooling_routes_404(tiny_dir):

@@ -158,35 +158,61 @@ class AsyncLLMEngine(AsyncAborts, AsyncPause, EngineClient):
         is accepted before its first output (a server answering 400 or 200). Read the stream to
         its end, close it, or ``abort()`` the request: until then it holds its id. PoolingParams:
         a pooling request (``encode``)."""
+        (stream,) = await self.add_requests([request_id], [prompt], sampling_params, priority=priority,
+                                            lora_request=lora_request)  # fmt: skip
+        return stream
+
+    async def add_requests(
+        self,
+        request_ids: list[str | None],
+        prompts: list[PromptType | list[dict[str, str]]],
+        sampling_params: SamplingParams | PoolingParams | None = None,
+        *,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> list[AsyncIterator[RequestOutput]]:
+        """``add_request`` for several prompts (one request each, the same params), every one checked
+        before any is queued, as vLLM's server checks a request's prompts before it schedules one: a
+        bad one raises ValueError and none is queued (none aborted, none counted in the metrics)."""
         await self.check_health()
-        if request_id is not None and str(request_id) in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if request_id is None:  # an id no caller's request holds
-            request_id = self.engine.new_request_id(self._streams)
         if getattr(sampling_params, "structured_outputs", None) is not None:
             await asyncio.to_thread(load_xgrammar)  # its first import (~1.5 s) off the event loop
         adapter = None  # loaded off the event loop, and held: prepare_request finds it even if evicted since
         if lora_request is not None and self.engine.lora_manager is not None:
             adapter = await asyncio.to_thread(self.engine.lora_manager.get, lora_request)
-        state = self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params, priority=priority,
-                                            lora_request=lora_request)  # fmt: skip
+        states: list[RequestState] = []
+        try:
+            for request_id, prompt in zip(request_ids, prompts, strict=True):
+                taken = {state.request_id for state in states}
+                if request_id is not None and (str(request_id) in self._streams or str(request_id) in taken):
+                    raise ValueError(f"request_id {request_id!r} is already in use")
+                if request_id is None:  # an id no caller's request holds
+                    request_id = self.engine.new_request_id(self._streams)
+                states.append(self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params,
+                                                          priority=priority, lora_request=lora_request))  # fmt: skip
+        except BaseException:
+            for state in states:
+                if state.grammar is not None:  # (refused: no need to compile its grammar)
+                    state.grammar.cancel()
+            raise
         del adapter
+        streams = [self._queue(state, lora_request) for state in states]
+        with self._lock:  # (all at once: the step loop takes them into one step)
+            (self._held if self._pause_mode is not None else self._new).extend(states)
+        self._ensure_loop()
+        self._wakeup.set()
+        for stream in streams:  # started: a generator closed before it started would skip its finally (no abort)
+            await anext(stream)
+        return streams
+
+    def _queue(self, state: RequestState, lora_request: LoRARequest | None) -> AsyncIterator[RequestOutput]:
+        """The stream of a checked request, its id now held."""
         rid = state.request_id
-        if rid in self._streams:
-            if state.grammar is not None:  # (refused: no need to compile its grammar)
-                state.grammar.cancel()
-            raise ValueError(f"request_id {rid!r} is already in use")
         if self._request_logger is not None:
             self._request_logger.log_inputs(rid, state.prompt, state.prompt_token_ids, state.params, lora_request)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        with self._lock:
-            (self._held if self._pause_mode is not None else self._new).append(state)
-        self._ensure_loop()
-        self._wakeup.set()
-        stream = self._outputs(rid, queue)
-        await anext(stream)  # started: a generator closed before it started would skip its finally (no abort)
-        return stream
+        return self._outputs(rid, queue)
 
     async def _outputs(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False

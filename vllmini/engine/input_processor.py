@@ -246,10 +246,11 @@ class InputProcessor:
                 raise ValueError(f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         return text, ids
 
-    def pretokenize(self, prompt: PromptType, params: SamplingParams) -> PromptType:
+    def pretokenize(self, prompt: PromptType, params: SamplingParams | PoolingParams) -> PromptType:
         """A text prompt as ``{"prompt", "prompt_token_ids"}`` (its ``cache_salt`` kept), truncated as
-        ``process`` truncates it, which then has nothing left to do: a server runs this on its
-        tokenizer thread (as vLLM's async tokenizer), off the event loop. Other prompts pass through."""
+        ``process`` (``process_pooling`` for PoolingParams) truncates it, which then has nothing left
+        to do: a server runs this on its tokenizer thread (as vLLM's async tokenizer), off the event
+        loop. Other prompts pass through."""
         if not isinstance(prompt, str) and not (isinstance(prompt, dict) and set(prompt) <= {"prompt", "cache_salt"}):
             return prompt
         text, ids = self.tokenize(prompt)
@@ -296,8 +297,8 @@ class InputProcessor:
         """A pooling request's prompt (text, token ids): tokenized, truncated, and checked to fit
         max_model_len (all of it: nothing is generated) and the whole KV cache."""
         text, ids = self.tokenize(prompt)
-        if (keep := params.truncate_prompt_tokens) is not None:
-            ids = self._truncate(prompt, text, ids, self.max_model_len if keep == -1 else keep)
+        if params.truncate_prompt_tokens is not None:
+            ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
         if len(ids) > self.max_model_len:  # (vLLM's words)
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the "
@@ -307,11 +308,13 @@ class InputProcessor:
                              f"({self.capacity_tokens} tokens); raise {self.capacity_setting}")  # fmt: skip
         return text, ids
 
-    def keep_tokens(self, params: SamplingParams) -> int:
+    def keep_tokens(self, params: SamplingParams | PoolingParams) -> int:
         """How many prompt tokens ``truncate_prompt_tokens`` keeps (-1: as many as max_model_len
-        leaves beside max_tokens)."""
+        leaves beside max_tokens; for pooling, which generates nothing, max_model_len)."""
         keep = params.truncate_prompt_tokens
         assert keep is not None
+        if isinstance(params, PoolingParams):
+            return self.max_model_len if keep == -1 else keep
         if keep == -1:
             keep = self.max_model_len - (params.max_tokens if params.max_tokens is not None else 1)
             if keep < 1:

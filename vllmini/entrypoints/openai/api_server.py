@@ -32,6 +32,7 @@ from typing import Any, Awaitable, Callable
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
@@ -218,6 +219,14 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     return task.result() if not task.cancelled() else None
 
 
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own refusals, a path no route has (404) or a method its route does not take (405,
+    with ``Allow``), as vLLM's FastAPI app answers them: JSON ``{"detail": "Not Found"}`` (it was
+    Starlette's plain text, which a client reading JSON errors could not parse)."""
+    return Response(msgspec.json.encode({"detail": exc.detail}), status_code=exc.status_code, headers=exc.headers,
+                    media_type="application/json")  # fmt: skip
+
+
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
     """A client that hung up while sending its body (a route was reading it): nothing to answer or
     abort; without this handler each one was logged as the server's own error, with a traceback."""
@@ -360,7 +369,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
     middleware += [] if body_limit is None else [Middleware(LimitRequestBody, max_size=body_limit)]
     middleware += [] if api_key is None else [Middleware(RequireApiKey, api_key=api_key)]
     return Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
-                     exception_handlers={ClientDisconnect: _client_gone})
+                     exception_handlers={ClientDisconnect: _client_gone, HTTPException: _http_error})
 
 
 def run_server(engine: AsyncLLMEngine, served_model_name: str | None, host: str, port: int,

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
+
+from vllmini.entrypoints.openai.protocol import decode_json
 
 _POOLING_TASKS = ("embed", "token_embed", "classify", "score", "token_classify")
 
@@ -55,9 +56,9 @@ def sagemaker_routes(routes: list[BaseRoute], tasks: tuple[str, ...], health: Ca
 
     async def invocations(request: Request) -> Response:
         try:
-            body = msgspec.json.decode(await request.body())
-        except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply)
-            return refuse(400, f"the request body is not valid JSON: {exc}")
+            body = decode_json(await request.body())
+        except ValueError as exc:
+            return refuse(400, str(exc))
         if not isinstance(body, dict):
             return refuse(400, "the request body must be a JSON object")
         for inv in served:

@@ -327,14 +327,28 @@ def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
         raise ValueError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
 
 
+# numbers past float64's range read as +-inf, as Python's json (vLLM's server) reads them
+_WIDE_FLOATS = msgspec.json.Decoder(float_hook=float)
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body's JSON; ValueError when it is not JSON. A number past float64's range (1e999)
+    is +-inf, as in vLLM's server, which its field then refuses naming itself (msgspec's own
+    "Number out of range - at `$[...]`" named none); the slower decoder reads only such bodies."""
+    try:
+        try:
+            return msgspec.json.decode(body)
+        except msgspec.ValidationError:  # (the only one untyped decoding raises: a number out of range)
+            return _WIDE_FLOATS.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply, a 500 otherwise)
+        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+
+
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> tuple[Any, list[str]]:
     """The request and the names of the fields it carried that this server ignores (vLLM warns
     of them, as here, rather than refusing). A body that is not a JSON object of the right
     types is a ValueError naming the field."""
-    try:
-        raw = msgspec.json.decode(body)
-    except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply, a 500 otherwise)
-        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+    raw = decode_json(body)
     if not isinstance(raw, dict):
         raise ValueError("the request body must be a JSON object")
     try:

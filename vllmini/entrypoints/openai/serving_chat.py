@@ -8,7 +8,7 @@ of the content; a named or "required" tool choice is made with structured output
 tool_choice.py, output_parser.py and the parsers)."""
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
@@ -239,22 +239,24 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage, choice: ToolChoice,
         make: MakeParser | None, prompt_ids: list[int],
     ) -> AsyncIterator[str]:  # fmt: skip
-        """First a chunk per choice with the role (and any echo; with ``return_token_ids`` the
-        prompt's token ids), then the text as it comes (with parsers: its reasoning, content and
-        tool-call deltas; a chunk with none, nor new token ids to return, is not sent)."""
+        """First the role (and any echo; with ``return_token_ids`` the prompt's token ids) of each
+        choice, then the text as it comes (with parsers: its reasoning, content and tool-call
+        deltas; a chunk with none, nor new token ids to return, is not sent). With
+        ``continuous_usage_stats`` each choice has its own chunks, with its own usage, as vLLM's."""
         continuous = self.stream_usage(request.stream_options)[1]
         parsers: dict[int, ChatOutputParser] = {}
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            body = {**self.header(request_id, "chat.completion.chunk", request.model), "choices": choices, **extra}
-            if continuous:
-                body["usage"] = usage.body()
-            return sse(body)
+        def chunks(choices: list[dict[str, Any]], **extra: Any) -> Iterator[str]:
+            head = self.header(request_id, "chat.completion.chunk", request.model)
+            for group in [[c] for c in choices] if continuous else [choices] if choices else []:
+                counts = {"usage": usage.choice(0, group[0]["index"])} if continuous else {}
+                yield sse({**head, "choices": group, **extra, **counts})
 
         role = {"role": self._role(request), "content": self._echo(request)}
         first = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
-        yield chunk([{"index": j, "delta": role, "logprobs": None, "finish_reason": None} for j in range(request.n)],
-                    **first)  # fmt: skip
+        for event in chunks([{"index": j, "delta": role, "logprobs": None, "finish_reason": None}
+                             for j in range(request.n)], **first):  # fmt: skip
+            yield event
         async for i, out in group:
             usage.add(i, out)
             choices = []
@@ -273,8 +275,8 @@ class OpenAIServingChat(OpenAIServing):
                                 "stop_reason": c.stop_reason})  # fmt: skip
                 if request.return_token_ids:
                     choices[-1]["token_ids"] = list(c.token_ids)
-            if choices:
-                yield chunk(choices)
+            for event in chunks(choices):
+                yield event
 
     def choice_logprobs(self, request: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
         """OpenAI's chat logprobs: per token its text, logprob, UTF-8 bytes and the

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.entrypoints.openai.serving_embedding import OpenAIServingPooling, check_inputs, pooling_usage
+from vllmini.entrypoints.openai.serving_engine import off_loop
 
 
 class PoolingRequestFields(msgspec.Struct, kw_only=True):
@@ -58,11 +59,9 @@ class OpenAIServingClassification(OpenAIServingPooling):
                              "it needs a *ForSequenceClassification checkpoint")  # fmt: skip
         if request.input is None:
             raise ValueError("input is required")
-        prompts = check_inputs(request.input, self.vocab_size)
-        if not request.add_special_tokens:
-            prompts = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in prompts]
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
                                use_activation=request.activation_flag(), task="classify")  # fmt: skip
+        prompts = await off_loop(self._prompts, request, params)  # (a long input: seconds, which held every stream)
         request_id = self.new_id("classify", request.request_id)
         outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
         id2label = getattr(self.hf_config, "id2label", None) or {}
@@ -73,3 +72,11 @@ class OpenAIServingClassification(OpenAIServingPooling):
             data.append({"index": i, "label": id2label.get(best, f"LABEL_{best}"), "probs": probs,
                          "num_classes": len(probs)})  # fmt: skip
         return {**self.header(request_id, "list", request.model), "data": data, "usage": pooling_usage(outs)}
+
+    def _prompts(self, request: ClassificationRequest, params: PoolingParams) -> list[Any]:
+        """(On the tokenizer thread.) The inputs checked and tokenized (without special tokens
+        unless ``add_special_tokens``)."""
+        prompts = check_inputs(request.input, self.vocab_size)
+        if not request.add_special_tokens:
+            prompts = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in prompts]
+        return self.engine_prompts(prompts, params)

@@ -85,10 +85,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
                 choices.append(self._choice(request, index, text, logprobs, c, out, first))
-            chunk = {**self.header(request_id, "text_completion", request.model), "choices": choices}
-            if continuous:
-                chunk["usage"] = usage.body()
-            yield sse(chunk)
+            head = self.header(request_id, "text_completion", request.model)
+            if not continuous:
+                yield sse({**head, "choices": choices})
+            else:  # (vLLM's: a chunk per choice, with its prompt's usage and its own)
+                for c, choice in zip(out.outputs, choices):
+                    yield sse({**head, "choices": [choice], "usage": usage.choice(i, c.index)})
 
     @staticmethod
     def _choice(

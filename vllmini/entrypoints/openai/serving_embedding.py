@@ -23,7 +23,7 @@ from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.sampling_params import is_int
 from vllmini.entrypoints.openai.protocol import check_chat_options
 from vllmini.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGroup, refusal_endpoint
+from vllmini.entrypoints.openai.serving_engine import OpenAIServing, RequestGroup, off_loop, refusal_endpoint
 from vllmini.entrypoints.openai.serving_models import ModelNotFoundError, OpenAIServingModels
 from vllmini.lora.request import LoRARequest
 
@@ -124,6 +124,11 @@ class OpenAIServingPooling(OpenAIServing):
             raise APINotSupportedError(f"The model does not support the {api}: this server generates; start it "
                                        f"with --runner pooling to serve {what}")  # fmt: skip
 
+    def engine_prompts(self, prompts: list[Any], params: PoolingParams) -> list[Any]:
+        """(On the tokenizer thread.) The text prompts as the engine's ids, truncated as the engine
+        would truncate them; token-id prompts pass through."""
+        return [self.engine.engine.input_processor.pretokenize(p, params) for p in prompts]
+
     async def pool(self, request_id: str, prompts: list[Any], params: PoolingParams, priority: int,
                    lora_request: LoRARequest | None) -> list[PoolingRequestOutput]:  # fmt: skip
         """Every prompt's final output, in prompt order (a bad prompt: ValueError before any runs)."""
@@ -147,17 +152,17 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
         """The whole response; a bad request raises ValueError (400) before anything is computed."""
         self.require_pooling("Embeddings API", "embeddings")
         lora_request = self.check_model(request.model)
-        prompts = self._prompts(request)
         params = request.pooling_params()
+        prompts = await off_loop(self._prompts, request, params)  # (a long input: seconds, which held every stream)
         request_id = self.new_id("embd", request.request_id)
         outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
         data = [{"object": "embedding", "embedding": encode_embedding(out.outputs.data, request.encoding_format),
                  "index": i} for i, out in enumerate(outs)]  # fmt: skip
         return {**self.header(request_id, "list", request.model), "data": data, "usage": pooling_usage(outs)}
 
-    def _prompts(self, request: EmbeddingRequest) -> list[Any]:
-        """The engine prompts: each input (tokenized here only without special tokens), or the
-        messages through the chat template."""
+    def _prompts(self, request: EmbeddingRequest, params: PoolingParams) -> list[Any]:
+        """(On the tokenizer thread.) The engine prompts, tokenized: each input, or the messages
+        through the chat template."""
         if request.messages is not None and request.input is None:
             check_chat_options(request)
             rendered = self.chat.render(request)
@@ -166,8 +171,8 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
             return [rendered]
         items = request.inputs(self.vocab_size)
         if request.add_special_tokens is False:
-            return [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in items]
-        return items
+            items = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in items]
+        return self.engine_prompts(items, params)
 
 
 def refuse_generation_routes(routes: list[BaseRoute]) -> list[BaseRoute]:

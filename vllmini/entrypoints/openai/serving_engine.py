@@ -83,23 +83,22 @@ class RequestGroup:
         cls, engine: AsyncLLMEngine, request_id: str, prompts: list[Any], params: SamplingParams, priority: int,
         lora_request: LoRARequest | None = None, cache_salt: str | None = None, beam: BeamSearchParams | None = None,
     ) -> RequestGroup:  # fmt: skip
-        """Queue every prompt now, so that a bad one is refused (ValueError) before any answer is
-        sent; those queued before it are aborted then. ``cache_salt``: a request's (vLLM's), put
-        in each prompt. ``beam``: each prompt is a beam search instead (one final output)."""
+        """Check every prompt, then queue them all, so that a bad one is refused (ValueError) before
+        any answer is sent and with nothing queued, as vLLM's server checks them all before it
+        schedules one. ``cache_salt``: a request's (vLLM's), put in each prompt. ``beam``: each
+        prompt is a beam search instead (one final output), checked now and run once read."""
         if cache_salt is not None:
             prompts = [salted(prompt, cache_salt) for prompt in prompts]
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        if beam is None:
+            return cls(await engine.add_requests(ids, prompts, params, priority=priority, lora_request=lora_request))
         group = cls([])
         try:
             for rid, prompt in zip(ids, prompts):
-                if beam is not None:
-                    group.streams.append(engine.beam_search(prompt, rid, beam, lora_request))
-                else:
-                    group.streams.append(await engine.add_request(rid, prompt, params, priority=priority,
-                                                                  lora_request=lora_request))  # fmt: skip
+                group.streams.append(engine.beam_search(prompt, rid, beam, lora_request))
                 group.unfinished.add(len(group.streams) - 1)
         except BaseException:
-            await group.close()
+            await group.close()  # (none has started: closing them runs nothing)
             raise
         return group
 
@@ -172,12 +171,21 @@ class Usage:
         self.details = details
         self.prompt_tokens: dict[int, int] = {}  # per prompt index
         self.cached_tokens: dict[int, int] = {}
+        self.choice_tokens: dict[tuple[int, int], int] = {}  # per (prompt index, completion index)
         self.completion_tokens = 0
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.cached_tokens[i] = out.num_cached_tokens or 0
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        for c in out.outputs:
+            self.choice_tokens[i, c.index] = self.choice_tokens.get((i, c.index), 0) + len(c.token_ids)
+            self.completion_tokens += len(c.token_ids)
+
+    def choice(self, i: int, index: int) -> dict[str, int]:
+        """A streamed chunk's usage with ``continuous_usage_stats``, as vLLM's: that choice's own,
+        its prompt's tokens and the tokens it has generated so far (not the request's sums)."""
+        prompt, completion = self.prompt_tokens.get(i, 0), self.choice_tokens.get((i, index), 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def body(self) -> dict[str, Any]:
         prompt = sum(self.prompt_tokens.values())

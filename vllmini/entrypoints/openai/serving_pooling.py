@@ -18,6 +18,7 @@ from vllmini.engine.pooling_params import PoolingParams
 from vllmini.entrypoints.openai.serving_classification import PoolingRequestFields
 from vllmini.entrypoints.openai.serving_embedding import (EmbeddingRequest, OpenAIServingEmbedding, encode_embedding,
                                                           pooling_usage)  # fmt: skip
+from vllmini.entrypoints.openai.serving_engine import off_loop
 
 # the task /pooling runs when none is given: the model's token task, as vLLM's route picks it
 _DEFAULT_TASKS = ("token_embed", "token_classify")
@@ -51,8 +52,8 @@ class OpenAIServingPoolingRoute(OpenAIServingEmbedding):
         if request.task == "score" or request.task not in self.tasks:
             raise ValueError(f"task={request.task!r} is not supported by /pooling for this model; supported: "
                              f"{[t for t in self.tasks if t != 'score']} (pairs are scored by /score)")  # fmt: skip
-        prompts = self._prompts(request)
         params = request.pooling_params()
+        prompts = await off_loop(self._prompts, request, params)
         request_id = self.new_id("pool", request.request_id)
         outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
         data = [{"index": i, "object": "pooling", "data": encode_embedding(out.outputs.data, request.encoding_format)}

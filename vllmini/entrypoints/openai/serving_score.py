@@ -21,6 +21,7 @@ from vllmini.engine.outputs import PoolingRequestOutput
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.entrypoints.openai.serving_classification import PoolingRequestFields
 from vllmini.entrypoints.openai.serving_embedding import OpenAIServingPooling, pooling_usage
+from vllmini.entrypoints.openai.serving_engine import off_loop
 from vllmini.lora.request import LoRARequest
 
 _PAIR_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("data_1", "data_2"))
@@ -64,9 +65,8 @@ class OpenAIServingScores(OpenAIServingPooling):
         self.require_pooling("Score API", "scores")
         lora_request = self.check_model(request.model)
         (name_1, data_1), (name_2, data_2) = request.pairs()
-        texts = self._texts(data_1, name_1), self._texts(data_2, name_2)
         request_id = self.new_id("score", request.request_id)
-        outs = await self._scores(request, request_id, texts, (name_1, name_2), lora_request)
+        outs = await self._scores(request, request_id, (data_1, data_2), (name_1, name_2), lora_request)
         data = [{"index": i, "object": "score", "score": out.outputs.data.item()} for i, out in enumerate(outs)]
         return {**self.header(request_id, "list", request.model), "data": data, "usage": pooling_usage(outs)}
 
@@ -76,9 +76,9 @@ class OpenAIServingScores(OpenAIServingPooling):
         lora_request = self.check_model(request.model)
         if request.top_n < 0:
             raise ValueError(f"top_n must be >= 0 (0: every document), got {request.top_n}")
-        texts = self._texts(request.query, "query"), self._texts(request.documents, "documents")
         request_id = self.new_id("rerank", request.request_id)
-        outs = await self._scores(request, request_id, texts, ("query", "documents"), lora_request)
+        outs = await self._scores(request, request_id, (request.query, request.documents), ("query", "documents"),
+                                  lora_request)  # fmt: skip
         results = []
         for i, out in enumerate(outs):
             document = {"document": {"text": request.documents[i]}} if request.return_documents else {}
@@ -89,16 +89,21 @@ class OpenAIServingScores(OpenAIServingPooling):
                 "usage": {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"]},
                 "results": results[: request.top_n or None]}  # fmt: skip
 
-    def _texts(self, data: Any, field: str) -> list[str]:
-        return scoring.score_texts(data, field, self.tokenizer)
-
-    async def _scores(self, request: PoolingRequestFields, request_id: str, texts: tuple[list[str], list[str]],
+    async def _scores(self, request: PoolingRequestFields, request_id: str, data: tuple[Any, Any],
                       fields: tuple[str, str], lora_request: LoRARequest | None) -> list[PoolingRequestOutput]:  # fmt: skip
         """One output per pair, its data the score (engine/scoring.py: a cross-encoder's, or cosine)."""
-        texts_1, texts_2 = texts
+        # (a long text: seconds to tokenize, which held every stream)
+        prompts, params, num_texts_1 = await off_loop(self._inputs, request, data, fields)
+        outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
+        return scoring.pair_scores(outs, params.task, num_texts_1, self.tokenizer.pad_token_id)
+
+    def _inputs(self, request: PoolingRequestFields, data: tuple[Any, Any], fields: tuple[str, str]
+                ) -> tuple[list[Any], PoolingParams, int]:  # fmt: skip
+        """(On the tokenizer thread.) What to pool for the pairs, tokenized, its params, and how many
+        texts the first side has."""
+        texts_1, texts_2 = (scoring.score_texts(side, field, self.tokenizer) for side, field in zip(data, fields))
         prompts, task = scoring.score_prompts(self.tasks, self.tokenizer, self.hf_config, texts_1, texts_2, fields)
         activation = request.activation_flag() if task == "score" else None  # (an embedder's cosine takes none)
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, use_activation=activation,
                                task=task)  # fmt: skip
-        outs = await self.pool(request_id, prompts, params, request.priority, lora_request)
-        return scoring.pair_scores(outs, task, len(texts_1), self.tokenizer.pad_token_id)
+        return self.engine_prompts(prompts, params), params, len(texts_1)
