@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vllmini.models import gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models import gguf_checks, gguf_gemma, gguf_moe, gguf_rope
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +100,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except Exception as exc:  # the reader raises ValueError/AssertionError/struct.error on bad files
-        raise ValueError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+    reader = gguf_checks.open_reader(gguf, gguf_path)
     arch = _architecture(reader, gguf_path)
     rope = _check_supported(reader, gguf_path, arch)
 
