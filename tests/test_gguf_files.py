@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from test_gguf import _cache_entries, write_tiny_gguf
@@ -69,3 +70,68 @@ def test_truncated_file_is_named_truncated(tmp_path: Path, tiny_bytes: bytes, wh
     msg = _refused(path, tmp_path / "cache", f"it is truncated or corrupted: it has {cut} bytes", "fetch it again")
     end = int(re.search(r"data up to byte (\d+)", msg)[1])
     assert cut < end <= len(tiny_bytes)
+
+
+_ONES = np.ones((64, 64), np.float32)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        ({"drop_kv": ("llama.block_count",)}, ["'llama.block_count' is missing"]),
+        ({"drop_kv": ("llama.attention.head_count",)}, ["'llama.attention.head_count' is missing"]),
+        ({"drop_kv": ("llama.feed_forward_length",)}, ["'llama.feed_forward_length' is missing"]),
+        ({"extra_kv": {"llama.block_count": "2"}}, ["'llama.block_count' holds STRING '2', expected an integer"]),
+        ({"extra_kv": {"llama.context_length": 4096.0}}, ["'llama.context_length' holds FLOAT32 4096.0"]),
+        ({"extra_kv": {"llama.rope.freq_base": "1e4"}}, ["'llama.rope.freq_base' holds STRING '1e4', expected a number"]),
+        ({"extra_kv": {"llama.attention.head_count_kv": [2, 2]}}, ["head_count_kv is a per-layer array ([2, 2])"]),
+        ({"extra_kv": {"llama.block_count": 0}}, ["llama.block_count is 0 (a model without layers)"]),
+        ({"extra_kv": {"llama.attention.head_count": 0}}, ["llama.attention.head_count is 0"]),
+        ({"extra_kv": {"llama.attention.head_count_kv": 3}}, ["head_count_kv (3) must be at least 1 and divide"]),
+        ({"extra_kv": {"llama.attention.head_count": 6, "llama.attention.head_count_kv": 3}},
+         ["embedding_length (64) is not a multiple of llama.attention.head_count (6)"]),
+        ({"extra_kv": {"tokenizer.ggml.eos_token_id": 9999}},
+         ["tokenizer.ggml.eos_token_id is 9999, which is not a token id of its 261-token vocabulary"]),
+        ({"drop_kv": ("tokenizer.ggml.tokens",)}, ["has no token list (tokenizer.ggml.tokens)"]),
+        ({"drop_kv": ("tokenizer.ggml.merges",)}, ["neither tokenizer.ggml.merges nor tokenizer.ggml.scores"]),
+        ({"extra_kv": {"split.count": 3, "split.no": 0}}, ["is part 1 of a model split into 3 GGUF files", "--merge"]),
+        ({"extra_kv": {"llama.attention.key_length": 15}},  # transformers refuses it when the config is saved
+         ["transformers cannot build a valid config from its metadata", "even rotary dimension"]),
+    ],
+    ids=["no-block_count", "no-head_count", "no-feed_forward_length", "block_count-string", "context_length-float",
+         "freq_base-string", "head_count_kv-array", "zero-layers", "zero-heads", "kv-not-dividing",
+         "hidden-not-multiple", "eos-out-of-vocab", "no-tokens", "no-merges-no-scores", "split-part",
+         "odd-head-size"],
+)
+def test_metadata_faults_are_named(tmp_path: Path, kwargs: dict, needles: list[str]) -> None:
+    """Before: transformers' defaults (32 layers, 4096 wide) filled a missing key, its strict config
+    check or ``int()`` failed on a wrong type, a zero divided, with no file named."""
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, **kwargs)
+    _refused(path, tmp_path / "cache", *needles)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needles",
+    [
+        ({"skip_tensors": ("blk.1.attn_k.weight",)}, ["tensors missing for the model", ": blk.1.attn_k.weight"]),
+        ({"skip_tensors": ("blk.0.attn_k.weight",), "extra_tensors": {"blk.0.attn_k.weight": _ONES}},
+         ["GGUF tensor 'blk.0.attn_k.weight' does not fit", "head_count_kv=2", "(64, 64)"]),
+        ({"extra_kv": {"llama.block_count": 3}}, ["block_count=3", "blk.2.attn_norm.weight, blk.2.attn_q.weight"]),
+        ({"extra_kv": {"llama.block_count": 1}}, ["GGUF tensor 'blk.1.", "block_count=1"]),
+        ({"extra_kv": {"llama.vocab_size": 300}}, ["GGUF tensor 'token_embd.weight' does not fit", "vocab=300"]),
+        ({"extra_kv": {"llama.vocab_size": 200},
+          "skip_tensors": ("token_embd.weight",), "extra_tensors": {"token_embd.weight": np.ones((200, 64), np.float32)}},
+         ["its tokenizer has 261 tokens (tokenizer.ggml.tokens) but token_embd.weight has 200 rows"]),
+        ({"extra_kv": {"llama.attention.head_count_kv": 4}}, ["GGUF tensor 'blk.0.attn_k.weight' does not fit"]),
+    ],
+    ids=["missing-attn_k", "attn_k-shape", "block_count-3", "block_count-1", "vocab_size", "tokens-beyond-rows",
+         "head_count_kv"],
+)
+def test_tensors_disagreeing_with_metadata_are_refused_before_caching(tmp_path: Path, kwargs: dict,
+                                                                       needles: list[str]) -> None:  # fmt: skip
+    """Before: converted and cached, then refused at every load naming the cache folder's config.json
+    (or, tokens beyond the embedding, an IndexError at the first prompt using one)."""
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path, **kwargs)
+    _refused(path, tmp_path / "cache", *needles)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllmini.models import gguf_checks, gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models.weight_loader import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     reader = gguf_checks.open_reader(gguf, gguf_path)
+    gguf_checks.check_single_file(reader, gguf_path)
     arch = _architecture(reader, gguf_path)
+    gguf_checks.check_metadata(reader, gguf_path, arch)
     rope = _check_supported(reader, gguf_path, arch)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +114,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     try:
         with _parsed_once(gguf, gguf_path, reader):
             config = _write_config(gguf_path, reader, arch, tmp, rope)
+            gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
             _write_tokenizer(gguf_path, reader, tmp)
         _write_weights(reader, config, arch, tmp, max_shard_bytes)
         try:
@@ -200,6 +204,17 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> dict[str, Any]:
 
 
 def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
+    """config.json and generation_config.json; what transformers refuses (its strict config checks
+    raise their own exception types, at assignment or at save) is a ValueError naming the file."""
+    try:
+        return _save_config(gguf_path, reader, arch, out, rope)
+    except Exception as exc:
+        if isinstance(exc, ValueError) and str(exc).startswith(str(gguf_path)):
+            raise  # one of ours
+        raise ValueError(f"{gguf_path}: transformers cannot build a valid config from its metadata: {exc}") from exc
+
+
+def _save_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
@@ -325,17 +340,28 @@ def _plan_shards(items: list[tuple[object, int | None]], max_shard_bytes: int) -
     return shards
 
 
+def _hf_item(t, expert: int | None, arch: str) -> tuple[str, tuple[int, ...]]:
+    """HF name and shape of a GGUF tensor (of one expert of a stacked experts tensor)."""
+    name = hf_tensor_name(t.name, arch, expert)
+    assert name is not None  # checked in _check_supported
+    shape = gguf_moe.numpy_shape(t)
+    return name, gguf_moe.hf_shape(name, shape if expert is None else shape[1:])
+
+
+def _tensor_names(reader, arch: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(GGUF name, HF name, HF shape) of each tensor the conversion writes, for gguf_checks.check_tensors."""
+    for t, expert in _weight_items(_weight_tensors(reader)):
+        yield t.name, *_hf_item(t, expert, arch)
+
+
 def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for t, expert in items:
-        name = hf_tensor_name(t.name, arch, expert)
-        assert name is not None  # checked in _check_supported
-        shape = gguf_moe.numpy_shape(t)
-        data = t.data
-        if expert is not None:  # one expert's rows of the stacked tensor (quantized blocks never span experts)
-            data, shape = data[expert], shape[1:]
-        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(gguf_moe.hf_shape(name, shape))
+        name, shape = _hf_item(t, expert, arch)
+        # one expert's rows of a stacked tensor (quantized blocks never span experts)
+        data = t.data if expert is None else t.data[expert]
+        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
         w = gguf_gemma.hf_weight(name, w, arch)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = unpermute_rotary(w, config.num_attention_heads)

@@ -326,9 +326,7 @@ def load_model(
             reset()
     if max_model_len is not None:
         fit_rope_context(model, max_model_len)
-    missing = _missing_parameters(model, set(loaded))
-    if callable(names := getattr(model, "checkpoint_names", None)):  # fused parameters: name the checkpoint's tensors
-        missing = [tensor for param in missing for tensor in names(param)]
+    missing = missing_checkpoint_tensors(model, set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
         raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}")
@@ -360,6 +358,15 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
         for name in others:
             module_path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module_path), leaf, param)
+
+
+def missing_checkpoint_tensors(model: nn.Module, loaded: set[str]) -> list[str]:
+    """The checkpoint tensors that would fill the parameters ``load_weights`` left empty (a fused
+    parameter's missing shards by their own names)."""
+    missing = _missing_parameters(model, loaded)
+    if callable(names := getattr(model, "checkpoint_names", None)):
+        missing = [tensor for param in missing for tensor in names(param)]
+    return missing
 
 
 def _missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:
