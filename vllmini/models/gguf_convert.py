@@ -16,14 +16,13 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from vllmini.models import gguf_checks, gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models import gguf_cache, gguf_checks, gguf_gemma, gguf_moe, gguf_rope
 from vllmini.models.weight_loader import load_config
 
 logger = logging.getLogger(__name__)
@@ -89,11 +88,13 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 source_stat: os.stat_result | None = None) -> Path:  # fmt: skip
     """Write an HF-format directory (config, fp32 safetensors, tokenizer) for ``gguf_path`` at ``out_dir``.
 
     Everything is written into a temporary sibling folder that is renamed into place
-    at the end, so an interrupted or failed conversion leaves nothing at ``out_dir``.
+    at the end, so an interrupted or failed conversion leaves nothing at ``out_dir``;
+    nor does a source that changed since ``source_stat`` (its stat when the cache key was made).
     """
     import gguf  # local: only conversions need it
 
@@ -101,6 +102,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    source_stat = source_stat or gguf_path.stat()
     reader = gguf_checks.open_reader(gguf, gguf_path)
     gguf_checks.check_single_file(reader, gguf_path)
     arch = _architecture(reader, gguf_path)
@@ -108,15 +110,18 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     rope = _check_supported(reader, gguf_path, arch)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    gguf_cache.remove_stale_tmp(out_dir)
+    gguf_cache.check_free_space(gguf_path, out_dir.parent, 4 * sum(int(t.n_elements) for t in _weight_tensors(reader)))
+    tmp = gguf_cache.tmp_dir(out_dir)
     try:
-        with _parsed_once(gguf, gguf_path, reader):
-            config = _write_config(gguf_path, reader, arch, tmp, rope)
-            gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
-            _write_tokenizer(gguf_path, reader, tmp)
-        _write_weights(reader, config, arch, tmp, max_shard_bytes)
+        with gguf_cache.cache_errors(gguf_path, out_dir.parent):
+            tmp.mkdir()
+            with _parsed_once(gguf, gguf_path, reader):
+                config = _write_config(gguf_path, reader, arch, tmp, rope)
+                gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
+                _write_tokenizer(gguf_path, reader, tmp)
+            _write_weights(reader, config, arch, tmp, max_shard_bytes)
+        gguf_cache.check_unchanged(gguf_path, source_stat)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -146,24 +151,6 @@ def _parsed_once(gguf: Any, gguf_path: Path, reader: Any) -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = real
-
-
-def _remove_stale_tmp(out_dir: Path) -> None:
-    """Delete temporary folders left by conversions whose process was killed (they can be GBs)."""
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        pid = stale.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _architecture(reader, gguf_path: Path) -> str:
@@ -209,8 +196,8 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str,
     try:
         return _save_config(gguf_path, reader, arch, out, rope)
     except Exception as exc:
-        if isinstance(exc, ValueError) and str(exc).startswith(str(gguf_path)):
-            raise  # one of ours
+        if isinstance(exc, OSError) or isinstance(exc, ValueError) and str(exc).startswith(str(gguf_path)):
+            raise  # a write that failed (gguf_cache.cache_errors says which), or one of ours
         raise ValueError(f"{gguf_path}: transformers cannot build a valid config from its metadata: {exc}") from exc
 
 

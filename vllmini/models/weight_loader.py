@@ -12,7 +12,6 @@ unpickling can execute arbitrary code, and remote code is never trusted.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from vllmini.models import registry
+from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
 from vllmini.models.score_head import ScoreHead
 
@@ -85,7 +85,7 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
     if revision is not None and (model == "default" or Path(model).expanduser().exists()):
         logger.warning("revision=%r is ignored: model %r is not a hub id", revision, model)
     if model == "default":
-        return _converted_gguf(default_gguf_path(), cache)
+        return converted_gguf(default_gguf_path(), cache)
     path = Path(model).expanduser()
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -96,7 +96,7 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {model!r} does not exist; {ACCEPTED_FORMS}")
-        return _converted_gguf(path, cache)
+        return converted_gguf(path, cache)
     if path.exists():
         raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
     if is_hub_id(model):
@@ -121,26 +121,6 @@ def default_gguf_path() -> Path:
         f"package {DEFAULT_GGUF_PACKAGE} is installed but has no {DEFAULT_GGUF_FILE}; "
         f"reinstall it with: {DEFAULT_INSTALL_HINT}"
     )
-
-
-def gguf_cache_entry(gguf_path: Path, cache_dir: Path) -> Path:
-    """Cache folder for a GGUF file, keyed on name, size, mtime and converter version
-    (cheap to compute, unlike hashing a multi-GB file at every start)."""
-    from vllmini.models.gguf_convert import CONVERTER_VERSION
-
-    st = gguf_path.stat()
-    key = f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return cache_dir / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    from vllmini.models.gguf_convert import convert_gguf
-
-    entry = gguf_cache_entry(gguf_path, cache_dir)
-    if (entry / "config.json").is_file():
-        return entry
-    logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, entry)
-    return convert_gguf(gguf_path, entry)
 
 
 def _has_weights(d: Path) -> bool:
