@@ -203,6 +203,13 @@ def test_resolve_model_dir_forms(tmp_path: Path, tiny_dirs) -> None:
     text.write_text("x")
     with pytest.raises(ValueError, match=r"weights\.txt.*not a \.gguf"):
         resolve_model_dir(str(text), tmp_path)
+    repo = tmp_path / "model-GGUF"  # a GGUF repository's download: some ship a config.json ({"model_type": ...})
+    repo.mkdir()
+    (repo / "config.json").write_text('{"model_type": "llama"}')
+    (repo / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"model-GGUF' has no \*\.safetensors weights \(it holds "
+                                                r"model\.Q4_K_M\.gguf: pass the \.gguf file path\)"):  # fmt: skip
+        resolve_model_dir(str(repo), tmp_path)
 
 
 def test_hub_ids_go_through_snapshot_download(tmp_path: Path, tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -89,10 +89,12 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
         return converted_gguf(default_gguf_path(), cache)
     path = Path(model).expanduser()
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.resolve()
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file path)" if ggufs else ""
+        if (path / "config.json").is_file():
+            if ggufs and not any(path.glob("*.safetensors")):  # a GGUF repo's download (TheBloke's have a config.json)
+                raise FileNotFoundError(f"model directory {model!r} has no *.safetensors weights{hint}")
+            return path.resolve()
         raise FileNotFoundError(f"model directory {model!r} has no config.json{hint}; {ACCEPTED_FORMS}")
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
