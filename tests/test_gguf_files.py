@@ -135,3 +135,16 @@ def test_tensors_disagreeing_with_metadata_are_refused_before_caching(tmp_path: 
     path = tmp_path / "model.gguf"
     write_tiny_gguf(path, **kwargs)
     _refused(path, tmp_path / "cache", *needles)
+
+
+def test_a_hub_cache_symlink_is_named_not_its_blob(tmp_path: Path, tiny_bytes: bytes) -> None:
+    """Files in Hugging Face's cache are symlinks (snapshots/<rev>/model.gguf -> blobs/<sha256>):
+    errors named the blob's hash, which says nothing of the model; a good one converts."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    (blobs / ("9" * 64)).write_bytes(tiny_bytes[:5000])
+    (snapshot / "model.gguf").symlink_to(blobs / ("9" * 64))
+    _refused(snapshot / "model.gguf", tmp_path / "cache", "it is truncated or corrupted")
+    (blobs / ("9" * 64)).write_bytes(tiny_bytes)
+    assert (resolve_model_dir(str(snapshot / "model.gguf"), tmp_path / "cache") / "config.json").is_file()

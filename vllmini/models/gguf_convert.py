@@ -98,7 +98,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
     """
     import gguf  # local: only conversions need it
 
-    gguf_path = Path(gguf_path).resolve()
+    gguf_path = Path(gguf_path).absolute()  # (not resolved: a hub cache's symlink is named, not its blob's hash)
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -139,10 +139,10 @@ def _parsed_once(gguf: Any, gguf_path: Path, reader: Any) -> Iterator[None]:
     again (4.5 s apiece for SmolLM2's file, most of it its 49152-token vocabulary's fields): while
     they run, a reader asked for this file is the one already built (read-only: a memory map).
     Readers of other files, and every reader after the block, are built as usual."""
-    real = gguf.GGUFReader
+    real, target = gguf.GGUFReader, gguf_path.resolve()
 
     def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and Path(path).resolve() == gguf_path:
+        if not args and not kwargs and Path(path).resolve() == target:
             return reader
         return real(path, *args, **kwargs)
 
