@@ -95,13 +95,15 @@ _ONES = np.ones((64, 64), np.float32)
         ({"drop_kv": ("tokenizer.ggml.tokens",)}, ["has no token list (tokenizer.ggml.tokens)"]),
         ({"drop_kv": ("tokenizer.ggml.merges",)}, ["neither tokenizer.ggml.merges nor tokenizer.ggml.scores"]),
         ({"extra_kv": {"split.count": 3, "split.no": 0}}, ["is part 1 of a model split into 3 GGUF files", "--merge"]),
+        ({"extra_kv": {"tokenizer.chat_template": 3}}, ["'tokenizer.chat_template' holds UINT32 3, expected text"]),
+        ({"extra_kv": {"tokenizer.ggml.tokens": [1, 2, 3]}}, ["'tokenizer.ggml.tokens' holds ARRAY/INT32 [1, 2, 3]"]),
         ({"extra_kv": {"llama.attention.key_length": 15}},  # transformers refuses it when the config is saved
          ["transformers cannot build a valid config from its metadata", "even rotary dimension"]),
     ],
     ids=["no-block_count", "no-head_count", "no-feed_forward_length", "block_count-string", "context_length-float",
          "freq_base-string", "head_count_kv-array", "zero-layers", "zero-heads", "kv-not-dividing",
          "hidden-not-multiple", "eos-out-of-vocab", "no-tokens", "no-merges-no-scores", "split-part",
-         "odd-head-size"],
+         "chat-template-int", "tokens-ints", "odd-head-size"],
 )
 def test_metadata_faults_are_named(tmp_path: Path, kwargs: dict, needles: list[str]) -> None:
     """Before: transformers' defaults (32 layers, 4096 wide) filled a missing key, its strict config

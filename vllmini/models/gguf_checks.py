@@ -93,6 +93,12 @@ def _end_of_header_data(gguf: Any, gguf_path: Path) -> int | None:
     return None
 
 
+def gguf_value_type(name: str) -> Any:
+    from gguf import GGUFValueType
+
+    return GGUFValueType[name]
+
+
 def field_info(reader, key: str) -> tuple[str, Any] | None:
     """(GGUF value type name, value) of a metadata key; None when the file lacks it. An array's type
     is ``ARRAY`` (its items' type does not matter to the checks here)."""
@@ -164,6 +170,13 @@ def _check_tokenizer_keys(reader, gguf_path: Path) -> None:
     (transformers fails on either with a bare KeyError or IndexError)."""
     if field_info(reader, "tokenizer.ggml.model") is None:
         return  # no tokenizer: the conversion warns and writes none
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template", "tokenizer.ggml.tokens",
+                "tokenizer.ggml.merges"):  # fmt: skip
+        field = reader.fields.get(key)
+        if field is not None and field.types[-1:] != [gguf_value_type("STRING")]:  # (an array's: its items' type)
+            kinds = "/".join(t.name for t in field.types)
+            raise ValueError(f"{gguf_path}: the metadata key {key!r} holds {kinds} {_short(field.contents())}, "
+                             "expected text")  # fmt: skip
     tokens = field_info(reader, "tokenizer.ggml.tokens")
     if tokens is None or tokens[0] != "ARRAY":
         raise ValueError(f"{gguf_path}: it names a tokenizer (tokenizer.ggml.model) but has no token list "
