@@ -150,3 +150,19 @@ def test_a_hub_cache_symlink_is_named_not_its_blob(tmp_path: Path, tiny_bytes: b
     _refused(snapshot / "model.gguf", tmp_path / "cache", "it is truncated or corrupted")
     (blobs / ("9" * 64)).write_bytes(tiny_bytes)
     assert (resolve_model_dir(str(snapshot / "model.gguf"), tmp_path / "cache") / "config.json").is_file()
+
+
+def test_big_endian_file_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' reader said 'is GGUF v50331648; this reader handles v2 and v3'."""
+    import gguf
+
+    import test_gguf
+
+    class BigEndianWriter(test_gguf.GGUFWriter):
+        def __init__(self, path, arch, **kwargs):
+            super().__init__(path, arch, endianess=gguf.GGUFEndian.BIG, **kwargs)
+
+    monkeypatch.setattr(test_gguf, "GGUFWriter", BigEndianWriter)
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path)
+    _refused(path, tmp_path / "cache", "is a big-endian GGUF file")

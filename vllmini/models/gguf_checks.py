@@ -35,11 +35,15 @@ def open_reader(gguf: Any, gguf_path: Path) -> Any:
     """``gguf.GGUFReader(gguf_path)``; a file it cannot read is refused saying what the file is
     (a Git LFS pointer, an HTML page, a GGML-era file), or where it ends short of its own header."""
     try:
-        return gguf.GGUFReader(gguf_path)
+        reader = gguf.GGUFReader(gguf_path)
     except PermissionError as exc:
         raise PermissionError(exc.errno, f"{gguf_path} cannot be read: {exc.strerror}") from None
     except Exception as exc:  # the reader fails with numpy's IndexError/ValueError/TypeError on a cut file
         raise ValueError(f"{gguf_path} is not a readable GGUF file: {_why_unreadable(gguf, gguf_path, exc)}") from exc
+    if reader.byte_order == "S":  # (transformers' own reader then fails with "GGUF v50331648")
+        raise ValueError(f"{gguf_path} is a big-endian GGUF file (made for s390x hosts); vllmini reads little-endian "
+                         "ones, the byte order of every other GGUF file")  # fmt: skip
+    return reader
 
 
 def _why_unreadable(gguf: Any, gguf_path: Path, exc: Exception) -> str:
