@@ -81,13 +81,14 @@ def write_tiny_gguf(
     experts_used: int = 2,
     stacked: bool = True,
     skip_tensors: tuple[str, ...] = (),
+    drop_kv: tuple[str, ...] = (),
 ) -> dict[str, np.ndarray]:
     """Write a 2-layer model; returns the HF-layout fp32 tensors the converter must reproduce.
 
     2-D tensors with 32-multiple rows are stored Q8_0 (so expected = quantize round-trip), the rest F32.
     ``experts``: a mixture of experts in every layer as llama.cpp writes it (qwen2moe, qwen3moe, or
     ``llama`` for Mixtral), stacked per projection unless ``stacked=False``; ``skip_tensors``: GGUF
-    names left out."""
+    names left out (``extra_tensors`` of the same names replace them); ``drop_kv``: metadata keys left out."""
     hidden, heads, kv_heads, inter, layers = 64, 4, 2, 128, 2
     moe_width, shared_width = (inter, 0) if arch == "llama" else (32, 96)
     hd = head_dim or hidden // heads
@@ -170,8 +171,10 @@ def write_tiny_gguf(
     w.add_eos_token_id(vocab - 1)
     w.add_chat_template(CHAT_TEMPLATE)
     for key, value in (extra_kv or {}).items():
-        add = {float: w.add_float32, int: w.add_uint32, str: w.add_string}[type(value)]
+        add = {float: w.add_float32, int: w.add_uint32, str: w.add_string, list: w.add_array}[type(value)]
         add(key, value)  # a key written above is overwritten
+    for key in drop_kv:
+        del w.kv_data[0][key]
 
     expected: dict[str, np.ndarray] = {}
     stored_tensors: dict[str, list[np.ndarray]] = {}  # GGUF name -> its array (a stacked one: each expert's)

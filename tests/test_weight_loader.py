@@ -203,6 +203,13 @@ def test_resolve_model_dir_forms(tmp_path: Path, tiny_dirs) -> None:
     text.write_text("x")
     with pytest.raises(ValueError, match=r"weights\.txt.*not a \.gguf"):
         resolve_model_dir(str(text), tmp_path)
+    repo = tmp_path / "model-GGUF"  # a GGUF repository's download: some ship a config.json ({"model_type": ...})
+    repo.mkdir()
+    (repo / "config.json").write_text('{"model_type": "llama"}')
+    (repo / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"model-GGUF' has no \*\.safetensors weights \(it holds "
+                                                r"model\.Q4_K_M\.gguf: pass the \.gguf file path\)"):  # fmt: skip
+        resolve_model_dir(str(repo), tmp_path)
 
 
 def test_hub_ids_go_through_snapshot_download(tmp_path: Path, tiny_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -441,4 +448,68 @@ def test_unsupported_settings_name_the_config_file(tmp_path: Path, tiny_dirs, ch
     config.pop("rope_parameters", None)
     (d / "config.json").write_text(json.dumps(config | change))
     with pytest.raises(ValueError, match=rf"m/config\.json: {needle} is not supported; supported: "):
+        load_model(d, torch.float32, CPU)
+
+
+def _edit_config(d: Path, **changes) -> None:
+    config = json.loads((d / "config.json").read_text())
+    for key, value in changes.items():
+        if value is _UNSET:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    (d / "config.json").write_text(json.dumps(config))
+
+
+_UNSET = object()
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"num_attention_heads": 0}, r"transformers cannot read .*config\.json: integer modulo by zero"),
+        ({"num_attention_heads": "4"}, r"(?s)transformers cannot read .*config\.json: .*expected int, got str"),
+        ({"num_attention_heads": -4}, r"config\.json: num_attention_heads is -4; it must be a positive integer"),
+        ({"num_key_value_heads": 0}, r"config\.json: num_key_value_heads is 0; it must be a positive integer"),
+        ({"num_hidden_layers": 0}, r"config\.json: num_hidden_layers is 0; it must be a positive integer"),
+        ({"vocab_size": 0}, r"config\.json: vocab_size is 0"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+         r"config\.json: a quantized checkpoint \(quantization_config with quant_method 'gptq'\)"),
+        ({"hidden_size": _UNSET}, r"m: checkpoint tensor 'model\.embed_tokens\.weight' has shape \(128, 64\) but config\.json "
+                                  r"implies \(128, 4096\) \(config\.json does not set hidden_size \(default 4096\)"),
+        ({"num_hidden_layers": _UNSET}, r"m: the checkpoint does not provide these parameters: model\.layers\.2\..*"
+                                        r"\(config\.json does not set num_hidden_layers \(default 32\)"),
+    ],
+    ids=["zero-heads", "string-heads", "negative-heads", "zero-kv-heads", "zero-layers", "zero-vocab", "gptq",
+         "no-hidden_size", "no-num_hidden_layers"],
+)
+def test_config_faults_name_the_file(tmp_path: Path, tiny_dirs, changes: dict, needle: str) -> None:
+    """Before: a ZeroDivisionError or transformers' strict-check error with no file named, a negative
+    dimension inside torch, a model without layers or a vocabulary of 0 built, GPTQ's packed tensors
+    reported as an 'architecture mismatch', and a missing size blamed on config.json."""
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    _edit_config(d, **changes)
+    with pytest.raises(ValueError, match=needle):
+        load_model(d, torch.float32, CPU)
+
+
+def test_tensor_faults_name_the_file(tmp_path: Path, tiny_dirs) -> None:
+    """An integer tensor was copied into a float parameter without a word; a tensor in two shards
+    loaded whichever came last; a Git LFS pointer was 'header too large'."""
+    d = _copy_dir(tiny_dirs["single"][0], tmp_path / "m")
+    good = load_file(d / "model.safetensors")
+    save_file({**good, "model.norm.weight": torch.ones(64, dtype=torch.int32)}, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"m/model\.safetensors: tensor 'model\.norm\.weight' holds int32 values"):
+        load_model(d, torch.float32, CPU)
+    save_file(good, d / "model.safetensors")
+    save_file({"model.norm.weight": torch.zeros(64)}, d / "stale.safetensors")
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in good}}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index | {"weight_map": index["weight_map"]
+                                                                         | {"x": "stale.safetensors"}}))  # fmt: skip
+    with pytest.raises(ValueError, match=r"stale\.safetensors and .*m/model\.safetensors both hold tensor 'model\.norm"):
+        load_model(d, torch.float32, CPU)
+    (d / "model.safetensors.index.json").unlink()
+    (d / "stale.safetensors").unlink()
+    (d / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 9\n")
+    with pytest.raises(ValueError, match=r"model\.safetensors is not a valid safetensors file \(it is a Git LFS pointer"):
         load_model(d, torch.float32, CPU)

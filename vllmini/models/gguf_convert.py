@@ -16,14 +16,14 @@ import logging
 import os
 import re
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from vllmini.models import gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models import gguf_cache, gguf_checks, gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models.weight_loader import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -88,34 +88,40 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 source_stat: os.stat_result | None = None) -> Path:  # fmt: skip
     """Write an HF-format directory (config, fp32 safetensors, tokenizer) for ``gguf_path`` at ``out_dir``.
 
     Everything is written into a temporary sibling folder that is renamed into place
-    at the end, so an interrupted or failed conversion leaves nothing at ``out_dir``.
+    at the end, so an interrupted or failed conversion leaves nothing at ``out_dir``;
+    nor does a source that changed since ``source_stat`` (its stat when the cache key was made).
     """
     import gguf  # local: only conversions need it
 
-    gguf_path = Path(gguf_path).resolve()
+    gguf_path = Path(gguf_path).absolute()  # (not resolved: a hub cache's symlink is named, not its blob's hash)
     out_dir = Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    try:
-        reader = gguf.GGUFReader(gguf_path)
-    except Exception as exc:  # the reader raises ValueError/AssertionError/struct.error on bad files
-        raise ValueError(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+    source_stat = source_stat or gguf_path.stat()
+    reader = gguf_checks.open_reader(gguf, gguf_path)
+    gguf_checks.check_single_file(reader, gguf_path)
     arch = _architecture(reader, gguf_path)
+    gguf_checks.check_metadata(reader, gguf_path, arch)
     rope = _check_supported(reader, gguf_path, arch)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp(out_dir)
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    gguf_cache.remove_stale_tmp(out_dir)
+    gguf_cache.check_free_space(gguf_path, out_dir.parent, 4 * sum(int(t.n_elements) for t in _weight_tensors(reader)))
+    tmp = gguf_cache.tmp_dir(out_dir)
     try:
-        with _parsed_once(gguf, gguf_path, reader):
-            config = _write_config(gguf_path, reader, arch, tmp, rope)
-            _write_tokenizer(gguf_path, reader, tmp)
-        _write_weights(reader, config, arch, tmp, max_shard_bytes)
+        with gguf_cache.cache_errors(gguf_path, out_dir.parent):
+            tmp.mkdir()
+            with _parsed_once(gguf, gguf_path, reader):
+                config = _write_config(gguf_path, reader, arch, tmp, rope)
+                gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
+                _write_tokenizer(gguf_path, reader, tmp)
+            _write_weights(reader, config, arch, tmp, max_shard_bytes)
+        gguf_cache.check_unchanged(gguf_path, source_stat)
         try:
             os.rename(tmp, out_dir)
         except OSError:
@@ -133,10 +139,10 @@ def _parsed_once(gguf: Any, gguf_path: Path, reader: Any) -> Iterator[None]:
     again (4.5 s apiece for SmolLM2's file, most of it its 49152-token vocabulary's fields): while
     they run, a reader asked for this file is the one already built (read-only: a memory map).
     Readers of other files, and every reader after the block, are built as usual."""
-    real = gguf.GGUFReader
+    real, target = gguf.GGUFReader, gguf_path.resolve()
 
     def reader_of(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if not args and not kwargs and Path(path).resolve() == gguf_path:
+        if not args and not kwargs and Path(path).resolve() == target:
             return reader
         return real(path, *args, **kwargs)
 
@@ -145,24 +151,6 @@ def _parsed_once(gguf: Any, gguf_path: Path, reader: Any) -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader = real
-
-
-def _remove_stale_tmp(out_dir: Path) -> None:
-    """Delete temporary folders left by conversions whose process was killed (they can be GBs)."""
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        pid = stale.name.rsplit(".tmp-", 1)[1].split("-")[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _architecture(reader, gguf_path: Path) -> str:
@@ -203,6 +191,17 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> dict[str, Any]:
 
 
 def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
+    """config.json and generation_config.json; what transformers refuses (its strict config checks
+    raise their own exception types, at assignment or at save) is a ValueError naming the file."""
+    try:
+        return _save_config(gguf_path, reader, arch, out, rope)
+    except Exception as exc:
+        if isinstance(exc, OSError) or isinstance(exc, ValueError) and str(exc).startswith(str(gguf_path)):
+            raise  # a write that failed (gguf_cache.cache_errors says which), or one of ours
+        raise ValueError(f"{gguf_path}: transformers cannot build a valid config from its metadata: {exc}") from exc
+
+
+def _save_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
     from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
@@ -328,17 +327,28 @@ def _plan_shards(items: list[tuple[object, int | None]], max_shard_bytes: int) -
     return shards
 
 
+def _hf_item(t, expert: int | None, arch: str) -> tuple[str, tuple[int, ...]]:
+    """HF name and shape of a GGUF tensor (of one expert of a stacked experts tensor)."""
+    name = hf_tensor_name(t.name, arch, expert)
+    assert name is not None  # checked in _check_supported
+    shape = gguf_moe.numpy_shape(t)
+    return name, gguf_moe.hf_shape(name, shape if expert is None else shape[1:])
+
+
+def _tensor_names(reader, arch: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(GGUF name, HF name, HF shape) of each tensor the conversion writes, for gguf_checks.check_tensors."""
+    for t, expert in _weight_items(_weight_tensors(reader)):
+        yield t.name, *_hf_item(t, expert, arch)
+
+
 def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.quants import dequantize
 
     for t, expert in items:
-        name = hf_tensor_name(t.name, arch, expert)
-        assert name is not None  # checked in _check_supported
-        shape = gguf_moe.numpy_shape(t)
-        data = t.data
-        if expert is not None:  # one expert's rows of the stacked tensor (quantized blocks never span experts)
-            data, shape = data[expert], shape[1:]
-        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(gguf_moe.hf_shape(name, shape))
+        name, shape = _hf_item(t, expert, arch)
+        # one expert's rows of a stacked tensor (quantized blocks never span experts)
+        data = t.data if expert is None else t.data[expert]
+        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
         w = gguf_gemma.hf_weight(name, w, arch)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = unpermute_rotary(w, config.num_attention_heads)

@@ -12,7 +12,6 @@ unpickling can execute arbitrary code, and remote code is never trusted.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -24,7 +23,9 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from vllmini.models import registry
+from vllmini.files import foreign_file_hint
+from vllmini.models import checkpoint_checks, registry
+from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
 from vllmini.models.score_head import ScoreHead
 
@@ -85,18 +86,20 @@ def resolve_model_dir(model: str, cache_dir: str | Path | None = None, revision:
     if revision is not None and (model == "default" or Path(model).expanduser().exists()):
         logger.warning("revision=%r is ignored: model %r is not a hub id", revision, model)
     if model == "default":
-        return _converted_gguf(default_gguf_path(), cache)
+        return converted_gguf(default_gguf_path(), cache)
     path = Path(model).expanduser()
     if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.resolve()
         ggufs = sorted(p.name for p in path.glob("*.gguf"))
         hint = f" (it holds {', '.join(ggufs)}: pass the .gguf file path)" if ggufs else ""
+        if (path / "config.json").is_file():
+            if ggufs and not any(path.glob("*.safetensors")):  # a GGUF repo's download (TheBloke's have a config.json)
+                raise FileNotFoundError(f"model directory {model!r} has no *.safetensors weights{hint}")
+            return path.resolve()
         raise FileNotFoundError(f"model directory {model!r} has no config.json{hint}; {ACCEPTED_FORMS}")
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file {model!r} does not exist; {ACCEPTED_FORMS}")
-        return _converted_gguf(path, cache)
+        return converted_gguf(path, cache)
     if path.exists():
         raise ValueError(f"model {model!r} is a file but not a .gguf file; {ACCEPTED_FORMS}")
     if is_hub_id(model):
@@ -121,26 +124,6 @@ def default_gguf_path() -> Path:
         f"package {DEFAULT_GGUF_PACKAGE} is installed but has no {DEFAULT_GGUF_FILE}; "
         f"reinstall it with: {DEFAULT_INSTALL_HINT}"
     )
-
-
-def gguf_cache_entry(gguf_path: Path, cache_dir: Path) -> Path:
-    """Cache folder for a GGUF file, keyed on name, size, mtime and converter version
-    (cheap to compute, unlike hashing a multi-GB file at every start)."""
-    from vllmini.models.gguf_convert import CONVERTER_VERSION
-
-    st = gguf_path.stat()
-    key = f"{gguf_path.name}|{st.st_size}|{st.st_mtime_ns}|v{CONVERTER_VERSION}"
-    return cache_dir / "gguf" / f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-def _converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
-    from vllmini.models.gguf_convert import convert_gguf
-
-    entry = gguf_cache_entry(gguf_path, cache_dir)
-    if (entry / "config.json").is_file():
-        return entry
-    logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, entry)
-    return convert_gguf(gguf_path, entry)
 
 
 def _has_weights(d: Path) -> bool:
@@ -187,7 +170,9 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not an object of settings")
+    architectures = raw.get("architectures")
     if not architectures:
         raise ValueError(
             f"{path} has no 'architectures' entry; supported: {', '.join(registry.supported_architectures())}"
@@ -197,11 +182,13 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+    except Exception as exc:  # OSError, KeyError, its strict checks' own types, a ZeroDivisionError for 0 heads
         # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
         code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
         raise ValueError(f"transformers cannot read {path}{code if 'auto_map' in raw else ''}: {exc}") from exc
+    checkpoint_checks.check_config(config, raw, path)
+    return config
 
 
 def load_tokenizer(source: str | Path, revision: str | None = None, download_dir: str | Path | None = None
@@ -248,7 +235,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
         return [model_dir / n for n in names]
     if (model_dir / "model.safetensors").is_file():
         return [model_dir / "model.safetensors"]
-    others = sorted(model_dir.glob("*.safetensors"))
+    others = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
     if others:
         return others
     pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
@@ -267,21 +254,30 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
     per tensor (~0.3 ms each) so that pages already copied into the model are unmapped
     as soon as the caller drops the tensor, instead of staying resident until the whole
-    file has been read (that would double peak RSS).
+    file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
+    new ones) is refused: which one the checkpoint means is unknown; so is a non-float one.
     """
     from safetensors import SafetensorError, safe_open
 
+    seen: dict[str, Path] = {}
     for path in _weight_files(Path(model_dir)):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names = list(f.keys())
             for name in names:
+                if name in seen:
+                    raise ValueError(f"{path} and {seen[name]} both hold tensor {name!r}; a checkpoint holds each "
+                                     "tensor once (a stale shard left beside new ones?)")  # fmt: skip
+                seen[name] = path
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     tensor = f.get_tensor(name)
+                checkpoint_checks.check_tensor(path, name, tensor)
                 yield name, tensor
                 del tensor
         except SafetensorError as exc:
-            raise ValueError(f"{path} is not a valid safetensors file (corrupted header or data?): {exc}") from exc
+            with open(path, "rb") as f:
+                hint = foreign_file_hint(f.read(512)) or "corrupted header or data?"
+            raise ValueError(f"{path} is not a valid safetensors file ({hint}): {exc}") from exc
 
 
 def load_model(
@@ -319,19 +315,23 @@ def load_model(
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
     weights = iter_weights(model_dir)
-    loaded = model.load_weights(_body_weights(weights) if pooling else weights) or set()
+    try:
+        loaded = model.load_weights(_body_weights(weights) if pooling else weights) or set()
+    except ValueError as exc:  # a shape or a name the model does not take: which folder, and what config.json left unset
+        if str(exc).startswith(str(model_dir)):
+            raise
+        raise ValueError(f"{model_dir}: {exc}{checkpoint_checks.unset_sizes(model_dir, config)}") from None
     for module in model.modules():
         reset = getattr(module, "reset_buffers", None)
         if callable(reset):
             reset()
     if max_model_len is not None:
         fit_rope_context(model, max_model_len)
-    missing = _missing_parameters(model, set(loaded))
-    if callable(names := getattr(model, "checkpoint_names", None)):  # fused parameters: name the checkpoint's tensors
-        missing = [tensor for param in missing for tensor in names(param)]
+    missing = missing_checkpoint_tensors(model, set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
-        raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}")
+        note = checkpoint_checks.unset_sizes(model_dir, config)
+        raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}{note}")
     model.eval()
     return model, config
 
@@ -360,6 +360,15 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
         for name in others:
             module_path, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(module_path), leaf, param)
+
+
+def missing_checkpoint_tensors(model: nn.Module, loaded: set[str]) -> list[str]:
+    """The checkpoint tensors that would fill the parameters ``load_weights`` left empty (a fused
+    parameter's missing shards by their own names)."""
+    missing = _missing_parameters(model, loaded)
+    if callable(names := getattr(model, "checkpoint_names", None)):
+        missing = [tensor for param in missing for tensor in names(param)]
+    return missing
 
 
 def _missing_parameters(model: nn.Module, loaded: set[str]) -> list[str]:

@@ -1,0 +1,57 @@
+"""Checks on an HF-format model folder, for what users really hand over: a config.json with a
+zero, a negative or a missing size, a quantized checkpoint (GPTQ, AWQ, FP8...), integer tensors,
+one tensor in two shard files. Each becomes one error naming the file, instead of a ZeroDivisionError
+inside transformers, a negative dimension inside torch, silently wrong weights, or a shape
+mismatch that blames config.json for a size it never set (transformers' default filled it in).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# sizes every supported architecture's config has, at least 1 when set
+_SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads",
+              "head_dim")  # fmt: skip
+# sizes whose transformers default is a fixed number (Llama 2 7B's), not derived from the others
+_DEFAULTED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                   "num_hidden_layers", "vocab_size")  # fmt: skip
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_config(config: Any, raw: dict, path: Path) -> None:
+    """``config`` (transformers' reading of ``path``, whose JSON is ``raw``) describes a model of
+    float weights with positive sizes."""
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
+                         "loads float weights only: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
+    for key in _SIZE_KEYS:
+        value = getattr(config, key, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{path}: {key} is {value!r}; it must be a positive integer")
+
+
+def check_tensor(path: Path, name: str, tensor: torch.Tensor) -> None:
+    """A checkpoint tensor holds floating-point values of a dtype the models compute in (an integer
+    tensor copied into a float parameter loads silently, and wrongly: a quantized checkpoint's
+    packed weights, or a broken export)."""
+    if tensor.dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "
+                         "loads float32, bfloat16 or float16 weights (integer or float8 tensors are a quantized "
+                         "checkpoint's: use the model's unquantized checkpoint, or a GGUF file of it)")  # fmt: skip
+
+
+def unset_sizes(model_dir: Path, config: Any) -> str:
+    """A note for an error about shapes: the sizes config.json leaves to transformers' defaults
+    (a hand-written config without ``hidden_size`` gets 4096), with the values used; "" if none."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    unset = [f"{key} (default {getattr(config, key)})" for key in _DEFAULTED_KEYS
+             if isinstance(raw, dict) and key not in raw and getattr(config, key, None) is not None]  # fmt: skip
+    return f" (config.json does not set {', '.join(unset)}: transformers' defaults were used)" if unset else ""
