@@ -206,10 +206,11 @@ def engine(tiny_dir):
         yield eng
 
 
-def test_mistral_reasoning_turns_off_skip_special_tokens_in_the_request(engine):
+async def test_mistral_reasoning_turns_off_skip_special_tokens_in_the_request(engine):
     request = ChatCompletionRequest(model=NAME, messages=MESSAGES, max_tokens=4)
-    assert OpenAIServingChat(engine, NAME, reasoning_parser="mistral").prepare(request).params.skip_special_tokens is False
-    assert OpenAIServingChat(engine, NAME, reasoning_parser="qwen3").prepare(request).params.skip_special_tokens is True
+    mistral, qwen3 = (OpenAIServingChat(engine, NAME, reasoning_parser=name) for name in ("mistral", "qwen3"))
+    assert (await mistral.prepare(request)).params.skip_special_tokens is False
+    assert (await qwen3.prepare(request)).params.skip_special_tokens is True
 
 
 async def test_xlam_calls_through_the_chat_route_whole_and_streamed(engine):
