@@ -153,3 +153,24 @@ def test_cache_path_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "cache").write_text("not a folder")
     with pytest.raises(NotADirectoryError, match=r"model\.gguf: converting it into .*cache/gguf failed: Not a directory"):
         resolve_model_dir(str(path), tmp_path / "cache")
+
+
+def test_a_replaced_file_replaces_its_conversion(tmp_path: Path) -> None:
+    """A new version of a file (a re-export, a re-download) converts anew and its earlier entry is
+    deleted (nothing could load it again: a 7B model's is ~28 GB); another file of the same name
+    keeps its own, and an entry that recorded no path (made before paths were) is left alone."""
+    path, other = tmp_path / "model.gguf", tmp_path / "elsewhere" / "model.gguf"
+    other.parent.mkdir()
+    write_tiny_gguf(path, seed=0)
+    write_tiny_gguf(other, seed=2)
+    cache = tmp_path / "cache"
+    first, kept = resolve_model_dir(str(path), cache), resolve_model_dir(str(other), cache)
+    legacy = cache / "gguf" / "model-0123456789abcdef"
+    legacy.mkdir()
+    (legacy / "config.json").write_text("{}")
+    write_tiny_gguf(path, seed=1)
+    second = resolve_model_dir(str(path), cache)
+    assert second != first and not first.exists()
+    assert _cache_entries(cache) == sorted([second, kept, legacy])
+    assert resolve_model_dir(str(path), cache) == second  # (found again, nothing removed)
+    assert _cache_entries(cache) == sorted([second, kept, legacy])

@@ -10,13 +10,17 @@ there exactly once, whole, even with several processes (or hosts sharing the fol
     process is deleted by the next conversion on the same host (a host sharing the cache folder
     over NFS may still be writing its own), and a file that changed while it was read is refused;
   * the disk's free space is checked before the (fp32, ~4x a 4-bit file) weights are written, and
-    a full disk is reported as such, naming the file and the folder.
+    a full disk is reported as such, naming the file and the folder;
+  * each entry records the path it was converted from (``SOURCE_FILE``), and a new conversion of
+    that path deletes the entries of its earlier versions (a file replaced, an older converter):
+    nothing could load them again, and a 7B model's is ~28 GB.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -30,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _SAMPLES, _SAMPLE_BYTES = 16, 64 << 10  # 1 MiB read per key: milliseconds, even for a 40 GB file
 _FOREIGN_TMP_AGE_S = 24 * 3600  # another host's leftover: older than any conversion takes
+SOURCE_FILE = "vllmini_source.json"  # in each entry: {"path": the GGUF file's absolute path}
 
 
 def gguf_cache_entry(gguf_path: Path, cache_dir: Path, st: os.stat_result | None = None) -> Path:
@@ -69,7 +74,33 @@ def converted_gguf(gguf_path: Path, cache_dir: Path) -> Path:
             logger.warning("%s is incomplete (no config.json); converting again", entry)
             _remove(entry)
         logger.info("converting %s into %s (once; later runs reuse it)", gguf_path, entry)
-        return convert_gguf(gguf_path, entry, source_stat=source)
+        convert_gguf(gguf_path, entry, source_stat=source)
+    remove_earlier_versions(gguf_path, entry)
+    return entry
+
+
+def write_source(folder: Path, gguf_path: Path) -> None:
+    """Record in a conversion's folder the path of the GGUF file it came from."""
+    (folder / SOURCE_FILE).write_text(json.dumps({"path": str(Path(gguf_path).absolute())}))
+
+
+def remove_earlier_versions(gguf_path: Path, entry: Path) -> None:
+    """Delete the other entries converted from this same path (the path as given: a symlink's
+    target may change): earlier versions of the file, or an older converter's output. Entries
+    made before the path was recorded are left alone (their file cannot be told)."""
+    source, prefix = str(Path(gguf_path).absolute()), f"{gguf_path.stem}-"
+    for other in entry.parent.iterdir():
+        if other == entry or not other.name.startswith(prefix) or not (other / SOURCE_FILE).is_file():
+            continue
+        try:
+            recorded = json.loads((other / SOURCE_FILE).read_text()).get("path")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded == source:
+            logger.info("removing %s, the conversion of an earlier version of %s", other, gguf_path)
+            with contextlib.suppress(OSError):
+                _remove(other)
+                (entry.parent.parent / ".locks" / f"{other.name}.lock").unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

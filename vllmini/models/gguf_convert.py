@@ -121,6 +121,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
                 gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
                 _write_tokenizer(gguf_path, reader, tmp)
             _write_weights(reader, config, arch, tmp, max_shard_bytes)
+            gguf_cache.write_source(tmp, gguf_path)
         gguf_cache.check_unchanged(gguf_path, source_stat)
         try:
             os.rename(tmp, out_dir)
