@@ -161,22 +161,27 @@ def test_a_required_choice_reads_the_array_and_a_named_one_takes_the_output_as_a
        data=st.data())  # fmt: skip
 def test_reasoning_is_the_text_before_think_end(reasoning, content, opened, data):
     text = ("<think>" if opened else "") + reasoning + "</think>" + content
-    for name, in_reasoning in (("deepseek_r1", True), ("qwen3", True), ("qwen3", False)):
+    for name, in_reasoning in (("deepseek_r1", True), ("olmo3", True), ("qwen3", True), ("qwen3", False), ("exaone4", True),
+                               ("exaone4", False)):  # fmt: skip
         cls = get_reasoning_parser(name)
         got = both(lambda: ChatOutputParser(cls(in_reasoning=in_reasoning), None), text, data)
         if opened or in_reasoning:
             assert got == {"reasoning": reasoning or None, "content": content or None, "calls": []}
-        else:  # qwen3 whose <think> was neither written nor left open by the prompt: all content
+        else:  # qwen3 (exaone4) whose <think> was neither written nor left open by the prompt: all content
             assert got == {"reasoning": None, "content": text, "calls": []}
 
 
 @SETTINGS
 @given(text=st.text(max_size=30).filter(lambda t: "</think>" not in t and not t.lstrip().startswith("<")), data=st.data())
 def test_without_think_end_deepseek_r1_is_all_reasoning_and_qwen3_all_content(text, data):
-    assert both(lambda: ChatOutputParser(get_reasoning_parser("deepseek_r1")(in_reasoning=True), None), text, data) == \
-        {"reasoning": text or None, "content": None, "calls": []}  # fmt: skip
-    assert both(lambda: ChatOutputParser(get_reasoning_parser("qwen3")(in_reasoning=False), None), text, data) == \
-        {"reasoning": None, "content": text or None, "calls": []}  # fmt: skip
+    for name in ("deepseek_r1", "olmo3"):
+        parser = get_reasoning_parser(name)
+        assert both(lambda: ChatOutputParser(parser(in_reasoning=parser.starts_in_reasoning("")), None), text, data) == \
+            {"reasoning": text or None, "content": None, "calls": []}  # fmt: skip
+    for name in ("qwen3", "exaone4"):
+        parser = get_reasoning_parser(name)
+        assert both(lambda: ChatOutputParser(parser(in_reasoning=parser.starts_in_reasoning("")), None), text, data) == \
+            {"reasoning": None, "content": text or None, "calls": []}  # fmt: skip
 
 
 def test_qwen3_starts_in_reasoning_only_when_the_prompt_leaves_think_open():
@@ -185,6 +190,9 @@ def test_qwen3_starts_in_reasoning_only_when_the_prompt_leaves_think_open():
     assert not qwen3.starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking=False
     assert not qwen3.starts_in_reasoning("<|im_start|>assistant\n")
     assert get_reasoning_parser("deepseek_r1").starts_in_reasoning("<|Assistant|>")
+    exaone4 = get_reasoning_parser("exaone4")  # EXAONE 4.0's template, enable_thinking on and off
+    assert exaone4.starts_in_reasoning("[|assistant|]<think>\n") and not exaone4.starts_in_reasoning("[|assistant|]")
+    assert get_reasoning_parser("olmo3").starts_in_reasoning("<|im_start|>assistant\n")
 
 
 @SETTINGS
@@ -223,7 +231,7 @@ def test_only_the_first_call_is_kept_without_parallel_tool_calls():
 def test_unknown_parser_names_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, mistral, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, exaone4, mistral, olmo3, qwen3"):
         get_reasoning_parser("nope")
 
 

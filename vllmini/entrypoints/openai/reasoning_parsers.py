@@ -8,6 +8,7 @@
   left a ``<think>`` open (newer Qwen templates write it); with ``enable_thinking=False`` (a
   ``chat_template_kwargs``) Qwen3's template closes an empty think block in the prompt, so the
   whole output is content.
+- ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` as ``qwen3`` (see their classes).
 - ``mistral`` (Magistral): ``[THINK]`` and ``[/THINK]`` instead, read as qwen3's, but a
   ``[THINK]`` after some content still opens the (one) reasoning section, and the tags, special
   tokens there, are kept in the text (``skip_special_tokens=False``).
@@ -110,6 +111,18 @@ class Qwen3ReasoningParser(ReasoningParser):
     pass
 
 
+class Olmo3ReasoningParser(DeepSeekR1ReasoningParser):
+    """OLMo 3 Think: read as deepseek_r1 (the output starts in reasoning, the ``<think>`` optional:
+    its template may write it; the tags are plain text). vLLM's reads an output with no
+    ``</think>`` as all content whole but as reasoning streamed; this one, streamed or whole, as reasoning."""
+
+
+class Exaone4ReasoningParser(Qwen3ReasoningParser):
+    """EXAONE 4.0: read as qwen3: reasoning when the prompt leaves ``<think>`` open (its template
+    with ``enable_thinking=True``) or the output opens one; else content (vLLM's: all content
+    when thinking is off, even an output that writes ``<think>``)."""
+
+
 class MistralReasoningParser(ReasoningParser):
     """Magistral's ``[THINK]...[/THINK]`` (special tokens: kept in the text). As vLLM's, the output
     is content unless it writes ``[THINK]`` (anywhere: the text before it is content), one
@@ -144,7 +157,9 @@ class MistralReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "exaone4": Exaone4ReasoningParser,
     "mistral": MistralReasoningParser,
+    "olmo3": Olmo3ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 
