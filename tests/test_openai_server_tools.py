@@ -184,6 +184,19 @@ def test_without_think_end_deepseek_r1_is_all_reasoning_and_qwen3_all_content(te
             {"reasoning": None, "content": text or None, "calls": []}  # fmt: skip
 
 
+@SETTINGS
+@given(reasoning=st.text(max_size=15).filter(lambda t: "Here" not in t), content=st.text(max_size=15),
+       opening=st.sampled_from(["Here is my thought process:", "Here's my thought process:"]),
+       closing=st.sampled_from(["Here is my response:", "Here's my response:"]), closed=st.booleans(), data=st.data())  # fmt: skip
+def test_granite_reasons_between_its_plain_text_markers(reasoning, content, opening, closing, closed, data):
+    """Granite 3.2's markers in either wording; without the response marker the rest is reasoning."""
+    granite = lambda: ChatOutputParser(get_reasoning_parser("granite")(), None)  # noqa: E731
+    got = both(granite, opening + reasoning + (closing + content if closed else ""), data)
+    assert got == {"reasoning": reasoning or None, "content": (content if closed else "") or None, "calls": []}
+    text = "Sure. " + opening + reasoning + closing + content  # (not opening the output: all content)
+    assert both(granite, text, data) == {"reasoning": None, "content": text, "calls": []}
+
+
 def test_qwen3_starts_in_reasoning_only_when_the_prompt_leaves_think_open():
     qwen3 = get_reasoning_parser("qwen3")
     assert qwen3.starts_in_reasoning("<|im_start|>assistant\n<think>\n")
@@ -231,7 +244,7 @@ def test_only_the_first_call_is_kept_without_parallel_tool_calls():
 def test_unknown_parser_names_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, exaone4, mistral, olmo3, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, exaone4, granite, mistral, olmo3, qwen3"):
         get_reasoning_parser("nope")
 
 

@@ -8,7 +8,8 @@
   left a ``<think>`` open (newer Qwen templates write it); with ``enable_thinking=False`` (a
   ``chat_template_kwargs``) Qwen3's template closes an empty think block in the prompt, so the
   whole output is content.
-- ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` as ``qwen3`` (see their classes).
+- ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` as ``qwen3`` (see their classes); ``granite``:
+  Granite 3.2's plain-text markers, "Here is my thought process:" ... "Here is my response:".
 - ``mistral`` (Magistral): ``[THINK]`` and ``[/THINK]`` instead, read as qwen3's, but a
   ``[THINK]`` after some content still opens the (one) reasoning section, and the tags, special
   tokens there, are kept in the text (``skip_special_tokens=False``).
@@ -123,6 +124,44 @@ class Exaone4ReasoningParser(Qwen3ReasoningParser):
     when thinking is off, even an output that writes ``<think>``)."""
 
 
+class GraniteReasoningParser(ReasoningParser):
+    """IBM Granite 3.2/3.3 (``thinking=True`` in its chat template): plain-text markers, each in
+    either wording, as vLLM's: an output that opens with "Here is my thought process:" reasons
+    until "Here is my response:", then is content; any other output is all content. (vLLM's
+    whole-output reading finds the markers anywhere; its streamed one, as this one, only at the start.)"""
+
+    STARTS = ("Here is my thought process:", "Here's my thought process:")
+    ENDS = ("Here is my response:", "Here's my response:")
+
+    @classmethod
+    def starts_in_reasoning(cls, prompt: str) -> bool:
+        return False
+
+    def _step(self) -> bool:
+        if self._state == "start":
+            head = self._buf.lstrip()
+            opening = next((tag for tag in self.STARTS if head.startswith(tag)), None)
+            if opening is not None:
+                self._buf, self._state = head[len(opening) :], "reasoning"
+                return True
+            if any(tag.startswith(head) for tag in self.STARTS):  # whitespace or part of a marker so far
+                return False
+            self._state = "content"
+            return True
+        if self._state != "reasoning":
+            return super()._step()
+        ends = [(i, tag) for tag in self.ENDS if (i := self._buf.find(tag)) >= 0]
+        if not ends:
+            keep = len(self._buf) - max(partial_tag(self._buf, tag) for tag in self.ENDS)
+            self._emit("reasoning", self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        i, tag = min(ends)
+        self._emit("reasoning", self._buf[:i])
+        self._buf, self._state = self._buf[i + len(tag) :], "content"
+        return True
+
+
 class MistralReasoningParser(ReasoningParser):
     """Magistral's ``[THINK]...[/THINK]`` (special tokens: kept in the text). As vLLM's, the output
     is content unless it writes ``[THINK]`` (anywhere: the text before it is content), one
@@ -158,6 +197,7 @@ class MistralReasoningParser(ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "exaone4": Exaone4ReasoningParser,
+    "granite": GraniteReasoningParser,
     "mistral": MistralReasoningParser,
     "olmo3": Olmo3ReasoningParser,
     "qwen3": Qwen3ReasoningParser,
