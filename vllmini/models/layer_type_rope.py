@@ -17,11 +17,13 @@ class RopeByLayerType:
     config: Any
     model: Any
     head_dim: int
+    variant: Any
 
     def init_layer_type_rope(self, params: Callable[[Any, str], dict[str, Any]] = rope_parameters) -> None:
         """``params(config, layer_type)``: the rope settings of that kind of layer."""
-        self.model.rotary_emb = RotaryEmbedding(self.head_dim, params(self.config, "full_attention"))
-        self.model.rotary_emb_local = RotaryEmbedding(self.head_dim, params(self.config, "sliding_attention"))
+        interleaved = self.variant.rope_interleaved
+        self.model.rotary_emb = RotaryEmbedding(self.head_dim, params(self.config, "full_attention"), interleaved)
+        self.model.rotary_emb_local = RotaryEmbedding(self.head_dim, params(self.config, "sliding_attention"), interleaved)
         types = getattr(self.config, "layer_types", None) or ["full_attention"] * self.config.num_hidden_layers
         self.local_rope = [kind == "sliding_attention" for kind in types]  # (kept under disable_sliding_window)
 

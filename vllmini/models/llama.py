@@ -145,7 +145,7 @@ class DecoderModel(nn.Module):
         )
         self.norm = variant.norm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config))
+        self.rotary_emb = RotaryEmbedding(head_dim, rope_parameters(config), variant.rope_interleaved)
 
 
 class LlamaForCausalLM(nn.Module):

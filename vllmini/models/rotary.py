@@ -153,8 +153,11 @@ class RotaryEmbedding(nn.Module):
     unless ``partial_rotary_factor`` < 1); angles computed per forward from the positions (cheap,
     and no cache sized by a 128k context)."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, params: dict[str, Any], interleaved: bool = False) -> None:
+        """``interleaved``: the tables hold each frequency for a pair of adjacent dims (GLM style,
+        ERNIE 4.5's), as ``apply_rotary(..., interleaved=True)`` reads them, not once per half."""
         super().__init__()
+        self.interleaved = interleaved
         rope_type = params["rope_type"]
         if rope_type not in ROPE_TYPES:
             raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -190,7 +193,7 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin ``[T, rotary_dim]`` in fp32 for the flat batch's positions."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = freqs.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((freqs, freqs), dim=-1)
         if self.attention_scaling == 1.0:
             return emb.cos(), emb.sin()
         return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
@@ -205,16 +208,15 @@ def fit_rope_context(model: nn.Module, max_model_len: int) -> None:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """Rotate ``x [T, heads, head_dim]`` by per-token angles (HF's rotate_half convention: dim i turns
-    with dim i + rotary_dim/2; ``interleaved``: dims 2i and 2i+1 turn together, as GLM's and ERNIE 4.5's);
-    with a partial rotary embedding only the first ``cos.shape[-1]`` dims turn, the rest pass through."""
+    with dim i + rotary_dim/2; ``interleaved``: dims 2i and 2i+1 turn together, as GLM's and ERNIE 4.5's,
+    with tables from ``RotaryEmbedding(..., interleaved=True)``); with a partial rotary embedding only
+    the first ``cos.shape[-1]`` dims turn, the rest pass through."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
-    half = rot // 2
-    if interleaved:  # (the tables hold each frequency twice, in halves: one per pair instead)
+    if interleaved:
         rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-        cos, sin = cos[:, :half].repeat_interleave(2, dim=-1), sin[:, :half].repeat_interleave(2, dim=-1)
     else:
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        rotated = torch.cat((-x[..., rot // 2 :], x[..., : rot // 2]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
