@@ -34,7 +34,7 @@ from torch import nn
 
 from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
-from vllmini.models.eager_attention import attend, capped_prefill
+from vllmini.models.eager_attention import attend, capped_prefill, causal_mask
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -207,9 +207,7 @@ def torch_attention(
         elif q_len == seq_len and (window is None or window >= seq_len):
             oi = attend(qi, keys, vals, scale, is_causal=True, enable_gqa=True)
         else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
-            pos_q = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-            pos_k = torch.arange(first, seq_len, device=q.device)[None, :]
-            mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
+            mask = causal_mask((seq_len - q_len, seq_len), (first, seq_len), window, q.device)
             oi = attend(qi, keys, vals, scale, attn_mask=mask, enable_gqa=True)
         out[start : start + q_len] = oi[0].transpose(0, 1)
     return out

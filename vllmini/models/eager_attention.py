@@ -29,6 +29,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def causal_mask(q_range: tuple[int, int], k_range: tuple[int, int], window: int | None,
+                device: torch.device) -> torch.Tensor:  # fmt: skip
+    """``[queries, keys]`` True where the query at a position in ``q_range`` (start, end) sees the key
+    at one in ``k_range``: at or before it, and within its last ``window`` positions when given."""
+    pos_q = torch.arange(*q_range, device=device)[:, None]
+    pos_k = torch.arange(*k_range, device=device)[None, :]
+    return pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
+
+
 # Most scores (query rows x keys x heads) one tile of the capped prefill holds: 16 MiB in float32.
 SOFTCAP_TILE_SCORES = 2**22
 
@@ -54,8 +63,6 @@ def capped_prefill(
         r1 = min(r0 + rows, q_len)
         lo = 0 if window is None else max(0, q_first + r0 - window + 1 - k_first)  # the tile's first key
         hi = q_first + r1 - k_first  # one past its last
-        pos_q = torch.arange(q_first + r0, q_first + r1, device=q.device)[:, None]
-        pos_k = torch.arange(k_first + lo, k_first + hi, device=q.device)[None, :]
-        mask = pos_k <= pos_q if window is None else (pos_k <= pos_q) & (pos_k > pos_q - window)
+        mask = causal_mask((q_first + r0, q_first + r1), (k_first + lo, k_first + hi), window, q.device)
         out[:, :, r0:r1] = attend(q[:, :, r0:r1], k[:, :, lo:hi], v[:, :, lo:hi], scale, softcap, attn_mask=mask)
     return out
