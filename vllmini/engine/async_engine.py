@@ -181,15 +181,16 @@ class AsyncLLMEngine(AsyncAborts, AsyncPause, EngineClient):
         if lora_request is not None and self.engine.lora_manager is not None:
             adapter = await asyncio.to_thread(self.engine.lora_manager.get, lora_request)
         states: list[RequestState] = []
+        taken: set[str] = set()  # the ids of this call's requests so far
         try:
             for request_id, prompt in zip(request_ids, prompts, strict=True):
-                taken = {state.request_id for state in states}
                 if request_id is not None and (str(request_id) in self._streams or str(request_id) in taken):
                     raise ValueError(f"request_id {request_id!r} is already in use")
                 if request_id is None:  # an id no caller's request holds
                     request_id = self.engine.new_request_id(self._streams)
                 states.append(self.engine.prepare_request(request_id, self._prompt(prompt), sampling_params,
                                                           priority=priority, lora_request=lora_request))  # fmt: skip
+                taken.add(states[-1].request_id)
         except BaseException:
             for state in states:
                 if state.grammar is not None:  # (refused: no need to compile its grammar)

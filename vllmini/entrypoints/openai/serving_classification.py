@@ -76,7 +76,4 @@ class OpenAIServingClassification(OpenAIServingPooling):
     def _prompts(self, request: ClassificationRequest, params: PoolingParams) -> list[Any]:
         """(On the tokenizer thread.) The inputs checked and tokenized (without special tokens
         unless ``add_special_tokens``)."""
-        prompts = check_inputs(request.input, self.vocab_size)
-        if not request.add_special_tokens:
-            prompts = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in prompts]
-        return self.engine_prompts(prompts, params)
+        return self.engine_prompts(check_inputs(request.input, self.vocab_size), params, request.add_special_tokens)

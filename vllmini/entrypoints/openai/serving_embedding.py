@@ -124,9 +124,12 @@ class OpenAIServingPooling(OpenAIServing):
             raise APINotSupportedError(f"The model does not support the {api}: this server generates; start it "
                                        f"with --runner pooling to serve {what}")  # fmt: skip
 
-    def engine_prompts(self, prompts: list[Any], params: PoolingParams) -> list[Any]:
-        """(On the tokenizer thread.) The text prompts as the engine's ids, truncated as the engine
-        would truncate them; token-id prompts pass through."""
+    def engine_prompts(self, prompts: list[Any], params: PoolingParams, add_special_tokens: bool = True) -> list[Any]:
+        """(On the tokenizer thread.) The text prompts as the engine's ids (without the tokenizer's
+        BOS/EOS unless ``add_special_tokens``), truncated as the engine would truncate them;
+        token-id prompts pass through."""
+        if not add_special_tokens:
+            prompts = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in prompts]
         return [self.engine.engine.input_processor.pretokenize(p, params) for p in prompts]
 
     async def pool(self, request_id: str, prompts: list[Any], params: PoolingParams, priority: int,
@@ -169,10 +172,7 @@ class OpenAIServingEmbedding(OpenAIServingPooling):
             if request.add_special_tokens:  # (as vLLM: off unless asked, the template wrote them)
                 return [self.tokenizer(rendered["prompt"], add_special_tokens=True).input_ids]
             return [rendered]
-        items = request.inputs(self.vocab_size)
-        if request.add_special_tokens is False:
-            items = [self.tokenizer(p, add_special_tokens=False).input_ids if isinstance(p, str) else p for p in items]
-        return self.engine_prompts(items, params)
+        return self.engine_prompts(request.inputs(self.vocab_size), params, request.add_special_tokens is not False)
 
 
 def refuse_generation_routes(routes: list[BaseRoute]) -> list[BaseRoute]:

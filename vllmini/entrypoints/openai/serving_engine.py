@@ -172,14 +172,16 @@ class Usage:
         self.prompt_tokens: dict[int, int] = {}  # per prompt index
         self.cached_tokens: dict[int, int] = {}
         self.choice_tokens: dict[tuple[int, int], int] = {}  # per (prompt index, completion index)
-        self.completion_tokens = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.choice_tokens.values())
 
     def add(self, i: int, out: RequestOutput) -> None:
         self.prompt_tokens[i] = len(out.prompt_token_ids)
         self.cached_tokens[i] = out.num_cached_tokens or 0
         for c in out.outputs:
             self.choice_tokens[i, c.index] = self.choice_tokens.get((i, c.index), 0) + len(c.token_ids)
-            self.completion_tokens += len(c.token_ids)
 
     def choice(self, i: int, index: int) -> dict[str, int]:
         """A streamed chunk's usage with ``continuous_usage_stats``, as vLLM's: that choice's own,
@@ -188,9 +190,9 @@ class Usage:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def body(self) -> dict[str, Any]:
-        prompt = sum(self.prompt_tokens.values())
-        body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                                "total_tokens": prompt + self.completion_tokens}  # fmt: skip
+        prompt, completion = sum(self.prompt_tokens.values()), self.completion_tokens
+        body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                "total_tokens": prompt + completion}  # fmt: skip
         if self.details:
             body["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens.values())}
         return body
