@@ -23,7 +23,7 @@ def foreign_file_hint(head: bytes) -> str | None:
     if head.startswith(b"version https://git-lfs"):
         return ("it is a Git LFS pointer (a small text file), not the file itself: the repository was cloned "
                 "without Git LFS; fetch the file with `git lfs pull` or `huggingface-cli download`")
-    if head.lstrip()[:14].lower() in (b"<!doctype html", b"<html") or head.lstrip()[:5].lower() == b"<html":
+    if head.lstrip()[:14].lower().startswith((b"<!doctype html", b"<html")):
         return ("it is an HTML page, not the file: a web page was saved in its place (on huggingface.co, "
                 "download .../resolve/main/<file>, not .../blob/main/<file>)")
     return None

@@ -15,7 +15,7 @@ from torch import nn
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM
-from vllmini.models.moe import FusedMoE, num_experts
+from vllmini.models.moe import mixtral_moe_block
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -67,9 +67,7 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
     renormalised top-k probabilities)."""
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
-        config = self.config
-        return FusedMoE(config.hidden_size, config.intermediate_size, num_experts(config),
-                        config.num_experts_per_tok, True, getattr(config, "hidden_act", "silu"))  # fmt: skip
+        return mixtral_moe_block(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((_moe_name(name), t) for name, t in weights)

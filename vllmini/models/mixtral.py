@@ -8,16 +8,14 @@ import torch
 from torch import nn
 
 from vllmini.models.llama import MistralForCausalLM
-from vllmini.models.moe import FusedMoE, num_experts
+from vllmini.models.moe import mixtral_moe_block
 
 
 class MixtralForCausalLM(MistralForCausalLM):
     expert_projections = ("w1", "w3", "w2")
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
-        config = self.config
-        return FusedMoE(config.hidden_size, config.intermediate_size, num_experts(config),
-                        config.num_experts_per_tok, True, getattr(config, "hidden_act", "silu"))  # fmt: skip
+        return mixtral_moe_block(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), t) for name, t in weights)

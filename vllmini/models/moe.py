@@ -133,6 +133,13 @@ def qwen_moe_block(config: Any, shared_expert: bool) -> FusedMoE:
     return FusedMoE(*args, act)
 
 
+def mixtral_moe_block(config: Any) -> FusedMoE:
+    """A Mixtral-style block (Mixtral, GraniteMoe): experts ``intermediate_size`` wide in every
+    layer, top ``num_experts_per_tok`` renormalised."""
+    return FusedMoE(config.hidden_size, config.intermediate_size, num_experts(config), config.num_experts_per_tok,
+                    True, getattr(config, "hidden_act", "silu"))  # fmt: skip
+
+
 def num_experts(config: Any) -> int:
     """Qwen's configs say ``num_experts``, Mixtral's ``num_local_experts``."""
     return int(getattr(config, "num_experts", None) or config.num_local_experts)
