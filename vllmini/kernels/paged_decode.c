@@ -177,21 +177,17 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
         const int32_t *table = block_tables + b * table_stride;
 #define ATTEND(kind, capped) attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, \
                                         block_size, scale, m, l, acc, kind, capped, softcap)
+#define ATTEND_KINDS(capped) switch (cache_kind) { \
+        case KIND_BF16: ATTEND(KIND_BF16, capped); break;    \
+        case KIND_E4M3: ATTEND(KIND_E4M3, capped); break;    \
+        case KIND_E5M2: ATTEND(KIND_E5M2, capped); break;    \
+        default: ATTEND(KIND_F32, capped);                   \
+        }
         /* calls with constant kinds and cap flags: one specialised copy of attend each */
         if (softcap > 0.f) {
-            switch (cache_kind) {
-            case KIND_BF16: ATTEND(KIND_BF16, 1); break;
-            case KIND_E4M3: ATTEND(KIND_E4M3, 1); break;
-            case KIND_E5M2: ATTEND(KIND_E5M2, 1); break;
-            default: ATTEND(KIND_F32, 1);
-            }
+            ATTEND_KINDS(1)
         } else {
-            switch (cache_kind) {
-            case KIND_BF16: ATTEND(KIND_BF16, 0); break;
-            case KIND_E4M3: ATTEND(KIND_E4M3, 0); break;
-            case KIND_E5M2: ATTEND(KIND_E5M2, 0); break;
-            default: ATTEND(KIND_F32, 0);
-            }
+            ATTEND_KINDS(0)
         }
         if (!parts) {
             float *o = out + b * heads * head_dim;
