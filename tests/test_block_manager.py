@@ -338,13 +338,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         blocks, n = self.bm.find_cached_prefix(prompt)
         assert n == len(blocks) * BS and n < len(prompt)
         assert self.caching or not blocks
-        for p in range(n):
+        skip = self._behind_window(n)  # blocks behind the window: placeholders, not looked up nor taken
+        assert blocks[:skip] == [NB] * skip
+        for p in range(skip * BS, n):
             assert self.kv[blocks[p // BS] * BS + p % BS] == tuple(prompt[: p + 1])
         if not use_cache:
-            blocks, n = [], 0
+            blocks, n, skip = [], 0, 0
         sid, self.next_id = self.next_id, self.next_id + 1
         num_new = min(chunk, len(prompt) - n)
-        skip = self._behind_window(n)  # cached blocks behind the window are not taken
         fits = self._fits(len(blocks), n + num_new, blocks[skip:])
         before = snapshot(self.bm)
         ok = self.bm.allocate(sid, prompt, num_new, blocks)

@@ -78,13 +78,16 @@ def test_preempted_windowed_sequence_recomputes_exactly(tmp_path_factory, defaul
 
 
 def test_blocks_stay_when_some_layer_attends_to_everything(tmp_path_factory, default_model_dir):
-    """Qwen2 with max_window_layers: its first layer reads every position, so nothing is released
-    and a sequence must fit the cache whole."""
+    """Qwen2 with max_window_layers, its KV groups turned off (vLLM's disable_hybrid_kv_cache_manager):
+    its first layer reads every position, so nothing is released and a sequence must fit the cache
+    whole (grouped, the default, its sliding layer's blocks are released: test_hybrid_kv.py)."""
     model_dir, hf = tiny_dir(tmp_path_factory, default_model_dir, "qwen2", num_hidden_layers=2,
                              use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)  # fmt: skip
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, BLOCKS))
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, BLOCKS),
+              disable_hybrid_kv_cache_manager=True)  # fmt: skip
     eng = llm.llm_engine
     assert eng.model.sliding_window == WINDOW and eng.block_manager.sliding_window is None
+    assert eng.block_manager.num_groups == 1
     assert eng.capacity_tokens == BLOCKS * 16
     with pytest.raises(ValueError, match="KV"):
         llm.generate({"prompt_token_ids": list(range(100, 250))}, SamplingParams(max_tokens=40), use_tqdm=False)

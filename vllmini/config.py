@@ -136,6 +136,9 @@ class EngineArgs(VllmEngineArgs):
     # vLLM's: every layer attends to all earlier tokens, and max_model_len is capped at the sliding window
     # (so no sequence outgrows it); for a backend or a measurement without windows
     disable_sliding_window: bool = False
+    # vLLM's: one block table for every layer even when sliding-window and full-attention layers mix
+    # (Gemma 2/3): nothing is released behind the windows (the default groups the layers: kv/kv_groups.py)
+    disable_hybrid_kv_cache_manager: bool = False
     # accepted for vLLM's sake, never acted on: only built-in architectures run, and no model's code
     trust_remote_code: bool = False
     dtype: str = "auto"
@@ -292,7 +295,7 @@ class EngineArgs(VllmEngineArgs):
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         for flag in ("enable_prefix_caching", "enforce_eager", "async_scheduling", "trust_remote_code", "enable_lora",
-                     "enable_log_requests", "enable_sleep_mode"):
+                     "enable_log_requests", "enable_sleep_mode", "disable_hybrid_kv_cache_manager"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:

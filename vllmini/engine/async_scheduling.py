@@ -37,7 +37,7 @@ from vllmini.engine.model_runner import FlatBatch
 from vllmini.engine.outputs import RequestOutput
 from vllmini.engine.sample_step import LaunchedStep
 from vllmini.engine.sampling_tensors import to_device
-from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.hybrid_block_manager import KVBlockManager
 from vllmini.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ class Continuation:
 
 
 def plan_continuation(
-    prev: LaunchedStep, running: Seq[Sequence], num_waiting: int, block_manager: BlockManager,
+    prev: LaunchedStep, running: Seq[Sequence], num_waiting: int, block_manager: KVBlockManager,
     max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
     matches_output: Callable[[Sequence], bool] = lambda seq: False,
 ) -> Continuation | None:  # fmt: skip
@@ -81,7 +81,7 @@ def plan_continuation(
         return None  # a slot is (or may be) free: the scheduler admits from the queue first
     bs = block_manager.block_size
     seqs = [prev.seqs[row] for row in keep]
-    if sum(1 for s in seqs if s.num_tokens % bs == 0) > block_manager.num_free_blocks:
+    if sum(1 for s in seqs if s.num_tokens % bs == 0) * block_manager.num_groups > block_manager.num_free_blocks:
         return None
     for seq in seqs:  # slot for position num_tokens; only known tokens get hashed
         if not block_manager.allocate(seq.seq_id, seq.token_ids, 1):  # (counted above: never; not an assert, which -O drops)
@@ -95,6 +95,7 @@ def plan_continuation(
         query_lens=[1] * n, seq_lens=[p + 1 for p in positions], block_tables=tables,
         logits_rows=list(range(n)), sample_indices=list(range(n)), loras=[s.lora for s in seqs],
     )  # fmt: skip
+    flat.add_groups([s.seq_id for s in seqs], block_manager, bs)
     return Continuation(flat, seqs, keep)
 
 

@@ -33,6 +33,7 @@ from vllmini.models.base import AttentionMetadata, block_table_tensor
 
 if TYPE_CHECKING:
     from vllmini.engine.model_runner import FlatBatch
+    from vllmini.kv.kv_groups import KVCacheLayout
 
 logger = logging.getLogger("vllmini")
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -72,9 +73,12 @@ class StaticDecodeBuffers:
     cu_seqlens_q: torch.Tensor  # [B+1] int32, 0..B (one token per row)
     cu_seqlens_k: torch.Tensor  # [B+1] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
+    # KV cache groups 1.. of a hybrid model (kv/kv_groups.py): their slots and tables, as the two above
+    group_slot_mapping: torch.Tensor  # [groups - 1, B] int64
+    group_block_tables: torch.Tensor  # [groups - 1, B, max_blocks] int32
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> StaticDecodeBuffers:
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device, num_groups: int = 1) -> StaticDecodeBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -86,17 +90,22 @@ class StaticDecodeBuffers:
             cu_seqlens_q=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
             cu_seqlens_k=zeros(max_batch + 1),
             block_tables=zeros(max_batch, max_blocks),
+            group_slot_mapping=zeros(num_groups - 1, max_batch, dtype=torch.long),
+            group_block_tables=zeros(num_groups - 1, max_batch, max_blocks),
         )
 
     @property
     def max_blocks(self) -> int:
         return self.block_tables.shape[1]
 
-    def metadata(self, batch: int, block_size: int) -> AttentionMetadata:
-        return AttentionMetadata.for_static_decode(
+    def metadata(self, batch: int, block_size: int, layout: KVCacheLayout | None = None) -> AttentionMetadata:
+        meta = AttentionMetadata.for_static_decode(
             self.cu_seqlens_q[: batch + 1], self.cu_seqlens_k[: batch + 1], self.seq_lens[:batch],
             self.slot_mapping[:batch], self.block_tables[:batch], self.max_blocks * block_size,
         )  # fmt: skip
+        if layout is None:
+            return meta
+        return meta.with_groups(layout, list(self.group_slot_mapping[:, :batch]), list(self.group_block_tables[:, :batch]))
 
     def fill(self, flat: FlatBatch | None, batch: int, pad_block: int, block_size: int) -> None:
         """Copy one step's rows in and pad to ``batch`` rows (``flat=None``: padding only).
@@ -119,6 +128,11 @@ class StaticDecodeBuffers:
         put(self.seq_lens[:batch], lens, torch.int32)
         put(self.cu_seqlens_k[: batch + 1], cu_k, torch.int32)
         self.block_tables[:batch].copy_(block_table_tensor(tables, self.max_blocks, batch, pad_block), non_blocking=True)
+        for g in range(self.group_block_tables.shape[0]):
+            group_slots, group_tables = ([], []) if flat is None else (flat.group_slots[g], flat.group_tables[g])
+            put(self.group_slot_mapping[g, :batch], list(group_slots) + [pad_block * block_size] * pad, torch.long)
+            self.group_block_tables[g, :batch].copy_(block_table_tensor(group_tables, self.max_blocks, batch, pad_block),
+                                                     non_blocking=True)  # fmt: skip
 
 
 class DecodeGraphRunner:
@@ -139,13 +153,16 @@ class DecodeGraphRunner:
         pad_block: int,
         device: torch.device,
         use_graphs: bool = True,
+        kv_layout: KVCacheLayout | None = None,
     ) -> None:
         if use_graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.pad_block, self.device, self.use_graphs = pad_block, device, use_graphs
+        self.kv_layout = kv_layout
         self.sizes = capture_sizes(max_num_seqs)
-        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device)
+        num_groups = 1 if kv_layout is None else kv_layout.num_groups
+        self.buffers = StaticDecodeBuffers.allocate(self.sizes[-1], -(-max_model_len // block_size), device, num_groups)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # [max batch, vocab], written by every graph
 
@@ -161,7 +178,7 @@ class DecodeGraphRunner:
 
     def _forward(self, batch: int) -> torch.Tensor:
         buf = self.buffers
-        meta = buf.metadata(batch, self.block_size)
+        meta = buf.metadata(batch, self.block_size, self.kv_layout)
         return self.model(buf.input_ids[:batch], buf.positions[:batch], meta, self.kv_caches)
 
     @torch.inference_mode()
@@ -233,12 +250,13 @@ class DecodeGraphRunner:
 
 def capture_decode_graphs(
     model: torch.nn.Module, kv_caches: KVCaches, block_size: int, max_num_seqs: int, max_model_len: int,
-    pad_block: int, device: torch.device,
+    pad_block: int, device: torch.device, kv_layout: KVCacheLayout | None = None,
 ) -> DecodeGraphRunner | None:  # fmt: skip
     """A runner with every size captured, or None (decode steps then run eagerly) when capture
     fails: an op that cannot be captured is a slower engine, not one that does not start."""
     t0 = time.perf_counter()
-    runner = DecodeGraphRunner(model, kv_caches, block_size, max_num_seqs, max_model_len, pad_block, device)
+    runner = DecodeGraphRunner(model, kv_caches, block_size, max_num_seqs, max_model_len, pad_block, device,
+                               kv_layout=kv_layout)  # fmt: skip
     try:
         runner.capture()
     except Exception as exc:  # e.g. an op that syncs with the host inside the capture

@@ -18,6 +18,8 @@ from vllmini.engine.pooler import Pooler
 from vllmini.kv.block_manager import BlockManager
 from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, block_id_bytes, check_cpu_budget, num_blocks_for_budget
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
+from vllmini.kv.hybrid_block_manager import HybridBlockManager, KVBlockManager
+from vllmini.kv.kv_groups import plan_kv_layout
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -31,7 +33,7 @@ class EngineRuntime:
     attention_backend: str
     lora_manager: LoRAManager | None
     num_blocks: int
-    block_manager: BlockManager
+    block_manager: KVBlockManager
     scheduler: Scheduler
     runner: ModelRunner
     drafter: DraftModelProposer | None = None  # speculative decoding with a draft model
@@ -46,6 +48,11 @@ def build_runtime(
     ``draft_model`` (speculative decoding, loaded already): it gets a KV cache of its own on the
     same block ids, so each block costs both caches' bytes."""
     kv_window = model.kv_window  # every layer's window, if they share one: blocks behind it are released
+    # sliding and full layers mixed: a KV group per kind (kv/kv_groups.py), unless turned off or a draft model
+    # shares the block ids (its cache would need a table that no group is)
+    layout = None
+    if not args.disable_hybrid_kv_cache_manager and draft_model is None:
+        layout = plan_kv_layout(model.layer_windows)
     block_size = args.block_size or (256 if device.type == "cuda" else 16)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     attention_backend, backend = start_backend(
@@ -69,7 +76,8 @@ def build_runtime(
         "attention backend: %s (block size %d, %s, KV cache %s, CUDA graphs %s)",
         attention_backend, block_size, dtype, cache_dtype, "on" if use_graphs else "off",
     )  # fmt: skip
-    spec = KVCacheSpec(hf_config.num_hidden_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype)
+    cache_layers = hf_config.num_hidden_layers if layout is None else layout.group_size  # layers a block id holds
+    spec = KVCacheSpec(cache_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype)
     max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
     budget = kv_cache_budget(model, spec, args, max_model_len, device, use_graphs, max_prompt_rows,
                              pooling=pooler is not None)  # fmt: skip
@@ -96,10 +104,17 @@ def build_runtime(
     # the KV cache holds blocks beyond the pool: with graphs, PAD_BLOCKS for padding rows' K/V;
     # then, with a window to release blocks behind, a zeroed null block for released entries
     pad = PAD_BLOCKS if use_graphs else 0
-    null = 1 if kv_window else 0
+    null = 1 if kv_window or layout else 0
     # MEAN and CLS pooling read positions that a prefix-cache hit skips (as vLLM, no prefix caching then)
     prefix_caching = args.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
-    block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
+    block_manager: KVBlockManager
+    if layout is None:
+        block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
+    else:
+        block_manager = HybridBlockManager(num_blocks, block_size, prefix_caching, layout.group_windows,
+                                           null_block=num_blocks + pad)  # fmt: skip
+        logger.info("hybrid KV cache: %d groups of %d layers (windows %s), one pool of %d blocks",
+                    layout.num_groups, layout.group_size, list(layout.group_windows), num_blocks)  # fmt: skip
     scheduler = Scheduler(
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
                         args.scheduling_policy, args.max_loras if args.enable_lora else None,
@@ -109,8 +124,9 @@ def build_runtime(
     kv_caches = allocate_kv_cache(spec, num_blocks + pad + null, device)
     graphs = None
     if use_graphs:
-        graphs = capture_decode_graphs(model, kv_caches, block_size, args.max_num_seqs, max_model_len, num_blocks, device)
-    runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager)
+        graphs = capture_decode_graphs(model, kv_caches, block_size, args.max_num_seqs, max_model_len, num_blocks, device,
+                                       layout)  # fmt: skip
+    runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager, layout)
     drafter = None
     if draft_model is not None and draft_spec is not None:
         runner.draft_kv_caches = allocate_kv_cache(draft_spec, num_blocks + pad + null, device)

@@ -9,13 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from vllmini.engine.output_processor import RequestState
-from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError
+from vllmini.kv.block_manager import NoFreeBlocksError
+from vllmini.kv.hybrid_block_manager import KVBlockManager
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence
 
 
 def fork_children(
-    state: RequestState, parent: Sequence, scheduler: Scheduler, block_manager: BlockManager, runner: Any,
+    state: RequestState, parent: Sequence, scheduler: Scheduler, block_manager: KVBlockManager, runner: Any,
     max_num_seqs: int,
 ) -> list[Sequence]:  # fmt: skip
     """The siblings forked now (running from the next step): those still pending when ``parent``

@@ -42,7 +42,7 @@ def kv_cache_budget(
     if use_graphs:
         shape = (1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         graph_reserve = DecodeGraphRunner.activation_bytes(
-            model, shape, spec.dtype, spec.num_layers, args.max_num_seqs, max_model_len, device
+            model, shape, spec.dtype, model.config.num_hidden_layers, args.max_num_seqs, max_model_len, device
         ) + PAD_BLOCKS * spec.bytes_per_block
     torch.cuda.reset_peak_memory_stats(device)
     if pooling:

@@ -78,9 +78,6 @@ class LLMEngine(LLMEngineCalls):
                         config.pooling_type, config.normalize)  # fmt: skip
 
         self.max_model_len = loaded.max_model_len
-        if (window := getattr(self.model, "sliding_window", None)) is not None:
-            released = "released behind it" if self.model.kv_window else "kept: some layers attend to all tokens"
-            logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
         self.vocab_size = self.hf_config.vocab_size
         self.generation_config = load_generation_config(self.model_dir)
         self.eos_token_ids = self._eos_token_ids()
@@ -93,6 +90,11 @@ class LLMEngine(LLMEngineCalls):
                            draft_model)  # fmt: skip
         self.attention_backend, self.lora_manager, self.num_blocks = rt.attention_backend, rt.lora_manager, rt.num_blocks
         self.block_manager, self.scheduler, self.runner = rt.block_manager, rt.scheduler, rt.runner
+        if (window := getattr(self.model, "sliding_window", None)) is not None:
+            released = "released behind it" if self.model.kv_window else (
+                "released behind it in the sliding layers' KV groups" if self.block_manager.num_groups > 1
+                else "kept: some layers attend to all tokens")  # fmt: skip
+            logger.info("sliding-window attention: %d tokens (KV blocks %s)", window, released)
         self.worker = Worker(self.runner, self.device, self.model_dir)  # collective_rpc's target; sleep mode
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.capacity_tokens, args.max_logprobs,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from vllmini.engine.profiler import Profiler
     from vllmini.engine.sampling_params import SamplingParams
     from vllmini.engine.worker import Worker
-    from vllmini.kv.block_manager import BlockManager
+    from vllmini.kv.hybrid_block_manager import KVBlockManager
     from vllmini.lora.adapter import LoRAAdapter
     from vllmini.lora.manager import LoRAManager
     from vllmini.lora.request import LoRARequest
@@ -45,7 +45,7 @@ class LLMEngineCalls:
     input_processor: InputProcessor
     lora_manager: LoRAManager | None
     pooler: Pooler | None
-    block_manager: BlockManager
+    block_manager: KVBlockManager
     profiler: Profiler
     stat_logger: StatLogger | None
     requests: dict[str, RequestState]
@@ -68,13 +68,9 @@ class LLMEngineCalls:
 
     @property
     def capacity_tokens(self) -> int:
-        """The longest sequence the cache can hold: all of it, unless every layer slides and the
-        pool holds the blocks of a window plus a full step's tokens (then a sequence of any
-        length advances: it releases what falls behind its window)."""
-        per_step = self.block_manager.max_blocks_per_step(self.args.max_num_batched_tokens)
-        if per_step is not None and per_step <= self.num_blocks:
-            return self.max_model_len
-        return self.num_blocks * self.block_manager.block_size
+        """The longest sequence the cache can hold: all of it, unless some layers slide and
+        release what falls behind their window (kv/block_manager.py, kv/hybrid_block_manager.py)."""
+        return self.block_manager.capacity_tokens(self.args.max_num_batched_tokens, self.max_model_len)
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----------------------------------
     def _lora_adapter(self, lora_request: LoRARequest) -> LoRAAdapter:

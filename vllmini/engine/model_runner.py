@@ -12,10 +12,12 @@ import torch
 
 from vllmini.engine.cuda_graph import DecodeGraphRunner
 from vllmini.engine.prompt_embeds import stacked
-from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.block_manager import SeqId
 from vllmini.kv.cache_dtype import indexable
+from vllmini.kv.hybrid_block_manager import KVBlockManager
+from vllmini.kv.kv_groups import KVCacheLayout
 from vllmini.lora.manager import LoRAManager
-from vllmini.models.base import AttentionMetadata, slot_of
+from vllmini.models.base import AttentionMetadata, block_table_tensor, slot_of
 from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -49,6 +51,10 @@ class FlatBatch:
     # prompts given as embeddings (engine/prompt_embeds.py): (first row, [n, hidden]) per chunk, whose
     # rows' input embeddings these replace
     embeds: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # KV cache groups 1.. of a hybrid model (kv/kv_groups.py), each as ``slots`` / ``block_tables`` are
+    # for group 0; empty with one group
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -65,10 +71,29 @@ class FlatBatch:
         """Every row is one new token whose logits are sampled (what a decode graph computes)."""
         return not self.prompt_rows and not self.embeds and len(self.logits_rows) == len(self.query_lens) == len(self.ids)
 
-    def to_model_input(self, device: torch.device) -> ModelInput:
+    def add_groups(self, seq_ids: list[SeqId], block_manager: KVBlockManager, block_size: int) -> None:
+        """Fill ``group_slots`` / ``group_tables`` for the sequences ``seq_ids`` (in row order) from
+        their tables in KV groups 1..; nothing with one group."""
+        if block_manager.num_groups == 1:
+            return
+        self.group_slots = [[] for _ in range(block_manager.num_groups - 1)]
+        self.group_tables = [[] for _ in range(block_manager.num_groups - 1)]
+        row = 0
+        for seq_id, num_rows in zip(seq_ids, self.query_lens):
+            positions = self.positions[row : row + num_rows]
+            for slots, tables, table in zip(self.group_slots, self.group_tables, block_manager.block_tables(seq_id)[1:]):
+                tables.append(table)
+                slots.extend(slot_of(table, p, block_size) for p in positions)
+            row += num_rows
+
+    def to_model_input(self, device: torch.device, layout: KVCacheLayout | None = None) -> ModelInput:
         meta = AttentionMetadata.paged(
             self.query_lens, self.seq_lens, self.slots, self.block_tables, self.logits_rows, device
         )
+        if layout is not None:
+            width = max(map(len, self.block_tables))
+            meta.with_groups(layout, [torch.tensor(s, dtype=torch.long, device=device) for s in self.group_slots],
+                             [block_table_tensor(t, width).to(device) for t in self.group_tables])  # fmt: skip
         as_long = {"dtype": torch.long, "device": device}
         embeds = stacked(self.embeds, device) if self.embeds else None
         return ModelInput(
@@ -76,7 +101,7 @@ class FlatBatch:
         )
 
 
-def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size: int) -> FlatBatch:
+def flatten_step(sched: SchedulerOutput, block_manager: KVBlockManager, block_size: int) -> FlatBatch:
     """Lay the scheduled chunks end to end: token ids, positions, KV slots, block tables."""
     flat = FlatBatch([], [], [], [], [], [], [], [])
     prompt_logits_rows: list[int] = []
@@ -126,6 +151,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: BlockManager, block_size
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
     flat.logits_rows.extend(prompt_logits_rows)
+    flat.add_groups([sched.scheduled[i].seq.seq_id for i in flat.seq_indices], block_manager, block_size)
     return flat
 
 
@@ -138,8 +164,10 @@ class ModelRunner:
         device: torch.device,
         decode_graphs: DecodeGraphRunner | None = None,
         lora: LoRAManager | None = None,
+        kv_layout: KVCacheLayout | None = None,
     ) -> None:
         self.model = model
+        self.kv_layout = kv_layout  # several KV groups: kv_caches holds kv_layout.group_size tensor pairs
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -176,7 +204,7 @@ class ModelRunner:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_manager: BlockManager) -> tuple[torch.Tensor, FlatBatch]:
+    def execute(self, sched: SchedulerOutput, block_manager: KVBlockManager) -> tuple[torch.Tensor, FlatBatch]:
         """Run the step's forward; returns the logits of ``flat.logits_rows``: first one row per
         sequence that completed its scheduled chunk (``flat.sample_indices`` into
         ``sched.scheduled``), then the prompt-logprob rows (``flat.prompt_rows``)."""
@@ -185,7 +213,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_pooling(
-        self, sched: SchedulerOutput, block_manager: BlockManager, wanted: Callable[[ScheduledSeq], tuple[int, int]]
+        self, sched: SchedulerOutput, block_manager: KVBlockManager, wanted: Callable[[ScheduledSeq], tuple[int, int]]
     ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """The pooling runner's forward: the final-normed hidden states of the rows ``wanted``
         asks of each scheduled chunk ((first row in the chunk, count), engine/pooler.py), and per
@@ -202,7 +230,7 @@ class ModelRunner:
         flat.logits_rows = rows
         if self.lora is not None:
             self.lora.prepare(flat.loras, flat.query_lens)
-        inp = flat.to_model_input(self.device)
+        inp = flat.to_model_input(self.device, self.kv_layout)
         return self.model.hidden_states(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches), spans
 
     @torch.inference_mode()
@@ -213,7 +241,7 @@ class ModelRunner:
             self.lora.prepare(flat.loras, flat.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(flat):
             return self.decode_graphs.run(flat, token_ids)
-        inp = flat.to_model_input(self.device)
+        inp = flat.to_model_input(self.device, self.kv_layout)
         if token_ids is not None:
             inp.input_ids.copy_(token_ids)
         if inp.inputs_embeds is not None:

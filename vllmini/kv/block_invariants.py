@@ -13,14 +13,17 @@ if TYPE_CHECKING:
     from vllmini.kv.block_manager import BlockManager
 
 
-def check_invariants(bm: BlockManager) -> None:
-    """Raise AssertionError if the bookkeeping is inconsistent."""
+def check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise AssertionError(msg)
 
-    def check(cond: bool, msg: str) -> None:
-        if not cond:
-            raise AssertionError(msg)
 
-    refs = Counter(bid for s in bm._seqs.values() for bid in s.block_table[s.num_released :])
+def check_invariants(bm: BlockManager, *others: BlockManager) -> None:
+    """Raise AssertionError if the bookkeeping is inconsistent. ``others``: the other KV groups'
+    managers sharing ``bm``'s pool (kv/hybrid_block_manager.py): a block's references are theirs
+    together."""
+    groups = (bm, *others)
+    refs = Counter(bid for g in groups for s in g._seqs.values() for bid in s.block_table[s.num_released :])
     free, evictable = set(bm._free), set(bm._evictable)
     check(len(free) == len(bm._free), "duplicate block in the free list")
     check(not free & evictable, f"blocks both free and evictable: {free & evictable}")
@@ -40,6 +43,13 @@ def check_invariants(bm: BlockManager) -> None:
         check(bm.blocks[bid].block_hash == h, f"registered hash maps to block {bid} with another hash")
     if not bm.enable_prefix_caching:
         check(not bm._cached and not evictable, "prefix caching disabled but blocks are cached")
+    for g in groups:
+        check(g.blocks is bm.blocks and g._free is bm._free and g._cached is bm._cached, "KV groups with other pools")
+        check_tables(g)
+
+
+def check_tables(bm: BlockManager) -> None:
+    """The sequences' tables, hashes and released entries of one manager (one KV group)."""
     bs = bm.block_size
     for sid, s in bm._seqs.items():
         check(len(s.block_table) == -(-s.num_tokens // bs), f"seq {sid!r}: table size != ceil(tokens/bs)")

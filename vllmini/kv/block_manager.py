@@ -57,7 +57,7 @@ class BlockManager(BlockPool):
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
-        null_block: int | None = None,
+        null_block: int | None = None, pool: BlockPool | None = None,
     ) -> None:  # fmt: skip
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
@@ -67,6 +67,8 @@ class BlockManager(BlockPool):
         if 0 <= null_block < num_blocks:
             raise ValueError(f"null_block must lie outside the pool [0, {num_blocks}), got {null_block}")
         super().__init__(num_blocks)
+        if pool is not None:  # one KV group of several (kv/hybrid_block_manager.py): their pool is one
+            self.share_pool(pool)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
@@ -83,6 +85,15 @@ class BlockManager(BlockPool):
     def block_table(self, seq_id: SeqId) -> list[int]:
         """The sequence's block table (the live list: read it, do not mutate it)."""
         return self._seqs[seq_id].block_table
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups, each with its own block table (kv/kv_groups.py): one here."""
+        return 1
+
+    def block_tables(self, seq_id: SeqId) -> list[list[int]]:
+        """The sequence's block table of every KV group (``HybridBlockManager``'s interface)."""
+        return [self._seqs[seq_id].block_table]
 
     def num_tokens(self, seq_id: SeqId) -> int:
         """Token slots the sequence's block table covers (computed + scheduled)."""
@@ -104,26 +115,47 @@ class BlockManager(BlockPool):
             return None
         return -(-(self.sliding_window - 1 + max_new_tokens) // self.block_size) + 1
 
+    def capacity_tokens(self, max_new_tokens: int, max_model_len: int) -> int:
+        """The longest sequence the pool can hold: ``max_model_len`` when a window plus a step of
+        ``max_new_tokens`` fits (it releases what falls behind), else the pool's slots."""
+        per_step = self.max_blocks_per_step(max_new_tokens)
+        if per_step is not None and per_step <= self.num_blocks:
+            return max_model_len
+        return self.num_blocks * self.block_size
+
     # ---- prefix cache --------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], root: bytes = ROOT_HASH) -> tuple[list[int], int]:
-        """Longest run of cached full blocks at the start of ``token_ids``: (block ids, tokens).
-        ``root``: the sequence's :func:`prefix_root` (its LoRA adapter's).
+    def find_cached_prefix(
+        self, token_ids: Sequence[int], root: bytes = ROOT_HASH, max_tokens: int | None = None
+    ) -> tuple[list[int], int]:
+        """Longest cached start of ``token_ids``, in whole blocks: (block ids, tokens), at most
+        ``max_tokens`` tokens. ``root``: the sequence's :func:`prefix_root` (its LoRA adapter's).
+        With a sliding window only the blocks that the first query after the hit can see must
+        be cached; those behind it are ``null_block`` placeholders in the list.
 
         Never covers the last token: it must be computed to get logits, and a sequence
         never writes into a shared block. Changes no state (not even the counters)."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
-        found: list[int] = []
+        limit = max(0, (len(token_ids) - 1) // bs)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens // bs)
+        found: list[int | None] = []
         parent = root
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            h = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            bid = self._cached.get(h)
-            if bid is None:
+        for i in range(limit):
+            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            found.append(self._cached.get(parent))
+            if found[-1] is None and self.sliding_window is None:
                 break
-            found.append(bid)
-            parent = h
-        return found, len(found) * bs
+        # the most blocks h such that every block the query at h * bs sees is cached: blocks
+        # behind(h) .. h - 1, i.e. the run of cached blocks ending at h - 1 reaches back that far
+        best, run = 0, 0
+        for h in range(1, len(found) + 1):
+            run = run + 1 if found[h - 1] is not None else 0
+            if run >= h - self._blocks_behind_window(h * bs):
+                best = h
+        skip = self._blocks_behind_window(best * bs)
+        return [self.null_block] * skip + found[skip:best], best * bs  # type: ignore[list-item]
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(
@@ -143,45 +175,75 @@ class BlockManager(BlockPool):
         blocks behind the window of the first new token are released either way: no query from
         there on reads them).
         Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
+        if self.blocks_to_take(seq_id, token_ids, num_new_tokens, cached_blocks, root) > self.num_free_blocks:
+            return False
+        self.take(seq_id, token_ids, num_new_tokens, cached_blocks, root)
+        return True
+
+    def blocks_to_take(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int, cached_blocks: list[int] | None = None,
+        root: bytes = ROOT_HASH,
+    ) -> int:  # fmt: skip
+        """How many of the pool's allocatable blocks :meth:`allocate` would use: new blocks plus
+        cached ones it takes out of the evictable LRU. A sequence already allocated first
+        releases the blocks behind its window (the only state this changes)."""
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        bs = self.block_size
         seq = self._seqs.get(seq_id)
-        cached = list(cached_blocks or ())
         if seq is not None:
-            if cached:
+            if cached_blocks:
                 raise ValueError(f"cached_blocks given for already allocated sequence {seq_id!r}")
             if self.sliding_window is not None:
                 self._release_behind_window(seq)
-            table, num_computed, reclaimed, hashes, skip = seq.block_table, seq.num_tokens, 0, [], 0
-        else:
-            hashes = self._check_cached(token_ids, cached, root)
-            num_computed = len(cached) * bs
-            # cached blocks behind the window are not taken: they stay in the cache as they are
-            skip = min(len(cached), self._blocks_behind_window(num_computed))
-            table = [self.null_block] * skip + cached[skip:]
-            # Cached blocks at ref 0 leave the allocatable pool when we take them.
-            reclaimed = sum(1 for bid in cached[skip:] if bid in self._evictable)
-        total = num_computed + num_new_tokens
-        needed = max(0, -(-total // bs) - len(table))
-        if needed > self.num_free_blocks - reclaimed:
-            return False
+            return max(0, -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
+        cached = list(cached_blocks or ())
+        self._check_cached(token_ids, cached, root)
+        kept = cached[self._blocks_behind_window(len(cached) * self.block_size) :]
+        reclaimed = sum(1 for bid in kept if bid in self._evictable)  # ref 0: they leave the allocatable pool
+        total = len(cached) * self.block_size + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(cached)) + reclaimed
+
+    def take(
+        self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int, cached_blocks: list[int] | None = None,
+        root: bytes = ROOT_HASH,
+    ) -> None:  # fmt: skip
+        """:meth:`allocate` once :meth:`blocks_to_take` blocks are known to be free."""
+        seq = self._seqs.get(seq_id)
         if seq is None:
-            for bid in cached[skip:]:
-                self._evictable.pop(bid, None)
-                self.blocks[bid].ref_count += 1
-            seq = self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed, skip, root)
-            if self.enable_prefix_caching:
-                self.prefix_cache_queries += len(token_ids)
-                self.prefix_cache_hits += num_computed
-        for _ in range(needed):
+            self.admit(seq_id, token_ids, cached_blocks, root)
+        elif self.sliding_window is not None:
+            self._release_behind_window(seq)
+        self.grow(seq_id, token_ids, num_new_tokens)
+
+    def admit(self, seq_id: SeqId, token_ids: Sequence[int], cached_blocks: list[int] | None, root: bytes) -> None:
+        """A new sequence holding its prefix-cache hit, no new block yet: taking a new block may
+        evict an unreferenced cached one, so every KV group claims its hit before any group grows."""
+        bs = self.block_size
+        cached = list(cached_blocks or ())
+        hashes = self._check_cached(token_ids, cached, root)
+        num_computed = len(cached) * bs
+        # cached blocks behind the window are not taken: they stay in the cache as they are
+        skip = self._blocks_behind_window(num_computed)
+        table = [self.null_block] * skip + cached[skip:]
+        for bid in cached[skip:]:
+            self._evictable.pop(bid, None)
+            self.blocks[bid].ref_count += 1
+        self._seqs[seq_id] = _SeqState(table, num_computed, hashes, num_computed, skip, root)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(token_ids)
+            self.prefix_cache_hits += num_computed
+
+    def grow(self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int) -> None:
+        """Extend an admitted sequence's table by ``num_new_tokens`` slots (blocks known to be free)."""
+        bs = self.block_size
+        seq = self._seqs[seq_id]
+        seq.num_tokens += num_new_tokens
+        for _ in range(max(0, -(-seq.num_tokens // bs) - len(seq.block_table))):
             bid = self._take_block()
             self.blocks[bid].ref_count = 1
-            table.append(bid)
-        seq.num_tokens = total
+            seq.block_table.append(bid)
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, token_ids)
-        return True
 
     def free(self, seq_id: SeqId) -> None:
         """Drop a finished/aborted/preempted sequence; unknown ids are a no-op.
@@ -290,9 +352,10 @@ class BlockManager(BlockPool):
             raise ValueError("cached_blocks cover more tokens than token_ids")
         hashes: list[bytes] = []
         parent = root
+        skip = self._blocks_behind_window(len(cached) * bs)  # placeholders: not taken, need not be cached
         for i, bid in enumerate(cached):
             parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            if self._cached.get(parent) != bid:
+            if i >= skip and self._cached.get(parent) != bid:
                 raise ValueError(f"stale cached block {bid} at index {i}: call find_cached_prefix again")
             hashes.append(parent)
         return hashes

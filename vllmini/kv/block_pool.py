@@ -38,6 +38,13 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.num_evictions = 0  # blocks evicted from the prefix cache (metrics and tests)
 
+    def share_pool(self, pool: BlockPool) -> None:
+        """Use ``pool``'s blocks, free list, LRU and hash map as this one's: the KV groups of a
+        hybrid model draw their block ids from one pool (kv/hybrid_block_manager.py)."""
+        if pool.num_blocks != self.num_blocks:
+            raise ValueError(f"a shared pool must have {self.num_blocks} blocks, not {pool.num_blocks}")
+        self.blocks, self._free, self._evictable, self._cached = pool.blocks, pool._free, pool._evictable, pool._cached
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks allocatable now: truly free plus evictable cached ones."""

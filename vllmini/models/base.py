@@ -7,12 +7,16 @@ keys/values live. Models know nothing about requests, schedulers or sampling.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from vllmini.kv.kv_groups import KVCacheLayout
 
 
 def slot_of(block_table: list[int], position: int, block_size: int) -> int:
@@ -64,10 +68,34 @@ class AttentionMetadata:
     # token, ``block_tables`` spans the longest possible context, ``max_seqlen_k`` is that
     # bound and the host lists are NOT per-step values, so backends must read the tensors only.
     static_decode: bool = False
+    # Several KV cache groups (sliding and full layers mixed: kv/kv_groups.py): which group and cache
+    # tensor pair each layer uses, and the metadata of groups 1.. (their slots and block tables; this
+    # object is group 0's). None: one table serves every layer, and layer i's cache is kv_caches[i].
+    kv_layout: KVCacheLayout | None = None
+    group_metas: list[AttentionMetadata] = dataclasses.field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    def for_layer(self, i: int, kv_caches: list[Any] | None) -> tuple[AttentionMetadata, Any]:
+        """Layer ``i``'s metadata and KV cache: its group's, when the cache is grouped."""
+        layout = self.kv_layout
+        if layout is None:
+            return self, None if kv_caches is None else kv_caches[i]
+        group = layout.layer_groups[i]
+        meta = self if group == 0 else self.group_metas[group - 1]
+        return meta, None if kv_caches is None else kv_caches[layout.layer_slots[i]]
+
+    def with_groups(
+        self, layout: KVCacheLayout, slot_mappings: list[torch.Tensor], block_tables: list[torch.Tensor]
+    ) -> AttentionMetadata:
+        """This (group 0's) metadata given groups 1..'s slots and tables: the rest is shared."""
+        self.kv_layout = layout
+        self.group_metas = [dataclasses.replace(self, slot_mapping=slots, block_tables=tables, kv_layout=None,
+                                                group_metas=[], backend_plan=None)
+                            for slots, tables in zip(slot_mappings, block_tables)]  # fmt: skip
+        return self
 
     @classmethod
     def paged(

@@ -182,10 +182,16 @@ class LlamaForCausalLM(nn.Module):
         return next((layer.self_attn.attn.window for layer in self.model.layers if layer.self_attn.attn.window), None)
 
     @property
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's attention window (None: it attends to every earlier token)."""
+        return [layer.self_attn.attn.window for layer in self.model.layers]
+
+    @property
     def kv_window(self) -> int | None:
         """The window when every layer has the same one (None otherwise): then no layer reads
-        the KV behind it, and the cache can release those blocks as a sequence advances."""
-        windows = {layer.self_attn.attn.window for layer in self.model.layers}
+        the KV behind it, and the cache can release those blocks as a sequence advances (mixed
+        windows: kv/kv_groups.py)."""
+        windows = set(self.layer_windows)
         return windows.pop() if len(windows) == 1 else None
 
     @property
@@ -260,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             rows, values = inputs_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
         for i, (layer, cos_sin) in enumerate(zip(self.model.layers, self.rope_tables(positions))):
-            x = layer(x, cos_sin, attn_metadata, kv_caches[i] if kv_caches is not None else None)
+            x = layer(x, cos_sin, *attn_metadata.for_layer(i, kv_caches))
         if attn_metadata.logits_indices is not None:
             x = x.index_select(0, attn_metadata.logits_indices)
         return self.model.norm(x)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllmini.kv.block_hash import prefix_root
-from vllmini.kv.block_manager import BlockManager
+from vllmini.kv.hybrid_block_manager import KVBlockManager
 from vllmini.scheduler.sequence import Sequence, SequenceStatus
 
 
@@ -86,7 +86,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: KVBlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -172,12 +172,9 @@ class Scheduler:
                 w += 1
                 continue
             root = prefix_root(seq.lora_key, seq.cache_salt)
+            # (prompt_logits_from: a cache hit computes no logits, so the hit stays below the positions still wanted)
             cached_blocks, num_cached = ([], 0) if seq.skip_reading_prefix_cache else \
-                self.block_manager.find_cached_prefix(seq.token_ids, root)  # fmt: skip
-            if seq.prompt_logits_from is not None and num_cached > seq.prompt_logits_from:
-                # a cache hit computes no logits: keep the hit below the positions still wanted
-                keep = seq.prompt_logits_from // self.block_manager.block_size
-                cached_blocks, num_cached = cached_blocks[:keep], keep * self.block_manager.block_size
+                self.block_manager.find_cached_prefix(seq.token_ids, root, seq.prompt_logits_from)  # fmt: skip
             num_new = min(self.config.cap(seq.num_tokens - num_cached), budget)
             if rows_left is not None and seq.prompt_logits_from is not None:
                 num_new = seq.cap_prompt_logits_rows(num_cached, num_new, rows_left)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from vllmini.engine.model_runner import FlatBatch, ModelRunner
     from vllmini.engine.output_processor import RequestState
-    from vllmini.kv.block_manager import BlockManager
+    from vllmini.kv.hybrid_block_manager import KVBlockManager
     from vllmini.scheduler.scheduler import SchedulerOutput
     from vllmini.scheduler.sequence import Sequence
 
@@ -42,7 +42,7 @@ class Speculator:
     engine/engine_setup.py gave a KV cache on the target's blocks."""
 
     def __init__(
-        self, config: SpeculativeConfig, drafter: DraftModelProposer | None, block_manager: BlockManager,
+        self, config: SpeculativeConfig, drafter: DraftModelProposer | None, block_manager: KVBlockManager,
         max_model_len: int, structured: StructuredOutputManager,
     ) -> None:  # fmt: skip
         self.config = config
