@@ -101,8 +101,9 @@ async def test_a_chat_stream_of_n_choices_sends_one_choice_a_chunk(engine):
 
 
 async def test_a_completion_stream_of_n_choices_and_prompts_sends_one_choice_a_chunk(engine):
-    body = {"model": NAME, "prompt": ["The capital of France is", "Once upon a time"], "n": 3, "max_tokens": 5,
-            "temperature": 0.8, "seed": 11, "ignore_eos": True, "logprobs": 1, "return_token_ids": True}  # fmt: skip
+    """(best_of: vLLM's V1 takes it equal to n only.)"""
+    body = {"model": NAME, "prompt": ["The capital of France is", "Once upon a time"], "n": 3, "best_of": 3,
+            "max_tokens": 5, "temperature": 0.8, "seed": 11, "ignore_eos": True, "logprobs": 1, "return_token_ids": True}  # fmt: skip
     async with http(engine) as h:
         whole, chunks, _ = await whole_and_streamed(h, "/v1/completions", body)
     texts, logprobs, token_ids, prompts = {}, {}, {}, {}
