@@ -10,6 +10,8 @@
   whole output is content.
 - ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` as ``qwen3`` (see their classes); ``granite``:
   Granite 3.2's plain-text markers, "Here is my thought process:" ... "Here is my response:".
+- ``ernie45`` (ERNIE 4.5 Thinking) reads as ``deepseek_r1``; its content may be wrapped in
+  ``<response>`` ... ``</response>`` (see its class).
 - ``mistral`` (Magistral): ``[THINK]`` and ``[/THINK]`` instead, read as qwen3's, but a
   ``[THINK]`` after some content still opens the (one) reasoning section, and the tags, special
   tokens there, are kept in the text (``skip_special_tokens=False``).
@@ -75,18 +77,27 @@ class ReasoningParser:
                 return False
             self._state = "reasoning" if self.in_reasoning else self.UNOPENED
         elif self._state == "reasoning":
-            i = self._buf.find(self.END)
-            if i < 0:
-                keep = len(self._buf) - partial_tag(self._buf, self.END)
-                self._emit("reasoning", self._buf[:keep])
-                self._buf = self._buf[keep:]
+            if self._read_until("reasoning", self.END) is None:
                 return False
-            self._emit("reasoning", self._buf[:i])
-            self._buf, self._state = self._buf[i + len(self.END) :], "content"
+            self._state = "content"
         else:
             self._emit("content", self._buf)
             self._buf = ""
         return True
+
+    def _read_until(self, kind: str, *tags: str) -> str | None:
+        """Write ``_buf`` as ``kind`` up to the first of ``tags`` and return that tag (``_buf`` is
+        then the text after it); None: none yet (an end that may begin one is held back)."""
+        found = [(i, tag) for tag in tags if (i := self._buf.find(tag)) >= 0]
+        if not found:
+            keep = len(self._buf) - max(partial_tag(self._buf, tag) for tag in tags)
+            self._emit(kind, self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return None
+        i, tag = min(found)
+        self._emit(kind, self._buf[:i])
+        self._buf = self._buf[i + len(tag) :]
+        return tag
 
     def finish_streaming(self) -> list[Piece]:
         """What was held back, once the output is complete."""
@@ -150,16 +161,61 @@ class GraniteReasoningParser(ReasoningParser):
             return True
         if self._state != "reasoning":
             return super()._step()
-        ends = [(i, tag) for tag in self.ENDS if (i := self._buf.find(tag)) >= 0]
-        if not ends:
-            keep = len(self._buf) - max(partial_tag(self._buf, tag) for tag in self.ENDS)
-            self._emit("reasoning", self._buf[:keep])
-            self._buf = self._buf[keep:]
+        if self._read_until("reasoning", *self.ENDS) is None:
             return False
-        i, tag = min(ends)
-        self._emit("reasoning", self._buf[:i])
-        self._buf, self._state = self._buf[i + len(tag) :], "content"
+        self._state = "content"
         return True
+
+
+class Ernie45ReasoningParser(DeepSeekR1ReasoningParser):
+    """ERNIE 4.5 Thinking: ``reasoning\n</think>\n\n<response>\ncontent\n</response>\n``, or
+    plain content after ``</think>``. Read as deepseek_r1 (the output starts in reasoning), then
+    the newlines after ``</think>`` are dropped and a ``<response>`` opening the content leaves
+    only the text up to ``</response>`` as content (whitespace after it dropped, anything else
+    after it content). The tags are plain text in ERNIE's output, as vLLM's parser reads them.
+
+    vLLM's whole and streamed readings differ at the edges; this one, whole and streamed alike,
+    takes its streamed reading's newlines after ``</think>`` (dropped; the whole reading keeps
+    them when there is no ``<response>``), its ``<response>`` left unclosed (dropped; the whole
+    reading keeps the tag) and its text after ``</response>`` (content; the whole reading drops
+    it). A ``<response>`` after other content is text, where vLLM's whole reading drops what
+    comes before it."""
+
+    RESPONSE, RESPONSE_END = "<response>", "</response>"
+
+    def _step(self) -> bool:
+        if self._state == "reasoning":
+            stepped = super()._step()
+            if self._state == "content":  # (</think> was read)
+                self._state = "opening"
+            return stepped
+        if self._state == "opening":  # newlines, then <response> or the content
+            head = self._buf.lstrip("\n")
+            if head.startswith(self.RESPONSE):
+                self._buf, self._state = head[len(self.RESPONSE) :], "response"
+                return True
+            if self.RESPONSE.startswith(head):  # newlines or part of the tag so far
+                return False
+            self._buf, self._state = head, "content"
+            return True
+        if self._state == "response":
+            if self._read_until("content", self.RESPONSE_END) is None:
+                return False
+            self._state = "closed"
+            return True
+        if self._state == "closed":  # whitespace after </response> is dropped
+            head = self._buf.lstrip()
+            self._buf = head
+            if not head:
+                return False
+            self._state = "content"
+            return True
+        return super()._step()
+
+    def finish_streaming(self) -> list[Piece]:
+        if self._state == "opening":
+            self._buf = self._buf.lstrip("\n")
+        return super().finish_streaming()
 
 
 class MistralReasoningParser(ReasoningParser):
@@ -179,23 +235,17 @@ class MistralReasoningParser(ReasoningParser):
     def _step(self) -> bool:
         if self._state != "before":
             return super()._step()
-        i, j = self._buf.find(self.START), self._buf.find(self.END)
-        if i < 0 and j < 0:
-            keep = len(self._buf) - max(partial_tag(self._buf, self.START), partial_tag(self._buf, self.END))
-            self._emit("content", self._buf[:keep])
-            self._buf = self._buf[keep:]
+        tag = self._read_until("content", self.START, self.END)
+        if tag is None:
             return False
-        if j >= 0 and (i < 0 or j < i):  # an end without a start: dropped
-            self._emit("content", self._buf[:j])
-            self._buf = self._buf[j + len(self.END) :]
-            return True
-        self._emit("content", self._buf[:i])
-        self._buf, self._state = self._buf[i + len(self.START) :], "reasoning"
+        if tag == self.START:  # (an end without a start is dropped)
+            self._state = "reasoning"
         return True
 
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "ernie45": Ernie45ReasoningParser,
     "exaone4": Exaone4ReasoningParser,
     "granite": GraniteReasoningParser,
     "mistral": MistralReasoningParser,

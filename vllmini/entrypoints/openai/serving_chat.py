@@ -241,16 +241,16 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:  # fmt: skip
         """First the role (and any echo; with ``return_token_ids`` the prompt's token ids) of each
         choice, then the text as it comes (with parsers: its reasoning, content and tool-call
-        deltas; a chunk with none, nor new token ids to return, is not sent). With
-        ``continuous_usage_stats`` each choice has its own chunks, with its own usage, as vLLM's."""
+        deltas; a chunk with none, nor new token ids to return, is not sent). Each chunk holds one
+        choice, in the engine's order, as vLLM's (with ``continuous_usage_stats``, its own usage)."""
         continuous = self.stream_usage(request.stream_options)[1]
         parsers: dict[int, ChatOutputParser] = {}
 
         def chunks(choices: list[dict[str, Any]], **extra: Any) -> Iterator[str]:
             head = self.header(request_id, "chat.completion.chunk", request.model)
-            for group in [[c] for c in choices] if continuous else [choices] if choices else []:
-                counts = {"usage": usage.choice(0, group[0]["index"])} if continuous else {}
-                yield sse({**head, "choices": group, **extra, **counts})
+            for c in choices:
+                counts = {"usage": usage.choice(0, c["index"])} if continuous else {}
+                yield sse({**head, "choices": [c], **extra, **counts})
 
         role = {"role": self._role(request), "content": self._echo(request)}
         first = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}

@@ -71,6 +71,8 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _chunks(
         self, request: CompletionRequest, request_id: str, group: RequestGroup, usage: Usage
     ) -> AsyncIterator[str]:
+        """Each chunk holds one choice's new text, in the engine's order, as vLLM's (with
+        ``continuous_usage_stats``, its own usage: its prompt's tokens and those it has so far)."""
         sent: dict[int, int] = {}  # each choice's text length so far
         prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
         continuous = self.stream_usage(request.stream_options)[1]
@@ -78,19 +80,14 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.add(i, out)  # (delta outputs: the new tokens only)
             if out.prompt_logprobs:  # for the choices that start in a later output
                 prompt_logprobs[i] = out.prompt_logprobs
-            choices = []
+            head = self.header(request_id, "text_completion", request.model)
             for c in out.outputs:
                 index = i * request.n + c.index
                 first = index not in sent
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
-                choices.append(self._choice(request, index, text, logprobs, c, out, first))
-            head = self.header(request_id, "text_completion", request.model)
-            if not continuous:
-                yield sse({**head, "choices": choices})
-            else:  # (vLLM's: a chunk per choice, with its prompt's usage and its own)
-                for c, choice in zip(out.outputs, choices):
-                    yield sse({**head, "choices": [choice], "usage": usage.choice(i, c.index)})
+                counts = {"usage": usage.choice(i, c.index)} if continuous else {}
+                yield sse({**head, "choices": [self._choice(request, index, text, logprobs, c, out, first)], **counts})
 
     @staticmethod
     def _choice(
