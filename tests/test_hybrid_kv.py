@@ -270,7 +270,9 @@ def test_gemma3_holds_what_keeping_every_block_cannot(tmp_path_factory, default_
             assert eng.block_manager.prefix_cache_hits > 0
         assert not speculative or eng.spec_stats.num_drafts > 0
         assert_no_leaks(llm)
-    assert runs[True][0] == 0 < runs[False][0]  # grouped: no preemption; every block kept: preemptions
+    assert runs[True][0] == 0  # grouped: no preemption
+    # every block kept: preemptions (with drafts, which never preempt, the steps run otherwise: not always)
+    assert runs[False][0] > 0 or speculative
     assert runs[True][2] == runs[False][2]
 
 
