@@ -484,8 +484,8 @@ def test_failed_graph_capture_leaves_an_eager_engine(monkeypatch, vllmini_log):
     class Runner(DecodeGraphRunner):
         fail = True
 
-        def __init__(self, *args):
-            super().__init__(*args[:-1], torch.device("cpu"), use_graphs=False)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args[:-1], torch.device("cpu"), use_graphs=False, **kwargs)
             self.sizes = [1, 2]
 
         def capture(self):
