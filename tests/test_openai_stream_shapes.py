@@ -1,8 +1,9 @@
-"""A streamed chat's chunks have vLLM's shapes: the role chunk (content ""), then with ``echo``
+"""Streamed chunks have vLLM's shapes. A chat's: the role chunk (content ""), then with ``echo``
 a chunk of its own per choice carrying the continued message; a decode step without new text
 sends ``{"content": ""}`` (``{}`` only for a parser's silent last step), a prefill step nothing;
 ``stop_reason`` only with the finish; the role chunk waits for the first output, so a failed
-first step is the stream's first event."""
+first step is the stream's first event. A completion's: a prefill step sends nothing (unless
+the prompt is echoed then)."""
 from __future__ import annotations
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from test_openai_server import KV, NAME, events, wait_idle
 from vllmini import AsyncLLMEngine, EngineArgs
 from vllmini.engine.outputs import CompletionOutput, RequestOutput
-from vllmini.entrypoints.openai import serving_chat
+from vllmini.entrypoints.openai import serving_chat, serving_completion
 from vllmini.entrypoints.openai.api_server import build_app
 
 HI = [{"role": "user", "content": "hi"}]
@@ -87,14 +88,17 @@ class FakeGroup:
         pass
 
 
-async def streamed(engine, monkeypatch, outputs: list, **options) -> list[dict]:
+async def streamed(engine, monkeypatch, outputs: list, route: str = "chat/completions", body: dict | None = None,
+                   **options) -> list[dict]:  # fmt: skip
+    """The events of a streamed request whose engine outputs are ``outputs``."""
     async def start(*args, **kwargs):
         return FakeGroup(outputs)
 
-    monkeypatch.setattr(serving_chat.RequestGroup, "start", start)
-    body = {"model": NAME, "messages": HI, "max_tokens": 8, "stream": True}
+    for module in (serving_chat, serving_completion):
+        monkeypatch.setattr(module.RequestGroup, "start", start)
+    body = {"model": NAME, "max_tokens": 8, "stream": True, **(body or {"messages": HI})}
     async with http(engine, **options) as h:
-        return events((await h.post("/v1/chat/completions", json=body)).text)
+        return events((await h.post(f"/v1/{route}", json=body)).text)
 
 
 PREFILL, SILENT, HI_THERE = out("", []), out("", [5]), out("Hi", [6])
@@ -120,3 +124,13 @@ async def test_with_a_parser_a_silent_step_is_unsent_and_a_silent_finish_is_an_e
 async def test_a_failed_first_step_is_the_streams_first_event(engine, monkeypatch):
     (error,) = await streamed(engine, monkeypatch, [RuntimeError("the step failed")])
     assert error["error"]["message"] == "the step failed"
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_completions_prefill_step_sends_nothing_unless_echoed(engine, monkeypatch, echo):
+    prompt = {"prompt": [1, 2, 3], "echo": echo}
+    got = choices(await streamed(engine, monkeypatch, [PREFILL, HI_THERE, out("", [7], "length")], "completions", prompt))
+    texts = [(c["text"], c["finish_reason"]) for c in got]
+    assert texts[-2:] == [("Hi", None), ("", "length")] and len(texts) == 2 + echo
+    if echo:  # (the prompt's text comes with its first output)
+        assert texts[0][0] != "" and "Hi" not in texts[0][0]
