@@ -232,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         choice: ToolChoice, make: MakeParser | None,
     ) -> AsyncIterator[str]:  # fmt: skip
         usage = Usage(self.prompt_tokens_details)
-        usage.prompt_tokens[0] = len(prompt_ids)  # (known before the first output: the role chunk's usage has it)
+        usage.prompt_tokens[0] = len(prompt_ids)  # (the role and echo chunks go before the first output is counted)
         return self.events(self._chunks(request, request_id, group, usage, choice, make, prompt_ids), request_id,
                            "chat.completion.chunk", usage, request.stream_options, request.model)  # fmt: skip
 
