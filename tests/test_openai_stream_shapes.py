@@ -6,29 +6,17 @@ first step is the stream's first event. A completion's: a prefill step sends not
 the prompt is echoed then)."""
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from test_openai_server import KV, NAME, events, wait_idle
-from vllmini import AsyncLLMEngine, EngineArgs
+import test_openai_stream_choices
+from test_openai_server import NAME, events, wait_idle
+from test_openai_stream_choices import http
 from vllmini.engine.outputs import CompletionOutput, RequestOutput
 from vllmini.entrypoints.openai import serving_chat, serving_completion
-from vllmini.entrypoints.openai.api_server import build_app
 
 HI = [{"role": "user", "content": "hi"}]
 CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=KV, served_model_name=NAME))
-    yield eng
-    eng.shutdown()
-
-
-def http(engine, **options) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, NAME, **options)),
-                             base_url="http://test")  # fmt: skip
+engine = test_openai_stream_choices.engine  # (its module's engine fixture, one for this module too)
 
 
 def choices(chunks: list[dict]) -> list[dict]:
