@@ -73,6 +73,11 @@ def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str | No
     return text
 
 
+def message_text(msg: Message) -> str:
+    """A (checked) message's content as the template sees it: its text parts joined with newlines."""
+    return _flatten(0, msg)["content"]
+
+
 def _flatten(i: int, msg: Any, as_parts: bool = False) -> Message:
     """The message with its content as one string (or, ``as_parts``, a list of text parts);
     other keys are untouched."""

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
-from vllmini.engine.chat import render_chat, resolve_chat_template
+from vllmini.engine.chat import message_text, render_chat, resolve_chat_template
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmini.entrypoints.openai.output_parser import ChatOutputParser
@@ -199,11 +199,12 @@ class OpenAIServingChat(OpenAIServing):
         return self.response_role if request.add_generation_prompt else str(request.messages[-1].get("role"))
 
     def _echo(self, request: ChatCompletionRequest) -> str:
-        """With ``echo``, the last message's content when it has the answer's role (being continued)."""
+        """With ``echo``, the last message's content when it has the answer's role (being continued),
+        its text parts joined with newlines, as vLLM's."""
         last = request.messages[-1]
-        if not request.echo or last.get("role") != self._role(request) or not isinstance(last.get("content"), str):
+        if not request.echo or last.get("role") != self._role(request):
             return ""
-        return last["content"]
+        return message_text(last)
 
     async def _whole(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, choice: ToolChoice,
@@ -231,7 +232,7 @@ class OpenAIServingChat(OpenAIServing):
         choice: ToolChoice, make: MakeParser | None,
     ) -> AsyncIterator[str]:  # fmt: skip
         usage = Usage(self.prompt_tokens_details)
-        usage.prompt_tokens[0] = len(prompt_ids)  # (known before the first output: the role chunk's usage has it)
+        usage.prompt_tokens[0] = len(prompt_ids)  # (the role and echo chunks go before the first output is counted)
         return self.events(self._chunks(request, request_id, group, usage, choice, make, prompt_ids), request_id,
                            "chat.completion.chunk", usage, request.stream_options, request.model)  # fmt: skip
 
@@ -239,12 +240,17 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage, choice: ToolChoice,
         make: MakeParser | None, prompt_ids: list[int],
     ) -> AsyncIterator[str]:  # fmt: skip
-        """First the role (and any echo; with ``return_token_ids`` the prompt's token ids) of each
-        choice, then the text as it comes (with parsers: its reasoning, content and tool-call
-        deltas; a chunk with none, nor new token ids to return, is not sent). Each chunk holds one
-        choice, in the engine's order, as vLLM's (with ``continuous_usage_stats``, its own usage)."""
+        """As vLLM's: once the first output is in (a failed first step is then the stream's first
+        event), each choice's role (content "", with ``return_token_ids`` the prompt's token ids),
+        then with ``echo`` each choice's echoed text in a chunk of its own; then the text as it
+        comes, ``{"content": ""}`` for a decode step that adds none (a step before any token, of a
+        prefill, sends nothing). With parsers: their reasoning, content and tool-call deltas, a
+        step with none (nor logprobs or new token ids to return) unsent but the last, ``{}``.
+        ``stop_reason`` comes with the finish only. Each chunk holds one choice, in the engine's
+        order (with ``continuous_usage_stats``, its own usage)."""
         continuous = self.stream_usage(request.stream_options)[1]
         parsers: dict[int, ChatOutputParser] = {}
+        opened = False
 
         def chunks(choices: list[dict[str, Any]], **extra: Any) -> Iterator[str]:
             head = self.header(request_id, "chat.completion.chunk", request.model)
@@ -252,17 +258,26 @@ class OpenAIServingChat(OpenAIServing):
                 counts = {"usage": usage.choice(0, c["index"])} if continuous else {}
                 yield sse({**head, "choices": [c], **extra, **counts})
 
-        role = {"role": self._role(request), "content": self._echo(request)}
-        first = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
-        for event in chunks([{"index": j, "delta": role, "logprobs": None, "finish_reason": None}
-                             for j in range(request.n)], **first):  # fmt: skip
-            yield event
+        def opening(delta: dict[str, Any], **extra: Any) -> Iterator[str]:
+            yield from chunks([{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
+                               for j in range(request.n)], **extra)  # fmt: skip
+
         async for i, out in group:
+            if not opened:
+                opened = True
+                ids = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
+                for event in opening({"role": self._role(request), "content": ""}, **ids):
+                    yield event
+                if echo := self._echo(request):
+                    for event in opening({"content": echo}):
+                        yield event
             usage.add(i, out)
             choices = []
             for c in out.outputs:
+                if not c.text and not c.token_ids and not usage.choice_tokens.get((i, c.index)):
+                    continue  # (no token yet: a prefill step)
                 logprobs, finish_reason = self.choice_logprobs(request, c), c.finish_reason
-                delta: Any = {"content": c.text} if c.text else {}
+                delta: Any = {"content": c.text}
                 if make is not None:
                     parser = parsers[c.index] = parsers.get(c.index) or make()
                     message = parser.delta(c.text, final=finish_reason is not None)
@@ -271,8 +286,9 @@ class OpenAIServingChat(OpenAIServing):
                     if message is None and finish_reason is None and logprobs is None and not ids_due:
                         continue
                     delta = {} if message is None else message
-                choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                                "stop_reason": c.stop_reason})  # fmt: skip
+                choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
+                if finish_reason is not None:
+                    choices[-1]["stop_reason"] = c.stop_reason
                 if request.return_token_ids:
                     choices[-1]["token_ids"] = list(c.token_ids)
             for event in chunks(choices):

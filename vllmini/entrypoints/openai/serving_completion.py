@@ -72,7 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str, group: RequestGroup, usage: Usage
     ) -> AsyncIterator[str]:
         """Each chunk holds one choice's new text, in the engine's order, as vLLM's (with
-        ``continuous_usage_stats``, its own usage: its prompt's tokens and those it has so far)."""
+        ``continuous_usage_stats``, its own usage: its prompt's tokens and those it has so far);
+        a step before the choice's first token (of a prefill) sends nothing, unless it is echoed."""
         sent: dict[int, int] = {}  # each choice's text length so far
         prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
         continuous = self.stream_usage(request.stream_options)[1]
@@ -84,6 +85,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in out.outputs:
                 index = i * request.n + c.index
                 first = index not in sent
+                started = usage.choice_tokens.get((i, c.index)) or (first and request.echo)
+                if not c.text and not c.token_ids and not started:
+                    continue  # (no token yet, nothing to echo: a prefill step sends nothing, as vLLM's)
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
                 counts = {"usage": usage.choice(i, c.index)} if continuous else {}
