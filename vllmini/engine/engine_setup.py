@@ -50,9 +50,10 @@ def build_runtime(
     kv_window = model.kv_window  # every layer's window, if they share one: blocks behind it are released
     # sliding and full layers mixed: a KV group per kind (kv/kv_groups.py), unless turned off or a draft model
     # shares the block ids (its cache would need a table that no group is)
-    layout = None
-    if not args.disable_hybrid_kv_cache_manager and draft_model is None:
-        layout = plan_kv_layout(model.layer_windows)
+    layout = None if args.disable_hybrid_kv_cache_manager else plan_kv_layout(model.layer_windows)
+    if layout is not None and draft_model is not None:
+        logger.info("hybrid KV cache off: the draft model's cache shares the block ids, which one table must own")
+        layout = None
     block_size = args.block_size or (256 if device.type == "cuda" else 16)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     attention_backend, backend = start_backend(
