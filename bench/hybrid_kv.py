@@ -57,18 +57,19 @@ def run(engine, prompts: list[dict], params) -> dict:
                 preemptions=engine.scheduler.stats.num_preemptions, tokens=[done[str(i)] for i in range(len(prompts))])  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model-dir", default=str(MODEL), help="where the random model is made (once)")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--min-prompt", type=int, default=1024)
     ap.add_argument("--max-prompt", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--out", default=None, help="a JSON file for the results")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from vllmini import LLM, SamplingParams
 
-    path = make_model(MODEL)
+    path = make_model(Path(args.model_dir))
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 8192) for _ in range(rng.randint(args.min_prompt, args.max_prompt))]}
                for _ in range(args.requests)]  # fmt: skip
@@ -90,6 +91,7 @@ def main() -> None:
     print(json.dumps(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":
