@@ -266,7 +266,29 @@ BASES = [
 ]
 
 
-class BlockManagerMachine(RuleBasedStateMachine):
+class SequenceRules:
+    """What the block-manager state machines share: live sequences in ``tokens`` / ``nslots`` /
+    ``first_query``, picking one, prefilling a chunk of it (its ``_extend``), preempting."""
+
+    def _preempt_newest(self) -> None:
+        """What the scheduler does when blocks run out: free the newest sequence; its full
+        blocks stay cached (evictable), which keeps hits and evictions frequent."""
+        if self.tokens:
+            sid = next(reversed(self.tokens))
+            self.bm.free(sid)
+            del self.tokens[sid], self.nslots[sid], self.first_query[sid]
+
+    def _pick(self, data, cond) -> object:
+        return data.draw(st.sampled_from(sorted((s for s in self.tokens if cond(s)), key=str)))
+
+    @precondition(lambda self: any(self.nslots[s] < len(t) for s, t in self.tokens.items()))
+    @rule(data=st.data(), chunk=st.integers(1, 8))
+    def prefill_chunk(self, data, chunk) -> None:
+        sid = self._pick(data, lambda s: self.nslots[s] < len(self.tokens[s]))
+        self._extend(sid, self.tokens[sid], min(chunk, len(self.tokens[sid]) - self.nslots[sid]))
+
+
+class BlockManagerMachine(SequenceRules, RuleBasedStateMachine):
     """Drives the manager and simulates the KV cache: ``kv[slot]`` is the token prefix the
     KV at that slot was computed from. Every live sequence must always read back its own
     prefixes (with a sliding window: those its last step's queries could see), and every
@@ -318,13 +340,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.first_query[sid] = start  # its next query, whose window the release kept
             self._preempt_newest()
 
-    def _preempt_newest(self) -> None:
-        """What the scheduler does when blocks run out: free the newest sequence; its full
-        blocks stay cached (evictable), which keeps hits and evictions frequent."""
-        if self.tokens:
-            sid = next(reversed(self.tokens))
-            self.bm.free(sid)
-            del self.tokens[sid], self.nslots[sid], self.first_query[sid]
 
     @rule(
         base=st.sampled_from(BASES),
@@ -358,15 +373,6 @@ class BlockManagerMachine(RuleBasedStateMachine):
         else:
             assert snapshot(self.bm) == before and sid not in self.bm
             self._preempt_newest()
-
-    def _pick(self, data, cond) -> object:
-        return data.draw(st.sampled_from(sorted((s for s in self.tokens if cond(s)), key=str)))
-
-    @precondition(lambda self: any(self.nslots[s] < len(t) for s, t in self.tokens.items()))
-    @rule(data=st.data(), chunk=st.integers(1, 8))
-    def prefill_chunk(self, data, chunk) -> None:
-        sid = self._pick(data, lambda s: self.nslots[s] < len(self.tokens[s]))
-        self._extend(sid, self.tokens[sid], min(chunk, len(self.tokens[sid]) - self.nslots[sid]))
 
     @precondition(lambda self: any(self.nslots[s] == len(t) for s, t in self.tokens.items()))
     @rule(data=st.data(), tok=st.integers(0, 2))

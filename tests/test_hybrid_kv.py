@@ -13,7 +13,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from helpers import assert_greedy_matches, hf_greedy, save_tiny_model, tiny_gemma2_config, tiny_gemma3_config
 from test_architectures import tiny_dir
+from test_block_manager import SequenceRules
 from test_engine import assert_no_leaks, kv_bytes
+from test_sliding_window_kv import track_owned_blocks
 from vllmini import LLM, SamplingParams
 from vllmini.kv.block_manager import NoFreeBlocksError
 from vllmini.kv.hybrid_block_manager import HybridBlockManager
@@ -44,7 +46,7 @@ NB, BS = 40, 4
 BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4, 7, 7, 7, 7, 1, 2, 3, 4], [5] * 16]
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(SequenceRules, RuleBasedStateMachine):
     """Drives a HybridBlockManager and simulates its cache: ``kv[slot]`` is the prefix the KV at a
     slot was computed from (block ids are one pool: a block moves between groups only when
     freed). Every live sequence reads back, in every group, the positions that group's window
@@ -82,15 +84,6 @@ class HybridMachine(RuleBasedStateMachine):
             self.first_query[sid] = start
             self._preempt_newest()
 
-    def _preempt_newest(self) -> None:
-        if self.tokens:
-            sid = next(reversed(self.tokens))
-            self.bm.free(sid)
-            del self.tokens[sid], self.nslots[sid], self.first_query[sid]
-
-    def _pick(self, data, cond) -> object:
-        return data.draw(st.sampled_from(sorted((s for s in self.tokens if cond(s)), key=str)))
-
     @rule(base=st.sampled_from(BASES), prefix_len=st.integers(0, 16), tail=st.lists(st.integers(0, 2), max_size=4),
           chunk=st.integers(1, 12), limit=st.sampled_from([None, None, 5]))  # fmt: skip
     def admit(self, base, prefix_len, tail, chunk, limit) -> None:
@@ -110,12 +103,6 @@ class HybridMachine(RuleBasedStateMachine):
         else:
             assert sid not in self.bm and self.bm.num_free_blocks == before
             self._preempt_newest()
-
-    @precondition(lambda self: any(self.nslots[s] < len(t) for s, t in self.tokens.items()))
-    @rule(data=st.data(), chunk=st.integers(1, 8))
-    def prefill_chunk(self, data, chunk) -> None:
-        sid = self._pick(data, lambda s: self.nslots[s] < len(self.tokens[s]))
-        self._extend(sid, self.tokens[sid], min(chunk, len(self.tokens[sid]) - self.nslots[sid]))
 
     @precondition(lambda self: any(self.nslots[s] == len(t) for s, t in self.tokens.items()))
     @rule(data=st.data(), tok=st.integers(0, 2), drafts=st.integers(0, 3))
@@ -219,22 +206,6 @@ def gemma_dir(tmp_path_factory, default_model_dir, arch: str, **overrides):
     return str(save_tiny_model(hf, tmp_path_factory.mktemp(arch), default_model_dir)), hf
 
 
-def most_blocks_held(llm) -> dict:
-    """Record, after every allocation, the most blocks each sequence has held over all groups."""
-    bm = llm.llm_engine.block_manager
-    most: dict = {}
-    allocate = bm.allocate
-
-    def recording(seq_id, *args, **kwargs):
-        ok = allocate(seq_id, *args, **kwargs)
-        if seq_id in bm:
-            most[seq_id] = max(most.get(seq_id, 0), bm.num_owned_blocks(seq_id))
-        return ok
-
-    bm.allocate = recording
-    return most
-
-
 @pytest.mark.parametrize(("async_scheduling", "speculative", "backend"),
                          [(False, False, "cpu"), (True, False, "cpu"), (False, True, "cpu"), (False, False, "torch")])
 def test_gemma3_holds_what_keeping_every_block_cannot(tmp_path_factory, default_model_dir, async_scheduling, speculative,
@@ -258,7 +229,7 @@ def test_gemma3_holds_what_keeping_every_block_cannot(tmp_path_factory, default_
         eng = llm.llm_engine
         assert eng.block_manager.num_groups == (4 if hybrid else 1)
         assert eng.num_blocks == (160 if hybrid else 40) and len(eng.runner.kv_caches) == (1 if hybrid else 4)
-        most = most_blocks_held(llm)
+        most = track_owned_blocks(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for p, out in zip(prompts, outs):
             want, gaps = hf_greedy(hf, p, 40)
