@@ -3,7 +3,7 @@
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
 streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings,
-a YaRN-scaled rope and fp8 KV caches. bench/gpu_check.sh runs them; without CUDA
+a YaRN-scaled rope, fp8 KV caches and the hybrid (grouped) KV cache of a Gemma 3. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -329,3 +329,28 @@ def test_bfloat16_over_an_fp8_cache_matches_transformers(model_dir):
     ours, theirs = torch.tensor(ours), torch.tensor(theirs)
     assert ours.mean() <= 1.5 * theirs.mean(), f"mean error {ours.mean():.4f} vs transformers bf16's {theirs.mean():.4f}"
     assert ours.max() <= 2 * theirs.max(), f"max error {ours.max():.4f} vs transformers bf16's {theirs.max():.4f}"
+
+
+def test_hybrid_kv_cache_matches_the_cpu_path(tmp_path):
+    """Gemma 3 ([s, s, f, s], a 12-token window) on the grouped KV cache (kv/kv_groups.py): prompts
+    several windows long, decode steps replayed from CUDA graphs over every group's block tables,
+    the sliding groups releasing what falls behind; greedy tokens equal the CPU path's."""
+    from transformers import AutoModelForCausalLM
+
+    from helpers import tiny_gemma3_config
+
+    torch.manual_seed(0)
+    config = tiny_gemma3_config(vocab_size=VOCAB, max_position_embeddings=2048)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    save_word_level_tokenizer(VOCAB, tmp_path)
+
+    def run(llm: LLM):
+        assert llm.llm_engine.block_manager.num_groups == 4
+        outs = token_ids(llm.generate(prompts(6), greedy(40), use_tqdm=False))
+        bm = llm.llm_engine.block_manager
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+        return outs
+
+    cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64)
+    assert dev == cpu
