@@ -35,6 +35,8 @@ SHAPES = {
     "qwen3-0.6b-bf16-fp8kv": (torch.bfloat16, 128, 2, 256, torch.float8_e4m3fn),
     "smollm2-bf16-fp8e5m2kv": (torch.bfloat16, 64, 3, 256, torch.float8_e5m2),
     "gemma2-2b-bf16-softcap": (torch.bfloat16, 256, 2, 256, None, True),  # attn_logit_softcapping
+    "gemma3-1b-bf16": (torch.bfloat16, 256, 4, 256),
+    "gemma3-1b-fp32": (torch.float32, 256, 4, 256),
 }
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}  # fmt: skip
@@ -51,7 +53,7 @@ def launches(
     def constants(block_q: int, block: int, **kw) -> dict:
         return kernel_constants(dtype, head_dim, group, block_q, block, softcap=softcap, **kw)
 
-    prefill_q = prefill_block_q(dtype, group)
+    prefill_q = prefill_block_q(dtype, group, head_dim)
     decode = constants(1, block_size, tile_is_seq=True, paged=True)
     attention = "_paged_attention_kernel"
     return {

@@ -126,11 +126,12 @@ def _paged_step(g, heads: int, kv_heads: int, head_dim: int, q_lens: list[int], 
 
 
 @pytest.mark.parametrize(
-    "heads,kv_heads,head_dim", [(4, 4, 16), (8, 4, 64), (6, 2, 24), (16, 4, 8), (2, 1, 128)]
+    "heads,kv_heads,head_dim", [(4, 4, 16), (8, 4, 64), (6, 2, 24), (16, 4, 8), (2, 1, 128), (4, 1, 256)]
 )  # fmt: skip
 def test_kernel_shapes_gqa_groups_and_head_dims(ta, heads, kv_heads, head_dim):
     """Long chunks over several KV blocks and tiles (prefill tile = 64 // group queries), a
-    chunk after cached tokens, decode rows; fp32 everywhere (the kernel computes in fp32)."""
+    chunk after cached tokens, decode rows; fp32 everywhere (the kernel computes in fp32).
+    Gemma's head_dim 256: a prefill tile of half the rows and keys (kernel_constants)."""
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     q, k, v, meta, cache = _paged_step(g, heads, kv_heads, head_dim, [1, 90, 37, 1], [70, 90, 100, 1])
     out, _ = run_kernel(ta, q, k, v, meta, cache, head_dim**-0.5)

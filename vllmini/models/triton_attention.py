@@ -207,9 +207,11 @@ def _shrink(dtype: torch.dtype) -> int:
     return 1 if dtype.itemsize <= 2 else 2
 
 
-def prefill_block_q(dtype: torch.dtype, group: int) -> int:
-    """Queries per prefill tile: the tile's rows hold ``block_q x group`` (query, head) pairs."""
-    return max(PREFILL_ROWS // _shrink(dtype) // group, 1)
+def prefill_block_q(dtype: torch.dtype, group: int, head_dim: int = 128) -> int:
+    """Queries per prefill tile: the tile's rows hold ``block_q x group`` (query, head) pairs. An
+    fp32 tile past head_dim 128 holds half as many (with 32 rows it spilled 0.8-5 KB on sm_90)."""
+    rows = PREFILL_ROWS // _shrink(dtype) // (2 if dtype == torch.float32 and head_dim > 128 else 1)
+    return max(rows // group, 1)
 
 
 def kernel_constants(
@@ -222,11 +224,16 @@ def kernel_constants(
     gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers). A
     split-KV launch over an fp8 cache (``cache_dtype``; None: q's dtype) takes half too: the
     widening's registers spilled 8 bytes at head_dim 128 with 64 keys a step (Triton 3.9).
-    ``softcap``: the launch caps its scores (the value is a run-time argument)."""
+    ``softcap``: the launch caps its scores (the value is a run-time argument). A prefill tile
+    (``block_q > 1``) past head_dim 128 (Gemma's 256) takes half the keys a step: with 64, its
+    64 x 256 accumulator and queries spilled 40-160 bytes on sm_90 (Triton 3.9); with 32 none,
+    and half the shared memory."""
+    head_dim_pad = max(_next_pow2(head_dim), MIN_DOT)
     narrow = split and (dtype == torch.float32 or (cache_dtype is not None and cache_dtype.itemsize == 1))
+    narrow = narrow or (block_q > 1 and head_dim_pad > 128)
     block_n = BLOCK_N // _shrink(dtype) // (2 if narrow else 1)
     return {
-        "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": max(_next_pow2(head_dim), MIN_DOT),
+        "BLOCK_SIZE": block_size, "HEAD_DIM": head_dim, "HEAD_DIM_PAD": head_dim_pad,
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
         "BLOCK_N": block_n, "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split, "SOFTCAP": softcap,
@@ -274,7 +281,7 @@ def _plan(
         max_context = None if meta.static_decode else meta.max_seqlen_k
         splits = decode_splits(meta.num_seqs * num_kv_heads, max_context, _num_sms(device)) if paged else 1
         return [launch(1, meta.num_seqs, None, splits)]
-    prefill_q = prefill_block_q(dtype, group)
+    prefill_q = prefill_block_q(dtype, group, head_dim)
     decode_seqs = [i for i, q in enumerate(meta.query_lens_cpu) if q == 1]
     chunks = [(i, s) for i, q in enumerate(meta.query_lens_cpu) if q > 1 for s in range(0, q, prefill_q)]
     launches = []
