@@ -47,9 +47,9 @@ BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [1, 2, 3, 4, 7
 
 
 class HybridMachine(SequenceRules, RuleBasedStateMachine):
-    """Drives a HybridBlockManager and simulates its cache: ``kv[slot]`` is the prefix the KV at a
-    slot was computed from (block ids are one pool: a block moves between groups only when
-    freed). Every live sequence reads back, in every group, the positions that group's window
+    """Drives a HybridBlockManager and simulates its cache: ``kv[slot]`` is the group and the prefix
+    the KV at a slot was computed by (block ids are one pool: a block moves between groups only
+    when freed). Every live sequence reads back, in every group, the positions that group's window
     lets its next query see; every prefix-cache hit returns, in every group, blocks holding the
     prompt's prefix where that group can see it."""
 
@@ -69,9 +69,9 @@ class HybridMachine(SequenceRules, RuleBasedStateMachine):
         return 0 if window is None else max(0, first_query - window + 1)
 
     def _write(self, sid, start: int, end: int) -> None:
-        for table in self.bm.block_tables(sid):
+        for group, table in enumerate(self.bm.block_tables(sid)):  # (a group's layers' KV: its own)
             for p in range(start, end):
-                self.kv[table[p // BS] * BS + p % BS] = tuple(self.tokens[sid][: p + 1])
+                self.kv[table[p // BS] * BS + p % BS] = (group, *self.tokens[sid][: p + 1])
 
     def _extend(self, sid, tokens: list[int], num_new: int) -> None:
         lens = [len(t) for t in self.bm.block_tables(sid)]
@@ -93,7 +93,7 @@ class HybridMachine(SequenceRules, RuleBasedStateMachine):
         assert len(blocks) == len(self.windows) and all(len(b) == n // BS for b in blocks)
         for group, group_blocks in enumerate(blocks):
             for p in range(self._seen_from(group, n), n):
-                assert self.kv[group_blocks[p // BS] * BS + p % BS] == tuple(prompt[: p + 1])
+                assert self.kv[group_blocks[p // BS] * BS + p % BS] == (group, *prompt[: p + 1])
         sid, self.next_id = self.next_id, self.next_id + 1
         before = self.bm.num_free_blocks
         if self.bm.allocate(sid, prompt, min(chunk, len(prompt) - n), blocks):
@@ -158,7 +158,7 @@ class HybridMachine(SequenceRules, RuleBasedStateMachine):
                 assert len(table) == -(-n // BS)
                 seen_from = self._seen_from(group, self.first_query[sid])
                 for p in range(seen_from, n):
-                    assert self.kv[table[p // BS] * BS + p % BS] == tuple(toks[: p + 1]), (sid, group, p)
+                    assert self.kv[table[p // BS] * BS + p % BS] == (group, *toks[: p + 1]), (sid, group, p)
                 window = self.windows[group]
                 if window is not None:  # a sliding group holds its window and the last step's slots only
                     assert len([b for b in table if b != NB]) <= -(-(window - 1 + n - self.first_query[sid]) // BS) + 1

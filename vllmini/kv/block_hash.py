@@ -31,3 +31,12 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     """Chained hash of one full block: a block's KV depends on every token before it, so the
     key covers the whole prefix (through the parent's digest), not just the block's tokens."""
     return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+def chain_hashes(token_ids: Sequence[int], root: bytes, num_blocks: int, block_size: int) -> list[bytes]:
+    """The chained hashes of the first ``num_blocks`` full blocks of ``token_ids``."""
+    hashes, parent = [], root
+    for i in range(num_blocks):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

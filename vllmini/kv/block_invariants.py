@@ -58,4 +58,4 @@ def check_tables(bm: BlockManager) -> None:
         check(all(b == bm.null_block for b in s.block_table[: s.num_released]), f"seq {sid!r}: not the null block")
         for i, h in enumerate(s.block_hashes[s.num_released :], start=s.num_released):
             bh = bm.blocks[s.block_table[i]].block_hash
-            check(bh is None or bh == h, f"seq {sid!r}: block {i} hashed for other tokens")
+            check(bh is None or bh == h + bm.cache_key, f"seq {sid!r}: block {i} hashed for other tokens")

@@ -57,7 +57,7 @@ class BlockManager(BlockPool):
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
-        null_block: int | None = None, pool: BlockPool | None = None,
+        null_block: int | None = None, pool: BlockPool | None = None, cache_key: bytes = b"",
     ) -> None:  # fmt: skip
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
@@ -70,6 +70,9 @@ class BlockManager(BlockPool):
         if pool is not None:  # one KV group of several (kv/hybrid_block_manager.py): their pool is one
             self.share_pool(pool)
         self.block_size = block_size
+        # appended to a block's chained hash to key the prefix cache: the KV groups sharing a pool
+        # hash the same tokens alike, and each keys its blocks apart (kv/hybrid_block_manager.py)
+        self.cache_key = cache_key
         self.enable_prefix_caching = enable_prefix_caching
         self.sliding_window = sliding_window
         self.null_block = null_block
@@ -125,7 +128,8 @@ class BlockManager(BlockPool):
 
     # ---- prefix cache --------------------------------------------------------------------
     def find_cached_prefix(
-        self, token_ids: Sequence[int], root: bytes = ROOT_HASH, max_tokens: int | None = None
+        self, token_ids: Sequence[int], root: bytes = ROOT_HASH, max_tokens: int | None = None,
+        chain: Sequence[bytes] = (),
     ) -> tuple[list[int], int]:
         """Longest cached start of ``token_ids``, in whole blocks: (block ids, tokens), at most
         ``max_tokens`` tokens. ``root``: the sequence's :func:`prefix_root` (its LoRA adapter's).
@@ -133,7 +137,8 @@ class BlockManager(BlockPool):
         be cached; those behind it are ``null_block`` placeholders in the list.
 
         Never covers the last token: it must be computed to get logits, and a sequence
-        never writes into a shared block. Changes no state (not even the counters)."""
+        never writes into a shared block. Changes no state (not even the counters). ``chain``: the
+        blocks' chained hashes where the caller has them (:func:`chain_hashes`), else computed."""
         if not self.enable_prefix_caching:
             return [], 0
         bs = self.block_size
@@ -143,8 +148,8 @@ class BlockManager(BlockPool):
         found: list[int | None] = []
         parent = root
         for i in range(limit):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            found.append(self._cached.get(parent))
+            parent = chain[i] if i < len(chain) else hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            found.append(self._cached.get(parent + self.cache_key))
             if found[-1] is None and self.sliding_window is None:
                 break
         # the most blocks h such that every block the query at h * bs sees is cached: blocks
@@ -182,7 +187,7 @@ class BlockManager(BlockPool):
 
     def blocks_to_take(
         self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int, cached_blocks: list[int] | None = None,
-        root: bytes = ROOT_HASH,
+        root: bytes = ROOT_HASH, chain: Sequence[bytes] = (),
     ) -> int:  # fmt: skip
         """How many of the pool's allocatable blocks :meth:`allocate` would use: new blocks plus
         cached ones it takes out of the evictable LRU. A sequence already allocated first
@@ -197,7 +202,7 @@ class BlockManager(BlockPool):
                 self._release_behind_window(seq)
             return max(0, -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.block_table))
         cached = list(cached_blocks or ())
-        self._check_cached(token_ids, cached, root)
+        self._check_cached(token_ids, cached, root, chain)
         kept = cached[self._blocks_behind_window(len(cached) * self.block_size) :]
         reclaimed = sum(1 for bid in kept if bid in self._evictable)  # ref 0: they leave the allocatable pool
         total = len(cached) * self.block_size + num_new_tokens
@@ -215,12 +220,15 @@ class BlockManager(BlockPool):
             self._release_behind_window(seq)
         self.grow(seq_id, token_ids, num_new_tokens)
 
-    def admit(self, seq_id: SeqId, token_ids: Sequence[int], cached_blocks: list[int] | None, root: bytes) -> None:
+    def admit(
+        self, seq_id: SeqId, token_ids: Sequence[int], cached_blocks: list[int] | None, root: bytes,
+        chain: Sequence[bytes] = (),
+    ) -> None:  # fmt: skip
         """A new sequence holding its prefix-cache hit, no new block yet: taking a new block may
         evict an unreferenced cached one, so every KV group claims its hit before any group grows."""
         bs = self.block_size
         cached = list(cached_blocks or ())
-        hashes = self._check_cached(token_ids, cached, root)
+        hashes = self._check_cached(token_ids, cached, root, chain)
         num_computed = len(cached) * bs
         # cached blocks behind the window are not taken: they stay in the cache as they are
         skip = self._blocks_behind_window(num_computed)
@@ -233,8 +241,9 @@ class BlockManager(BlockPool):
             self.prefix_cache_queries += len(token_ids)
             self.prefix_cache_hits += num_computed
 
-    def grow(self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int) -> None:
-        """Extend an admitted sequence's table by ``num_new_tokens`` slots (blocks known to be free)."""
+    def grow(self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int, chain: Sequence[bytes] = ()) -> None:
+        """Extend an admitted sequence's table by ``num_new_tokens`` slots (blocks known to be free);
+        ``chain``: its blocks' chained hashes where the caller has them (another KV group's)."""
         bs = self.block_size
         seq = self._seqs[seq_id]
         seq.num_tokens += num_new_tokens
@@ -243,7 +252,7 @@ class BlockManager(BlockPool):
             self.blocks[bid].ref_count = 1
             seq.block_table.append(bid)
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, token_ids)
+            self._register_full_blocks(seq, token_ids, chain)
 
     def free(self, seq_id: SeqId) -> None:
         """Drop a finished/aborted/preempted sequence; unknown ids are a no-op.
@@ -266,7 +275,7 @@ class BlockManager(BlockPool):
         first = num_written // self.block_size
         for i in range(max(first, seq.num_released), len(seq.block_hashes)):
             blk = self.blocks[seq.block_table[i]]
-            if blk.block_hash == seq.block_hashes[i]:  # registered by this sequence (not a duplicate)
+            if blk.block_hash == seq.block_hashes[i] + self.cache_key:  # registered by this sequence (not a duplicate)
                 del self._cached[blk.block_hash]
                 blk.block_hash = None
         del seq.block_hashes[first:]
@@ -340,7 +349,9 @@ class BlockManager(BlockPool):
             seq.block_table[i] = self.null_block
         seq.num_released = max(seq.num_released, behind)
 
-    def _check_cached(self, token_ids: Sequence[int], cached: list[int], root: bytes) -> list[bytes]:
+    def _check_cached(
+        self, token_ids: Sequence[int], cached: list[int], root: bytes, chain: Sequence[bytes] = ()
+    ) -> list[bytes]:  # fmt: skip
         """Hashes of the cached prefix blocks; raises if they are not (or no longer) what
         the prefix cache holds for these tokens, e.g. evicted since find_cached_prefix."""
         if not cached:
@@ -354,27 +365,28 @@ class BlockManager(BlockPool):
         parent = root
         skip = self._blocks_behind_window(len(cached) * bs)  # placeholders: not taken, need not be cached
         for i, bid in enumerate(cached):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
-            if i >= skip and self._cached.get(parent) != bid:
+            parent = chain[i] if i < len(chain) else hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            if i >= skip and self._cached.get(parent + self.cache_key) != bid:
                 raise ValueError(f"stale cached block {bid} at index {i}: call find_cached_prefix again")
             hashes.append(parent)
         return hashes
 
-    def _register_full_blocks(self, seq: _SeqState, token_ids: Sequence[int]) -> None:
+    def _register_full_blocks(self, seq: _SeqState, token_ids: Sequence[int], chain: Sequence[bytes] = ()) -> None:
         """Hash the blocks that became full with known tokens since the last call."""
         bs = self.block_size
         parent = seq.block_hashes[-1] if seq.block_hashes else seq.root
         for i in range(len(seq.block_hashes), min(seq.num_tokens, len(token_ids)) // bs):
-            parent = hash_block(parent, token_ids[i * bs : (i + 1) * bs])
+            parent = chain[i] if i < len(chain) else hash_block(parent, token_ids[i * bs : (i + 1) * bs])
             seq.block_hashes.append(parent)
             if i < seq.num_released:  # (a window of a few tokens) released before its last token was known
                 continue
             blk = self.blocks[seq.block_table[i]]
             # First writer wins: a duplicate of an already cached block stays unhashed and
             # goes back to the free pool when released.
-            if blk.block_hash is None and parent not in self._cached:
-                blk.block_hash = parent
-                self._cached[parent] = blk.block_id
+            key = parent + self.cache_key
+            if blk.block_hash is None and key not in self._cached:
+                blk.block_hash = key
+                self._cached[key] = blk.block_id
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests, debugging; kv/block_invariants.py)."""

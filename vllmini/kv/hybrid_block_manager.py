@@ -3,8 +3,9 @@ and full-attention layers mixed, as Gemma 2/3 (vLLM's hybrid KV cache manager).
 
 One ``BlockManager`` per group keeps that group's block tables (a sliding group releases the
 blocks behind its window, a full group keeps them all); all of them take block ids from one
-shared ``BlockPool``, so memory goes wherever it is needed. Each group's prefix-cache hashes
-are rooted apart (a block's KV is one group's layers), and a prefix hit is the longest one
+shared ``BlockPool``, so memory goes wherever it is needed. The groups hash a sequence's blocks
+alike (the chain is computed once and handed to every group) and key their prefix-cache entries
+apart (``cache_key``: a block's KV is one group's layers), and a prefix hit is the longest one
 every group can serve: the full groups need all of its blocks cached, a sliding group only
 those its window sees. The engine talks to this exactly as to a ``BlockManager``;
 ``block_table`` is the first (full-attention) group's, ``block_tables`` every group's.
@@ -14,15 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Union
 
-from vllmini.kv.block_hash import ROOT_HASH, hash_block
+from vllmini.kv.block_hash import ROOT_HASH, chain_hashes
 from vllmini.kv.block_invariants import check, check_invariants
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError, SeqId
 from vllmini.kv.block_pool import BlockPool
-
-
-def group_root(root: bytes, group: int) -> bytes:
-    """The prefix-cache root of ``group``'s blocks (group 0 keeps the sequence's own root)."""
-    return root if group == 0 else hash_block(root, [-group])
 
 
 class HybridBlockManager:
@@ -36,8 +32,9 @@ class HybridBlockManager:
             raise ValueError(f"a hybrid KV cache has two or more groups, got {len(group_windows)}")
         self.pool = BlockPool(num_blocks)
         self.groups = [
-            BlockManager(num_blocks, block_size, enable_prefix_caching, window, null_block, pool=self.pool)
-            for window in group_windows
+            BlockManager(num_blocks, block_size, enable_prefix_caching, window, null_block, pool=self.pool,
+                         cache_key=bytes([i]) if i else b"")
+            for i, window in enumerate(group_windows)
         ]  # fmt: skip
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -116,9 +113,12 @@ class HybridBlockManager:
         """The longest hit every group serves: per group its blocks (placeholders behind a
         window), and the tokens. A sliding group's valid hits are not every shorter length,
         so the groups are asked again with the shorter limit until they agree."""
+        if not self.enable_prefix_caching:
+            return [[] for _ in self.groups], 0
         limit = len(token_ids) if max_tokens is None else max_tokens
+        chain = chain_hashes(token_ids, root, min(len(token_ids) - 1, limit) // self.block_size, self.block_size)
         while True:
-            found = [g.find_cached_prefix(token_ids, group_root(root, i), limit) for i, g in enumerate(self.groups)]
+            found = [g.find_cached_prefix(token_ids, root, limit, chain) for g in self.groups]
             tokens = min(n for _, n in found)
             if all(n == tokens for _, n in found):
                 return [blocks for blocks, _ in found], tokens
@@ -132,18 +132,22 @@ class HybridBlockManager:
         self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int,
         cached_blocks: list[list[int]] | None = None, root: bytes = ROOT_HASH,
     ) -> bool:  # fmt: skip
-        """All groups' tables extended together, or none (False: the pool is short)."""
+        """All groups' tables extended together, or none (False: the pool is short). The first
+        group hashes the blocks; the others take its chain."""
         cached = cached_blocks or [[] for _ in self.groups]
-        roots = [group_root(root, i) for i in range(len(self.groups))]
-        parts = zip(self.groups, cached, roots)
-        needed = sum(g.blocks_to_take(seq_id, token_ids, num_new_tokens, blocks, r) for g, blocks, r in parts)
-        if needed > self.pool.num_free_blocks:
+        new = seq_id not in self
+        chain = chain_hashes(token_ids, root, len(cached[0]), self.block_size) if new else ()
+        parts = zip(self.groups, cached)
+        if sum(g.blocks_to_take(seq_id, token_ids, num_new_tokens, blocks, root, chain) for g, blocks in parts) \
+                > self.pool.num_free_blocks:  # fmt: skip
             return False
-        if seq_id not in self:  # every group claims its hit first: a new block may evict another group's
-            for g, blocks, r in zip(self.groups, cached, roots):
-                g.admit(seq_id, token_ids, blocks, r)
-        for g in self.groups:
-            g.grow(seq_id, token_ids, num_new_tokens)
+        if new:  # every group claims its hit first: a new block may evict another group's
+            for g, blocks in zip(self.groups, cached):
+                g.admit(seq_id, token_ids, blocks, root, chain)
+        first, *others = self.groups
+        first.grow(seq_id, token_ids, num_new_tokens)
+        for g in others:
+            g.grow(seq_id, token_ids, num_new_tokens, first._seqs[seq_id].block_hashes)
         return True
 
     def free(self, seq_id: SeqId) -> None:
@@ -172,6 +176,8 @@ class HybridBlockManager:
     def check_invariants(self) -> None:
         """Each group's bookkeeping over the shared pool, and the groups agreeing on every sequence."""
         check_invariants(*self.groups)
+        owned = [{b for s in g._seqs.values() for b in s.block_table[s.num_released :]} for g in self.groups]
+        check(sum(map(len, owned)) == len(set().union(*owned)), "a block held by two KV groups")
         first = self.groups[0]
         for g in self.groups[1:]:
             check(g._seqs.keys() == first._seqs.keys(), "KV groups hold different sequences")
