@@ -189,3 +189,12 @@ def test_convert_is_a_command_line_flag():
     _add_engine_args(parser)
     args = _engine_args(parser.parse_args(["--convert", "classify", "--hf-overrides", json.dumps(RERANKER)]))
     assert args.convert == "classify" and json.loads(args.hf_overrides) == RERANKER
+
+
+def test_skip_tokenizer_init_still_reads_the_tokens_with_the_tokenizer(lms):
+    model_dir, hf = lms["untied"]
+    llm = LLM(model=str(model_dir), runner="pooling", hf_overrides=RERANKER, skip_tokenizer_init=True, kv_cache_memory=KV)
+    assert llm.llm_engine.tokenizer is None
+    prompt = list(range(100, 120))
+    out = llm.classify([{"prompt_token_ids": prompt}], use_tqdm=False)[0]
+    assert_close(out.outputs.probs, token_logits(hf, prompt, [4607, 10407]).softmax(-1)[1:], "token-id prompt")
