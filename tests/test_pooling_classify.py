@@ -133,8 +133,8 @@ def test_bad_input_is_refused_naming_it_and_leaks_nothing(classifiers, tiny_dir)
         assert_no_leaks(reranker)
     with pytest.raises(ValueError, match=r"LLM.score\(\) is only supported for pooling models"):
         LLM(model=str(tiny_dir), kv_cache_memory=KV).score(QUERY, DOCS)
-    # vLLM's task spelling: classify / score need a classifier checkpoint, embed one without
-    for model, kwargs, message in [(tiny_dir, {"task": "classify"}, "needs a \\*ForSequenceClassification checkpoint"),
+    # vLLM's task spelling: classify / score need a classifier head (vLLM's convert="classify"), embed a model without
+    for model, kwargs, message in [(tiny_dir, {"task": "classify"}, "parameters: score.weight; a classifier .* needs"),
                                    (classifiers["llama"][0], {"task": "embed"}, "is a classifier"),
                                    (classifiers["llama"][0], {"runner": "generate"}, "cannot generate")]:  # fmt: skip
         with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
 from vllmini.kv.cache_dtype import check_kv_cache_dtype
-from vllmini.runner_config import _TASK_RUNNERS, RUNNERS, PoolerConfig, resolve_runner  # noqa: F401  (re-exported)
+from vllmini.runner_config import _TASK_CONVERTS, _TASK_RUNNERS, CONVERTS, RUNNERS, PoolerConfig, resolve_runner  # noqa: F401  (re-exported)
 from vllmini.vllm_args import VllmEngineArgs, parse_hf_overrides, resolve_kv_cache_memory
 
 logger = logging.getLogger("vllmini")
@@ -196,9 +196,12 @@ class EngineArgs(VllmEngineArgs):
     # "generate", "pooling" (embeddings: LLM.embed / encode, /v1/embeddings; engine/pooler.py) or
     # "auto" (vLLM's default: pooling for a *Model or *ForSequenceClassification architecture, else
     # generate); ``task`` is vLLM's older spelling ("embed", "classify", "score" = runner "pooling");
-    # ``pooler_config``: PoolerConfig, a dict or JSON
+    # ``convert`` (vLLM's): "embed" pools a causal LM's hidden states, "classify" runs it under a score
+    # head (its checkpoint's, or built by config.json's / hf_overrides' classifier_from_token), "none"
+    # as it is, "auto" (runner_config.py); ``pooler_config``: PoolerConfig, a dict or JSON
     runner: str = "auto"
     task: str | None = None
+    convert: str = "auto"
     pooler_config: PoolerConfig | dict | str | None = None
     # the name clients send as ``model`` to the server and the metrics' model_name label (None: model)
     served_model_name: str | None = None
@@ -343,6 +346,12 @@ class EngineArgs(VllmEngineArgs):
         if self.task is not None and self.runner not in ("auto", _TASK_RUNNERS[self.task]):
             raise ValueError(f"task={self.task!r} means runner={_TASK_RUNNERS[self.task]!r}, but runner={self.runner!r} "
                              "was given")  # fmt: skip
+        if self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {list(CONVERTS)}, got {self.convert!r}")
+        if self.task is not None and self.convert not in ("auto", _TASK_CONVERTS.get(self.task, "none")):
+            raise ValueError(f"task={self.task!r} and convert={self.convert!r} disagree; give one of them")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ValueError(f"convert={self.convert!r} adapts a model to runner='pooling', not runner='generate'")
         PoolerConfig.coerce(self.pooler_config)
         device = resolve_device(self.device)
         resolve_dtype(self.dtype, device)

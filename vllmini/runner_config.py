@@ -1,6 +1,6 @@
-"""Which runner an engine is (vLLM's ``runner`` / older ``task``: generate or pooling) and, for
-pooling, how hidden states become a vector (vLLM's ``PoolerConfig``): resolved from
-``EngineArgs`` and the checkpoint's architecture."""
+"""Which runner an engine is (vLLM's ``runner`` / older ``task``: generate or pooling), how a model
+is adapted to pooling (vLLM's ``convert``: embed or classify) and how hidden states become a
+vector (vLLM's ``PoolerConfig``): resolved from ``EngineArgs`` and the checkpoint's architecture."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -55,31 +55,65 @@ class PoolerConfig:
 
 
 RUNNERS = ("auto", "generate", "pooling")
+# vLLM's ``convert``: how a model is adapted to the pooling runner; "auto" picks "none" for a pooling
+# architecture (a *Model or *ForSequenceClassification one), else "embed"
+CONVERTS = ("auto", "none", "embed", "classify")
 # vLLM's older ``task`` -> the runner it picks (its "reward" and "transcription" are not built here)
 _TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "embedding": "pooling", "classify": "pooling",
                  "score": "pooling"}  # fmt: skip
+# ... and the convert it implies (as vLLM's deprecated task did)
+_TASK_CONVERTS = {"embed": "embed", "embedding": "embed", "classify": "classify", "score": "classify"}
+
+
+def _given_convert(args: EngineArgs) -> str:
+    """``convert``, or the one the older ``task`` implies (validate() checked that they agree)."""
+    return args.convert if args.convert != "auto" or args.task is None else _TASK_CONVERTS.get(args.task, "auto")
 
 
 def resolve_runner(args: EngineArgs, architectures: list[str] | None) -> str:
     """"generate" or "pooling", as vLLM resolves ``runner`` (and the older ``task``): "auto" is
     "pooling" for an architecture without a language-model head (``*Model``: MistralModel,
-    Qwen3Model, ...; ``*ForSequenceClassification``), else "generate". ``task`` "classify" /
-    "score" needs a classifier checkpoint and "embed" a model without one (vLLM's ``convert``,
-    which would add or drop the head, is not built)."""
-    from vllmini.models.registry import is_classifier_architecture, is_pooling_architecture
+    Qwen3Model, ...; ``*ForSequenceClassification``) or when ``convert`` adapts the model to
+    pooling ("embed", "classify"), else "generate"."""
+    from vllmini.models.registry import is_pooling_architecture
 
     runner = args.runner if args.task is None else _TASK_RUNNERS[args.task]  # (validate() checked they agree)
     headless = is_pooling_architecture(architectures)
-    classifier = is_classifier_architecture(architectures)
-    if args.task in ("classify", "score") and not classifier:
-        raise ValueError(f"task={args.task!r} needs a *ForSequenceClassification checkpoint; architecture "
-                         f"{architectures} has no classifier head (vLLM's convert='classify' is not built)")  # fmt: skip
-    if args.task in ("embed", "embedding") and classifier:
-        raise ValueError(f"task={args.task!r}: architecture {architectures} is a classifier (use task='classify' "
-                         "or 'score'; vLLM's convert='embed' is not built)")  # fmt: skip
+    convert = _given_convert(args)
     if runner == "auto":
-        return "pooling" if headless else "generate"
+        runner = "pooling" if headless or convert in ("embed", "classify") else "generate"
     if runner == "generate" and headless:
         raise ValueError(f"architecture {architectures} has no language-model head, so it cannot generate; "
                          "use runner='pooling' (embeddings, or classification for a classifier)")  # fmt: skip
+    if runner == "generate" and convert in ("embed", "classify"):
+        raise ValueError(f"convert={convert!r} adapts a model to runner='pooling', not runner='generate'")
     return runner
+
+
+def resolve_convert(args: EngineArgs, architectures: list[str] | None, runner: str) -> str:
+    """vLLM's ``convert`` resolved for ``runner``: "none" (the architecture is used as it is),
+    "embed" (a ``*ForCausalLM`` or ``*Model`` body pools hidden states into embeddings, its lm_head
+    dropped) or "classify" (the body under a ``score`` head: from the checkpoint, or built from
+    lm_head rows by ``classifier_from_token``, models/seq_cls_from_lm.py; the architecture is then
+    read as its ``*ForSequenceClassification``). "auto": "none" for a pooling architecture, else
+    "embed". A classifier checkpoint cannot be turned into an embedding model here, and a causal LM
+    needs a convert to pool, as in vLLM."""
+    from vllmini.models.registry import classifier_architecture, is_classifier_architecture, is_pooling_architecture
+
+    convert = _given_convert(args)
+    if runner == "generate":
+        return "none"
+    classifier = is_classifier_architecture(architectures)
+    if convert == "auto":
+        return "none" if is_pooling_architecture(architectures) else "embed"
+    if convert == "none" and not is_pooling_architecture(architectures):
+        raise ValueError(f"architecture {architectures} is a causal LM, not a pooling model: runner='pooling' with "
+                         "convert='none' cannot run it; pass convert='embed' or 'classify' (or 'auto')")  # fmt: skip
+    if convert == "embed" and classifier:
+        spelled = f"task={args.task!r}" if args.task is not None and args.convert == "auto" else "convert='embed'"
+        raise ValueError(f"{spelled}: architecture {architectures} is a classifier (use task='classify' or "
+                         "'score'); turning a classifier into an embedding model is not built")  # fmt: skip
+    if convert == "classify" and not classifier and classifier_architecture(architectures) is None:
+        raise ValueError(f"convert='classify' is not built for architecture {architectures} (it has no "
+                         "*ForSequenceClassification counterpart here)")  # fmt: skip
+    return convert

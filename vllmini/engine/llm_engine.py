@@ -70,6 +70,7 @@ class LLMEngine(LLMEngineCalls):
         self.model_dir, self.model, self.hf_config = loaded.model_dir, loaded.model, loaded.hf_config
         self.dtype, self.tokenizer = loaded.dtype, loaded.tokenizer
         self.runner_type = loaded.runner  # "generate" or "pooling" (embeddings: engine/pooler.py), as vLLM's
+        self.convert_type = loaded.convert  # "none", "embed" or "classify" (runner_config.py), as vLLM's
         self.pooler: Pooler | None = None
         if self.runner_type == "pooling":
             config = resolve_pooler_config(PoolerConfig.coerce(args.pooler_config), self.model_dir, self.hf_config)

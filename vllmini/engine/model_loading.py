@@ -14,8 +14,11 @@ from typing import Any
 import torch
 
 from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, resolve_runner
+from vllmini.models import registry
 from vllmini.models.packed_linear import packing_available, prepack_linears
+from vllmini.models.seq_cls_from_lm import resolve_score_from_tokens
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
+from vllmini.runner_config import resolve_convert
 from vllmini.spec_decode.config import SpeculativeConfig
 from vllmini.vllm_args import apply_hf_overrides
 
@@ -30,6 +33,7 @@ class LoadedModel:
     dtype: torch.dtype
     tokenizer: Any  # None with skip_tokenizer_init
     runner: str = "generate"  # or "pooling": the model has no lm_head then
+    convert: str = "none"  # how a pooling model was adapted: "embed" or "classify" (runner_config.py)
     max_model_len: int = 0  # resolved before the model is built: its rope may depend on it (models/rotary.py)
 
 
@@ -42,6 +46,10 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
     model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision, args.download_dir)
     config = apply_hf_overrides(load_config(model_dir), args.hf_overrides)
     runner = resolve_runner(args, config.architectures)
+    convert = resolve_convert(args, config.architectures, runner)
+    if convert == "classify" and not registry.is_classifier_architecture(config.architectures):
+        config.architectures = [registry.classifier_architecture(config.architectures)]
+    score_from_tokens = resolve_score_from_tokens(config) if runner == "pooling" else None
     checkpoint_dtype = getattr(config, "dtype", None)
     dtype = resolve_dtype(args.dtype, device, checkpoint_dtype)
     if args.dtype == "auto" and checkpoint_dtype not in (None, dtype):
@@ -50,25 +58,30 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
                     str(dtype).removeprefix("torch."), device.type, name)  # fmt: skip
     window = disable_sliding_window(config) if args.disable_sliding_window else None
     max_model_len = resolve_max_model_len(args.max_model_len, config, window)  # (refused before the weights load)
-    model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling",
-                                  max_model_len=max_model_len)  # fmt: skip
-    if packing_available(device, dtype):
-        logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
     if args.tokenizer_revision is not None and (args.tokenizer is None or Path(args.tokenizer).expanduser().exists()):
         logger.warning("tokenizer_revision=%r is ignored: the tokenizer is read from a folder (%s), not a hub id",
                        args.tokenizer_revision, args.tokenizer or model_dir)  # fmt: skip
     tokenizer = None  # skip_tokenizer_init: token ids in and out (engine/skip_tokenizer.py)
-    if not args.skip_tokenizer_init:
+    if not args.skip_tokenizer_init or score_from_tokens is not None:  # (the head's tokens are read with it)
         tokenizer = load_tokenizer(args.tokenizer or model_dir, args.tokenizer_revision, args.download_dir)
+    if score_from_tokens is not None:
+        score_from_tokens.resolve_token_ids(tokenizer, config.vocab_size)
+        logger.info("score head from lm_head rows of %s (ids %s, %s)", score_from_tokens.tokens,
+                    score_from_tokens.token_ids, score_from_tokens.method)  # fmt: skip
+    model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling",
+                                  max_model_len=max_model_len, score_from_tokens=score_from_tokens)  # fmt: skip
+    if packing_available(device, dtype):
+        logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
+    if args.skip_tokenizer_init:
+        tokenizer = None
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
-    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, max_model_len)
+    return LoadedModel(model_dir, model, hf_config, dtype, tokenizer, runner, convert, max_model_len)
 
 
 def disable_sliding_window(config: Any) -> int | None:
     """vLLM's ``disable_sliding_window``: the model's window, as its architecture reads the config
     (None: its attention does not slide), removed from ``config`` so every layer attends to all
     earlier tokens; max_model_len is then capped at it, where both attentions agree."""
-    from vllmini.models import registry
     from vllmini.models.llama import layer_windows
 
     sliding = getattr(getattr(registry.get_model_class(config.architectures), "variant", None), "sliding", "none")

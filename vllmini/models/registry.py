@@ -75,6 +75,15 @@ def is_token_classifier_architecture(architectures: list[str] | None) -> bool:
     return _first_supported(architectures) in _TOKEN_CLASSIFIERS
 
 
+def classifier_architecture(architectures: list[str] | None) -> str | None:
+    """The ``*ForSequenceClassification`` over the body of the first supported entry of
+    ``architectures`` (a ``*ForCausalLM`` or ``*Model``): what vLLM's ``convert="classify"`` makes
+    of it; None when there is none here."""
+    arch = _first_supported(architectures)
+    body = _HEADLESS.get(arch, arch)
+    return next((name for name, of in _CLASSIFIERS.items() if of == body), None)
+
+
 def get_model_class(architectures: list[str] | None) -> type[nn.Module]:
     """The first supported entry of ``architectures``; a clear error when none is."""
     for arch in architectures or []:

@@ -28,6 +28,7 @@ from vllmini.models import checkpoint_checks, registry
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
 from vllmini.models.score_head import ScoreHead
+from vllmini.models.seq_cls_from_lm import ScoreFromTokens
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -282,7 +283,7 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(
     model_dir: Path, dtype: torch.dtype, device: torch.device, config: PretrainedConfig | None = None,
-    pooling: bool = False, max_model_len: int | None = None,
+    pooling: bool = False, max_model_len: int | None = None, score_from_tokens: ScoreFromTokens | None = None,
 ) -> tuple[nn.Module, PretrainedConfig]:  # fmt: skip
     """Build the model with no memory (meta), allocate it once on ``device``, stream the weights in.
 
@@ -293,7 +294,8 @@ def load_model(
     ``*ForSequenceClassification`` (or ``*ForTokenClassification``) checkpoint's ``score.`` head fills
     ``model.score`` instead (models/score_head.py). ``max_model_len``: the longest sequence the
     engine will run, which picks the frequencies of a length-dependent rope (models/rotary.py);
-    None keeps the model's own context.
+    None keeps the model's own context. ``score_from_tokens``: the classifier's head is built from
+    the causal-LM checkpoint's lm_head rows instead (models/seq_cls_from_lm.py).
     """
     model_dir = Path(model_dir)
     config = config if config is not None else load_config(model_dir)
@@ -315,6 +317,8 @@ def load_model(
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
     weights = iter_weights(model_dir)
+    if score_from_tokens is not None:
+        weights = score_from_tokens.capture(weights)
     try:
         loaded = model.load_weights(_body_weights(weights) if pooling else weights) or set()
     except ValueError as exc:  # a shape or a name the model does not take: which folder, and what config.json left unset
@@ -327,10 +331,18 @@ def load_model(
             reset()
     if max_model_len is not None:
         fit_rope_context(model, max_model_len)
+    if score_from_tokens is not None:
+        with torch.no_grad():
+            model.score.weight.copy_(score_from_tokens.score_weight(bool(getattr(config, "tie_word_embeddings", False))))
+        loaded = {*loaded, "score.weight"}
     missing = missing_checkpoint_tensors(model, set(loaded))
     if missing:
         shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
         note = checkpoint_checks.unset_sizes(model_dir, config)
+        if "score.weight" in missing:  # (a causal LM's checkpoint read as a classifier)
+            note += ("; a classifier (a *ForSequenceClassification architecture, convert='classify') needs a "
+                     "checkpoint with its score head, or, for a causal LM's, classifier_from_token and method (or "
+                     "is_original_qwen3_reranker) to build one from lm_head rows")
         raise ValueError(f"{model_dir}: the checkpoint does not provide these parameters: {shown}{note}")
     model.eval()
     return model, config
