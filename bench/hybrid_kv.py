@@ -2,9 +2,11 @@
 (``disable_hybrid_kv_cache_manager``, vLLM's switch) on the same KV memory: a Gemma-3-shaped
 random model (hidden 512, 12 layers, every 6th full, a 256-token window, float32) serving long
 prompts. Reports per engine: KV blocks, the most requests running at once, preemptions, wall
-time and output tok/s, and whether the two engines' greedy tokens agree.
+time and output tok/s, and whether the two engines' greedy tokens agree. With ``--vllm-python``,
+vLLM's CPU build (its own hybrid KV cache manager, eager, fp32) runs the same requests on the same
+KV memory (whole GiB: its VLLM_CPU_KVCACHE_SPACE) in the same run.
 
-    python -m bench.hybrid_kv [--requests 32] [--kv-mib 512]
+    python -m bench.hybrid_kv [--requests 32] [--kv-mib 512] [--vllm-python /work/venv-vllm-cpu/bin/python]
 """
 from __future__ import annotations
 
@@ -57,6 +59,22 @@ def run(engine, prompts: list[dict], params) -> dict:
                 preemptions=engine.scheduler.stats.num_preemptions, tokens=[done[str(i)] for i in range(len(prompts))])  # fmt: skip
 
 
+def vllm_row(python: str, model_dir: Path, prompts: list[list[int]], tokens: int, kv_gib: int, max_seqs: int) -> dict:
+    """vLLM's AsyncLLMEngine on the same requests, all sent at once (bench/vllm_driver.py)."""
+    from bench.baselines import VllmPoint, run_vllm
+    from bench.offline import Workload
+
+    wl = Workload("hybrid", prompts, [tokens] * len(prompts))
+    cfg = {"max_num_seqs": max_seqs, "max_num_batched_tokens": 2048, "max_model_len": 4096,
+           "enable_prefix_caching": False}  # fmt: skip
+    results, _, _ = run_vllm(python, "eager", str(model_dir), "float32", cfg, Workload("warm", prompts[:1], [2]),
+                             [VllmPoint("hybrid", wl, [0.0] * len(prompts), None)], kv_cache_gib=kv_gib)  # fmt: skip
+    run = results[-1]
+    made = sum(r.output_len for r in run.records)
+    assert made == wl.requested_tokens and not any(r.error for r in run.records), "vLLM's run failed"
+    return dict(wall_s=round(run.duration_s, 1), output_tok_s=round(made / run.duration_s, 1))
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-dir", default=str(MODEL), help="where the random model is made (once)")
@@ -66,7 +84,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--out", default=None, help="a JSON file for the results")
+    ap.add_argument("--vllm-python", default=None, help="vLLM's virtualenv python: a row for vLLM's CPU build")
     args = ap.parse_args(argv)
+    if args.vllm_python and args.kv_mib % 1024:
+        ap.error("--vllm-python: vLLM's CPU KV space is whole GiB; give --kv-mib a multiple of 1024")
     from vllmini import LLM, SamplingParams
 
     path = make_model(Path(args.model_dir))
@@ -88,6 +109,11 @@ def main(argv: list[str] | None = None) -> dict:
     agree = sum(a == b for a, b in zip(results["hybrid"].pop("tokens"), results["one_table"].pop("tokens")))
     summary = dict(workload=vars(args), results=results, same_tokens=f"{agree}/{args.requests}",
                    speedup=round(results["hybrid"]["output_tok_s"] / results["one_table"]["output_tok_s"], 2))  # fmt: skip
+    if args.vllm_python:
+        ids = [p["prompt_token_ids"] for p in prompts]
+        results["vllm"] = vllm_row(args.vllm_python, path, ids, args.tokens, args.kv_mib // 1024, args.requests)
+        print("vllm", results["vllm"], flush=True)
+        summary["vs_vllm"] = round(results["hybrid"]["output_tok_s"] / results["vllm"]["output_tok_s"], 2)
     print(json.dumps(summary))
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))

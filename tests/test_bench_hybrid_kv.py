@@ -16,3 +16,10 @@ def test_grouped_and_one_table_engines_are_compared_on_the_same_memory(tmp_path)
     assert summary["same_tokens"] == "3/3" and hybrid["output_tok_s"] > 0 and one["output_tok_s"] > 0
     assert hybrid["preemptions"] <= one["preemptions"] and hybrid["most_running"] >= one["most_running"]
     assert json.loads(out.read_text()) == summary
+
+
+def test_a_vllm_row_needs_whole_gib_of_kv_memory(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit):  # (vLLM's CPU KV space is whole GiB: the rows would not share a budget)
+        main(["--model-dir", str(tmp_path / "model"), "--kv-mib", "24", "--vllm-python", "python"])
