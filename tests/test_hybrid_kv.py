@@ -273,6 +273,7 @@ def test_a_sequence_longer_than_every_layers_blocks_fits_when_grouped(tmp_path_f
     llm = LLM(model=model_dir, max_num_batched_tokens=16, kv_cache_memory=kv_bytes(hf.config, 10))
     eng = llm.llm_engine
     assert eng.capacity_tokens == (20 - 3) * 16  # the full group's blocks once the sliding one has its 3
+    assert eng.block_manager.blocks_held(190, 16) == 12 + 3 and eng.block_manager.blocks_held(20, 16) == 2 + 2
     prompt = torch.randint(100, 4000, (150,), generator=torch.Generator().manual_seed(2)).tolist()
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0]  # fmt: skip

@@ -116,6 +116,9 @@ def build_runtime(
                                            null_block=num_blocks + pad)  # fmt: skip
         logger.info("hybrid KV cache: %d groups of %d layers (windows %s), one pool of %d blocks",
                     layout.num_groups, layout.group_size, list(layout.group_windows), num_blocks)  # fmt: skip
+    held = block_manager.blocks_held(max_model_len, args.max_num_batched_tokens)
+    logger.info("KV cache: room for %.2fx requests of max_model_len (%d tokens), %d blocks each at most",
+                num_blocks / held, max_model_len, held)  # fmt: skip
     scheduler = Scheduler(
         SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
                         args.scheduling_policy, args.max_loras if args.enable_lora else None,

@@ -118,6 +118,12 @@ class BlockManager(BlockPool):
             return None
         return -(-(self.sliding_window - 1 + max_new_tokens) // self.block_size) + 1
 
+    def blocks_held(self, num_tokens: int, max_new_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds in steps of at most ``max_new_tokens``."""
+        per_step = self.max_blocks_per_step(max_new_tokens)
+        needed = -(-num_tokens // self.block_size)
+        return needed if per_step is None else min(needed, per_step)
+
     def capacity_tokens(self, max_new_tokens: int, max_model_len: int) -> int:
         """The longest sequence the pool can hold: ``max_model_len`` when a window plus a step of
         ``max_new_tokens`` fits (it releases what falls behind), else the pool's slots."""

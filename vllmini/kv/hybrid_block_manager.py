@@ -89,22 +89,21 @@ class HybridBlockManager:
         per_group = [g.max_blocks_per_step(max_new_tokens) for g in self.groups]
         return None if None in per_group else sum(per_group)  # type: ignore[arg-type]
 
+    def blocks_held(self, num_tokens: int, max_new_tokens: int) -> int:
+        """The most blocks a sequence of ``num_tokens`` holds over every group."""
+        return sum(g.blocks_held(num_tokens, max_new_tokens) for g in self.groups)
+
     def capacity_tokens(self, max_new_tokens: int, max_model_len: int) -> int:
         """The longest sequence the pool holds: the full groups' tables grow with it, a sliding
         group's stop at a window plus a step."""
-        caps = [g.max_blocks_per_step(max_new_tokens) for g in self.groups]
-        max_blocks = -(-max_model_len // self.block_size)
-
-        def blocks(n: int) -> int:  # what a sequence of n blocks holds over all groups
-            return sum(n if cap is None else min(n, cap) for cap in caps)
-
-        if blocks(max_blocks) <= self.num_blocks:
+        bs = self.block_size
+        if self.blocks_held(max_model_len, max_new_tokens) <= self.num_blocks:
             return max_model_len
-        lo, hi = 0, max_blocks  # the most blocks that fit: blocks() grows with n
+        lo, hi = 0, -(-max_model_len // bs)  # the most blocks that fit: blocks_held grows with the length
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if blocks(mid) <= self.num_blocks else (lo, mid - 1)
-        return lo * self.block_size
+            lo, hi = (mid, hi) if self.blocks_held(mid * bs, max_new_tokens) <= self.num_blocks else (lo, mid - 1)
+        return lo * bs
 
     # ---- prefix cache ---------------------------------------------------------------------
     def find_cached_prefix(
