@@ -105,6 +105,8 @@ def test_engine_greedy_and_logprobs_match_transformers(pair):
     """Chunks of 16 tokens, a prefix-cache hit, sequences several of OLMo 3's windows long."""
     name, hf, model_dir = pair
     llm = LLM(model=str(model_dir), max_num_batched_tokens=16, enable_prefix_caching=True)
+    windows = set(llm.llm_engine.model.layer_windows)  # sliding and full layers mixed: KV groups (test_hybrid_kv.py)
+    assert (llm.llm_engine.block_manager.num_groups > 1) == (len(windows) > 1) == (name in ("olmo3", "exaone4")), windows
     prompts = _prompts([3, 40, 29], seed=2)
     prompts.append(prompts[1][:32] + prompts[2][:5])
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
