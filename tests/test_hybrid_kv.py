@@ -363,3 +363,20 @@ def test_every_group_claims_its_hit_before_any_group_takes_a_new_block():
                                                                        blocks[1] + [bm.block_tables("b")[1][2]]]
     assert bm.num_evictions == 2
     bm.check_invariants()
+
+
+def test_preempted_sequences_recompute_over_groups(tmp_path_factory, default_model_dir):
+    """A pool of 30 block ids for four Gemma 3 sequences (each holds its full table and three
+    windows): they preempt one another, and the recomputes (prefix-cache hits that every group
+    serves, windows skipping released blocks) give transformers' greedy tokens."""
+    model_dir, hf = gemma_dir(tmp_path_factory, default_model_dir, "gemma3")
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, num_gpu_blocks_override=30, enable_prefix_caching=True)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 4000, (n,), generator=g).tolist() for n in (120, 70, 95, 30)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0 and llm.llm_engine.block_manager.prefix_cache_hits > 0
+    for p, out in zip(prompts, outs):
+        want, gaps = hf_greedy(hf, p, 30)
+        assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"prompt of {len(p)}")
+    assert_no_leaks(llm)
