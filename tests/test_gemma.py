@@ -301,14 +301,17 @@ def test_headless_gemma3_embeds_as_transformers(saved, tmp_path):
     assert_close(out.outputs.embedding, hf_embedding(Path(model_dir), out.prompt_token_ids, "LAST"), "Gemma3TextModel")
 
 
-def test_draft_model_over_sliding_and_full_layers(saved):
-    """Gemma's sliding and full layers keep every KV block (none is released behind a window), so a
-    draft model may share them: Gemma 3 drafting for itself through chunked prefill, preemption and
-    the prefix cache has every draft accepted (its windowed attention over the shared blocks is the
-    target's), and the tokens are transformers'."""
+@pytest.mark.parametrize(("hybrid", "blocks"), [(True, 40), (False, 16)])
+def test_draft_model_over_sliding_and_full_layers(saved, hybrid, blocks):
+    """A draft model's cache shares the block ids of the target's full-attention KV group (whose
+    table keeps every position; grouped: kv/kv_groups.py) or of its one table: Gemma 3 drafting for
+    itself through chunked prefill, preemption and the prefix cache has every draft accepted (its
+    windowed attention over the shared blocks is the target's), and the tokens are transformers'."""
     model_dir, hf = saved("gemma3")
     llm = LLM(model=model_dir, speculative_config={"model": model_dir, "num_speculative_tokens": 3}, block_size=4,
-              max_num_batched_tokens=8, num_gpu_blocks_override=16, enable_prefix_caching=True)  # fmt: skip
+              max_num_batched_tokens=8, num_gpu_blocks_override=blocks, enable_prefix_caching=True,
+              disable_hybrid_kv_cache_manager=not hybrid)  # fmt: skip
+    assert llm.llm_engine.block_manager.num_groups == (4 if hybrid else 1)
     prompts = _prompts(4000, [5, 40, 29], 6)
     prompts.append(prompts[1][:32] + prompts[2][:8])
     worst, wrong = _engine_errors(llm, hf, prompts, 16)

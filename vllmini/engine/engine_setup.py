@@ -51,8 +51,10 @@ def build_runtime(
     # sliding and full layers mixed: a KV group per kind (kv/kv_groups.py), unless turned off or a draft model
     # shares the block ids (its cache would need a table that no group is)
     layout = None if args.disable_hybrid_kv_cache_manager else plan_kv_layout(model.layer_windows)
-    if layout is not None and draft_model is not None:
-        logger.info("hybrid KV cache off: the draft model's cache shares the block ids, which one table must own")
+    if layout is not None and draft_model is not None and layout.group_windows[0] is not None:
+        # a draft model's cache takes the first group's block ids (its table covers every position
+        # only when that group attends to all of them: full attention)
+        logger.info("hybrid KV cache off: no full-attention layer group for the draft model's cache to share")
         layout = None
     block_size = args.block_size or (256 if device.type == "cuda" else 16)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)

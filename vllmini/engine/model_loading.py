@@ -116,7 +116,7 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
         raise ValueError(f"{field}: its context ({resolve_max_model_len(None, config)} tokens) is shorter than "
                          f"max_model_len={max_model_len}; pass a smaller max_model_len")  # fmt: skip
     # (kv_window: a window in every layer, whose blocks behind it are released; sliding and full
-    # layers mixed, as Gemma 2/3, keep every block, which the two caches can share)
+    # layers mixed, as Gemma 2/3: the draft shares the full-attention KV group's blocks, which stay)
     unsupported = ("has sliding-window attention in every layer, which speculative decoding with a draft model does "
                    "not support here (the KV blocks behind a window are released, and the two caches share them)")  # fmt: skip
     if target.model.kv_window is not None:
