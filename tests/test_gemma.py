@@ -322,6 +322,26 @@ def test_draft_model_over_sliding_and_full_layers(saved, hybrid, blocks):
     assert_no_leaks(llm)
 
 
+def test_a_draft_model_without_a_full_attention_group_keeps_one_table(saved, monkeypatch, caplog):
+    """Were every KV group sliding (layers with different windows, no full one), no group's table
+    would keep every position for the draft's cache: the groups are turned off, and said so."""
+    import logging
+
+    from vllmini.engine import engine_setup
+    from vllmini.kv.kv_groups import plan_kv_layout
+
+    model_dir, _ = saved("gemma3")
+    spec = {"model": model_dir, "num_speculative_tokens": 2}
+    assert LLM(model=model_dir, speculative_config=spec).llm_engine.block_manager.num_groups == 4  # a full group
+    monkeypatch.setattr(engine_setup, "plan_kv_layout", lambda windows: plan_kv_layout([w or 24 for w in windows]))
+    assert engine_setup.plan_kv_layout([12, None]).group_windows == (12, 24)  # (what the engine now sees)
+    monkeypatch.setattr(logging.getLogger("vllmini"), "propagate", True)  # let caplog see our records
+    with caplog.at_level(logging.INFO, logger="vllmini"):
+        llm = LLM(model=model_dir, speculative_config=spec)
+    assert llm.llm_engine.block_manager.num_groups == 1
+    assert "hybrid KV cache off: no full-attention layer group" in caplog.text
+
+
 @pytest.mark.parametrize(("name", "kv_cache_dtype"), [("gemma2", "fp8_e5m2"), ("gemma3", "fp8_e4m3")])
 def test_torch_backend_over_a_nan_filled_fp8_cache(saved, name, kv_cache_dtype):
     """Every KV slot starts as NaN (as a block reused from a request whose K/V were NaN): the torch
