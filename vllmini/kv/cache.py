@@ -104,8 +104,8 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     caches = [(zeros(shape, spec.dtype, device), zeros(shape, spec.dtype, device)) for _ in range(spec.num_layers)]
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d token slots, %.1f MiB (%s, %s)",
-        num_blocks, spec.block_size, num_blocks * spec.block_size,
+        "KV cache: %d blocks x %d tokens = %d token slots of %d layers, %.1f MiB (%s, %s)",
+        num_blocks, spec.block_size, num_blocks * spec.block_size, spec.num_layers,
         num_blocks * spec.bytes_per_block / 2**20, spec.dtype, device,
     )  # fmt: skip
     return caches
