@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
-from vllmini.kv.block_hash import ROOT_HASH, hash_block
+from vllmini.kv.block_hash import ROOT_HASH, chain_hashes, hash_block
 from vllmini.kv.block_invariants import check_invariants
 from vllmini.kv.block_pool import Block, BlockPool  # noqa: F401 (Block: re-exported, as before)
 
@@ -186,9 +186,13 @@ class BlockManager(BlockPool):
         blocks behind the window of the first new token are released either way: no query from
         there on reads them).
         Raises ValueError on misuse (stale or misplaced ``cached_blocks``)."""
-        if self.blocks_to_take(seq_id, token_ids, num_new_tokens, cached_blocks, root) > self.num_free_blocks:
+        new = seq_id not in self._seqs
+        chain = chain_hashes(token_ids, root, len(cached_blocks or ()), self.block_size) if new else ()  # hashed once
+        if self.blocks_to_take(seq_id, token_ids, num_new_tokens, cached_blocks, root, chain) > self.num_free_blocks:
             return False
-        self.take(seq_id, token_ids, num_new_tokens, cached_blocks, root)
+        if new:
+            self.admit(seq_id, token_ids, cached_blocks, root, chain)
+        self.grow(seq_id, token_ids, num_new_tokens)
         return True
 
     def blocks_to_take(
@@ -214,24 +218,13 @@ class BlockManager(BlockPool):
         total = len(cached) * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - len(cached)) + reclaimed
 
-    def take(
-        self, seq_id: SeqId, token_ids: Sequence[int], num_new_tokens: int, cached_blocks: list[int] | None = None,
-        root: bytes = ROOT_HASH,
-    ) -> None:  # fmt: skip
-        """:meth:`allocate` once :meth:`blocks_to_take` blocks are known to be free."""
-        seq = self._seqs.get(seq_id)
-        if seq is None:
-            self.admit(seq_id, token_ids, cached_blocks, root)
-        elif self.sliding_window is not None:
-            self._release_behind_window(seq)
-        self.grow(seq_id, token_ids, num_new_tokens)
-
     def admit(
         self, seq_id: SeqId, token_ids: Sequence[int], cached_blocks: list[int] | None, root: bytes,
         chain: Sequence[bytes] = (),
     ) -> None:  # fmt: skip
-        """A new sequence holding its prefix-cache hit, no new block yet: taking a new block may
-        evict an unreferenced cached one, so every KV group claims its hit before any group grows."""
+        """A new sequence holding its prefix-cache hit, no new block yet (:meth:`allocate` once
+        :meth:`blocks_to_take` blocks are known to be free): taking a new block may evict an
+        unreferenced cached one, so every KV group claims its hit before any group grows."""
         bs = self.block_size
         cached = list(cached_blocks or ())
         hashes = self._check_cached(token_ids, cached, root, chain)

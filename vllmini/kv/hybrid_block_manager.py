@@ -84,11 +84,6 @@ class HybridBlockManager:
     def prefix_cache_hits(self) -> int:
         return self.groups[0].prefix_cache_hits
 
-    def max_blocks_per_step(self, max_new_tokens: int) -> int | None:
-        """The most blocks one sequence holds in a step (None: a full-attention group grows with it)."""
-        per_group = [g.max_blocks_per_step(max_new_tokens) for g in self.groups]
-        return None if None in per_group else sum(per_group)  # type: ignore[arg-type]
-
     def blocks_held(self, num_tokens: int, max_new_tokens: int) -> int:
         """The most blocks a sequence of ``num_tokens`` holds over every group."""
         return sum(g.blocks_held(num_tokens, max_new_tokens) for g in self.groups)
