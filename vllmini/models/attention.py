@@ -362,12 +362,16 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = torch_attention
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``sinks``: the layer's learned sink logits ``[num_heads]`` (gpt-oss), passed to the backend when set."""
         if kv_cache is not None:  # an fp8 (or narrower) cache: attend to K/V as it holds them
             # cast once, here: the backend stores these and widens what it attends to (rounding to
             # the cache's format and back, then casting again to store, took two casts a layer)
             k, v = to_cache(k, kv_cache[0].dtype), to_cache(v, kv_cache[1].dtype)
-        capped = {} if self.softcap is None else {"softcap": self.softcap}
-        out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window, **capped)
+        extra = {} if self.softcap is None else {"softcap": self.softcap}
+        if sinks is not None:
+            extra["sinks"] = sinks
+        out = self.backend(q, k, v, meta, kv_cache, self.scale, self.window, **extra)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

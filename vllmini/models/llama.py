@@ -51,6 +51,7 @@ class DecoderVariant:
     attn_softcapping: bool = False  # Gemma 2: scores capped by attn_logit_softcapping (Gemma 3's config has the key unused)
     bias_key: str | None = None  # one config key for every bias the fields above leave to the config (ERNIE 4.5: use_bias)
     rope_interleaved: bool = False  # RoPE turns pairs of adjacent dims (GPT-J / GLM style: ERNIE 4.5), not the two halves
+    attn_sinks: bool = False  # a learned logit per query head joins each softmax, its column dropped (gpt-oss's sinks)
 
     def bias(self, fixed: bool | None, config: Any, key: str) -> bool:
         return bool(getattr(config, self.bias_key or key, False)) if fixed is None else fixed
@@ -78,6 +79,8 @@ class DecoderAttention(nn.Module):
             scale = float(config.attention_multiplier)
         softcap = getattr(config, "attn_logit_softcapping", None) if variant.attn_softcapping else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale, window, softcap)
+        # the checkpoint's ``self_attn.sinks`` [num_heads]: handed to the backend at every call
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if variant.attn_sinks else None
 
     def forward(
         self,
@@ -96,7 +99,7 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rotary(q, *cos_sin, self.rope_interleaved), apply_rotary(k, *cos_sin, self.rope_interleaved)
-        return self.o_proj(self.attn(q, k, v, meta, kv_cache))
+        return self.o_proj(self.attn(q, k, v, meta, kv_cache, self.sinks))
 
 
 class DecoderLayer(nn.Module):
@@ -199,6 +202,12 @@ class LlamaForCausalLM(nn.Module):
         """The cap on attention scores (Gemma 2's attn_logit_softcapping), which backend_select.py
         needs a backend to apply (flash-attn < 2.6 and torch's varlen_attn cannot); None: uncapped."""
         return self.model.layers[0].self_attn.attn.softcap
+
+    @property
+    def attention_sinks(self) -> bool:
+        """Whether the attention softmax has a learned sink logit per head (gpt-oss), which
+        backend_select.py needs a backend to apply."""
+        return self.model.layers[0].self_attn.sinks is not None
 
     @property
     def num_kv_heads(self) -> int:
