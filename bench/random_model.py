@@ -49,6 +49,25 @@ def qwen3_moe_small_config(**overrides) -> PretrainedConfig:
     return Qwen3MoeConfig(**kw)
 
 
+def gpt_oss_small_config(**overrides) -> PretrainedConfig:
+    """gpt-oss-20b's layout (layers alternating a 128-token window and full attention, sinks, 32 experts
+    of which 4 per token, biases, q wider than hidden) at a size a CPU benchmark loads twice: 8 layers,
+    hidden 768, about 0.5B parameters."""
+    from transformers import GptOssConfig
+
+    kw = dict(
+        vocab_size=32000, hidden_size=768, intermediate_size=768, num_hidden_layers=8, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 4, max_position_embeddings=8192,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+        tie_word_embeddings=False, initializer_range=0.02, pad_token_id=0, eos_token_id=1,
+        architectures=["GptOssForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
 def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -79,7 +98,8 @@ def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtyp
     return out_dir
 
 
-CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config}
+CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config,
+           "gpt-oss-small": gpt_oss_small_config}
 
 if __name__ == "__main__":  # python -m bench.random_model qwen3-moe-small OUT_DIR [--dtype float32]
     import argparse

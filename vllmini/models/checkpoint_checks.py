@@ -12,6 +12,10 @@ from typing import Any
 
 import torch
 
+from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
+
+MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
+
 # sizes every supported architecture's config has, at least 1 when set
 _SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size", "num_key_value_heads",
               "head_dim")  # fmt: skip
@@ -25,20 +29,26 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
     """``config`` (transformers' reading of ``path``, whose JSON is ``raw``) describes a model of
     float weights with positive sizes."""
     quant = raw.get("quantization_config")
-    if quant is not None:
+    if is_mxfp4(raw) and MXFP4_ARCHITECTURE in (raw.get("architectures") or []):
+        pass  # (gpt-oss's experts: dequantized while loading, models/mxfp4.py)
+    elif quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
         raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
-                         "loads float weights only: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
+                         "loads float weights only (and gpt-oss's MXFP4 experts): use the model's unquantized "
+                         "checkpoint, or a GGUF file of it")  # fmt: skip
     for key in _SIZE_KEYS:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{path}: {key} is {value!r}; it must be a positive integer")
 
 
-def check_tensor(path: Path, name: str, tensor: torch.Tensor) -> None:
+def check_tensor(path: Path, name: str, tensor: torch.Tensor, mxfp4: bool = False) -> None:
     """A checkpoint tensor holds floating-point values of a dtype the models compute in (an integer
     tensor copied into a float parameter loads silently, and wrongly: a quantized checkpoint's
-    packed weights, or a broken export)."""
+    packed weights, or a broken export). ``mxfp4``: the checkpoint is gpt-oss's MXFP4 one, whose
+    ``*_blocks`` / ``*_scales`` bytes the model dequantizes."""
+    if mxfp4 and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES):
+        return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "
                          "loads float32, bfloat16 or float16 weights (integer or float8 tensors are a quantized "

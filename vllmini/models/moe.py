@@ -33,11 +33,14 @@ class ExpertWeights(nn.Module):
     (``experts.<e>.gate_proj``...), each copied into its :meth:`slot` (the loader counts them
     against :meth:`shards` until all are in)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        # per-expert biases of gate/up (gate first) and down (gpt-oss), None elsewhere
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
 
     def slot(self, param: str, expert: int, shard: int) -> torch.Tensor:
         """Where checkpoint tensor ``(expert, shard)`` of ``param`` ("w13": 0 gate, 1 up; "w2") goes."""
@@ -82,22 +85,38 @@ class FusedMoE(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts)
-        xs = x.index_select(0, rows)
-        w13, w2 = self.experts.w13, self.experts.w2
-        if grouped_mm_supported(x.device, x.dtype):
-            ends = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-            ys = F.grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)
-        else:
-            ys = torch.empty_like(xs)
-            start = 0
-            for expert, count in enumerate(counts.tolist()):
-                if count:
-                    gate, up = F.linear(xs[start : start + count], w13[expert]).chunk(2, dim=-1)
-                    ys[start : start + count] = F.linear(F.silu(gate) * up, w2[expert])
-                    start += count
+        ys = self.run_experts(x.index_select(0, rows), counts, flat.index_select(0, order))
         ys = ys * weights.flatten().index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, rows, ys)
+
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Every row of ``xs`` through its expert: rows sorted by expert, ``counts[e]`` of them for
+        expert ``e``, ``expert_ids`` each row's (for the biases, where the experts have them)."""
+        experts = self.experts
+        h = _grouped_linear(xs, experts.w13, counts)
+        if experts.b13 is not None:
+            h = h + experts.b13.index_select(0, expert_ids)
+        ys = _grouped_linear(self.activation(h), experts.w2, counts)
+        return ys if experts.b2 is None else ys + experts.b2.index_select(0, expert_ids)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gated activation of the experts' fused gate/up output (SwiGLU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _grouped_linear(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``xs`` rows sorted by expert, ``counts[e]`` of them through ``weight[e]`` (``[E, out, in]``): one
+    grouped matmul where torch has one for the device and dtype, else expert after expert."""
+    if grouped_mm_supported(xs.device, xs.dtype):
+        return F.grouped_mm(xs, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    out = xs.new_empty(xs.shape[0], weight.shape[1])
+    start = 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            out[start : start + count] = F.linear(xs[start : start + count], weight[expert])
+            start += count
+    return out
 
 
 class SharedExpertMoE(FusedMoE):

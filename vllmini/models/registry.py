@@ -24,6 +24,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteMoeForCausalLM": ("vllmini.models.granite", "GraniteMoeForCausalLM"),
     "Olmo2ForCausalLM": ("vllmini.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("vllmini.models.olmo2", "Olmo3ForCausalLM"),
+    "GptOssForCausalLM": ("vllmini.models.gpt_oss", "GptOssForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

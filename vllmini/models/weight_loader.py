@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vllmini.files import foreign_file_hint
+from vllmini.models.mxfp4 import is_mxfp4
 from vllmini.models import checkpoint_checks, registry
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
@@ -249,14 +250,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; {ACCEPTED_FORMS}")
 
 
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
 
     Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
     per tensor (~0.3 ms each) so that pages already copied into the model are unmapped
     as soon as the caller drops the tensor, instead of staying resident until the whole
     file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
-    new ones) is refused: which one the checkpoint means is unknown; so is a non-float one.
+    new ones) is refused: which one the checkpoint means is unknown; so is a non-float one (but
+    an MXFP4 checkpoint's packed bytes, with ``mxfp4``).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -272,7 +274,7 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 seen[name] = path
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     tensor = f.get_tensor(name)
-                checkpoint_checks.check_tensor(path, name, tensor)
+                checkpoint_checks.check_tensor(path, name, tensor, mxfp4)
                 yield name, tensor
                 del tensor
         except SafetensorError as exc:
@@ -316,7 +318,7 @@ def load_model(
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
-    weights = iter_weights(model_dir)
+    weights = iter_weights(model_dir, is_mxfp4(config))
     if score_from_tokens is not None:
         weights = score_from_tokens.capture(weights)
     try:

@@ -1,0 +1,48 @@
+"""MXFP4 (OCP microscaling FP4), the format OpenAI publishes gpt-oss's expert weights in
+(``quantization_config.quant_method == "mxfp4"``): vllmini dequantizes them while loading, as it does
+a GGUF file's, and computes in the engine's dtype.
+
+Each run of 32 values along a row shares one scale, a power of two stored as a biased exponent byte
+(E8M0: 2**(s - 127)); each value is a 4-bit E2M1 float (sign, two exponent bits, one mantissa bit),
+two per byte, the low nibble first. A tensor comes as ``<name>_blocks [..., rows, G, 16]`` (uint8)
+and ``<name>_scales [..., rows, G]`` (uint8): the dense tensor is ``[..., rows, G * 32]``.
+Every such value is exact in bfloat16 (and float32), so dequantizing loses nothing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+# the 16 E2M1 codes' values: sign bit 3, then exponent and mantissa
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+# scale groups dequantized at a time (2**20: 32 Mi values, their int64 codes 256 MiB)
+CHUNK_GROUPS = 2**20
+
+
+def is_mxfp4(config: Any) -> bool:
+    """Whether a model's config (transformers' object, or config.json as a dict) says its weights are MXFP4."""
+    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``blocks [..., G, 16]`` and ``scales [..., G]`` (uint8) -> ``[..., G * 32]`` in ``dtype``."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales are uint8 (got {blocks.dtype} and {scales.dtype})")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+                         "(blocks [..., G, 16], scales [..., G])")  # fmt: skip
+    lut = torch.tensor(E2M1_VALUES, dtype=dtype)
+    groups = blocks.reshape(-1, 16)
+    out = torch.empty(groups.shape[0], 32, dtype=dtype)
+    step = CHUNK_GROUPS
+    for start in range(0, groups.shape[0], step):  # (in chunks: the int64 codes are 8x the packed bytes)
+        chunk = groups[start : start + step]
+        codes = torch.stack((chunk & 0x0F, chunk >> 4), dim=-1).flatten(-2)  # low nibble first
+        exponents = scales.reshape(-1)[start : start + step].to(torch.int32).sub_(127).unsqueeze(-1)
+        out[start : start + step] = torch.ldexp(lut[codes.long()], exponents)
+    return out.view(*blocks.shape[:-1], 32).flatten(-2)
