@@ -322,6 +322,23 @@ def streamed_calls(chunks, ids: str = VLLM_ID) -> tuple[str, list[tuple[str, str
     return content, [tuple(calls[i]) for i in sorted(calls)], finish
 
 
+async def calls_after_reasoning(engine, parsers: dict, extra_body: dict) -> tuple[str | None, list[tuple[str, str]]]:
+    """The reasoning and (name, arguments) calls of an output (``extra_body``: how it is made)
+    through the chat route with these parsers (build_app's keywords), checked alike whole and
+    streamed, with no content and finish_reason "tool_calls"."""
+    c = client(engine, **parsers)
+    kwargs = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "extra_body": extra_body}
+    choice = (await c.chat.completions.create(**kwargs)).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    chunks = [chunk async for chunk in await c.chat.completions.create(**kwargs, stream=True)]
+    assert streamed_calls(chunks) == ("", calls, "tool_calls")
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning", None) or "" for ch in chunks)
+    assert (reasoning or None) == choice.message.reasoning
+    await wait_idle(engine)
+    return choice.message.reasoning, calls
+
+
 async def test_auto_tool_calls_whole_and_streamed_through_the_openai_client(engine):
     text = "Let me check.\n" + CALL
     raw = await client(engine).chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=200,
