@@ -107,11 +107,11 @@ def test_an_output_cut_anywhere_reads_whole_and_streamed_alike(messages, data):
     dropped, a body keeps its text (a call its arguments so far, as a stream has sent them)."""
     text, _ = render(messages, True)
     cut_text = text[: data.draw(st.integers(0, len(text)))]
-    names = [name for name, _ in expected(messages)["calls"]]
+    called = [name for name, _ in expected(messages)["calls"]]
     for reasoning, tools in CONFIGS:
         got = both(gptoss(reasoning, tools), cut_text, data)
         if tools:  # (the calls whose header was whole)
-            assert [name for name, _ in got["calls"]] == names[: len(got["calls"])]
+            assert [name for name, _ in got["calls"]] == called[: len(got["calls"])]
 
 
 @SETTINGS
