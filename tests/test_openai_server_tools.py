@@ -244,7 +244,7 @@ def test_only_the_first_call_is_kept_without_parallel_tool_calls():
 def test_unknown_parser_names_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, granite, mistral, olmo3, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, granite, mistral, olmo3, openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
 
 
@@ -320,6 +320,23 @@ def streamed_calls(chunks, ids: str = VLLM_ID) -> tuple[str, list[tuple[str, str
                 calls[call.index][1] += call.function.arguments
         finish = chunk.choices[0].finish_reason or finish
     return content, [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+async def calls_after_reasoning(engine, parsers: dict, extra_body: dict) -> tuple[str | None, list[tuple[str, str]]]:
+    """The reasoning and (name, arguments) calls of an output (``extra_body``: how it is made)
+    through the chat route with these parsers (build_app's keywords), checked alike whole and
+    streamed, with no content and finish_reason "tool_calls"."""
+    c = client(engine, **parsers)
+    kwargs = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "extra_body": extra_body}
+    choice = (await c.chat.completions.create(**kwargs)).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
+    chunks = [chunk async for chunk in await c.chat.completions.create(**kwargs, stream=True)]
+    assert streamed_calls(chunks) == ("", calls, "tool_calls")
+    reasoning = "".join(getattr(ch.choices[0].delta, "reasoning", None) or "" for ch in chunks)
+    assert (reasoning or None) == choice.message.reasoning
+    await wait_idle(engine)
+    return choice.message.reasoning, calls
 
 
 async def test_auto_tool_calls_whole_and_streamed_through_the_openai_client(engine):

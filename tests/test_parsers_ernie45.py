@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from test_openai_server_tools import (
-    MESSAGES, NAME, PARIS, SETTINGS, TOOLS, arguments, both, canonical, client, dumps, events, forced, http, layouts,
-    names, serving, streamed_calls, wait_idle, whole,
+    MESSAGES, PARIS, SETTINGS, arguments, both, calls_after_reasoning, canonical, dumps, events, forced, http, layouts,
+    names, serving, wait_idle, whole,
 )  # fmt: skip
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.engine.thinking_budget import ReasoningConfig
@@ -142,17 +142,8 @@ async def test_ernie45_calls_after_reasoning_through_the_chat_route(engine):
     # (a forced output is not in reasoning unless it opens <think>: serving_chat._parsing)
     text = ('<think>I need the weather tool.\n</think>\n\n\n<tool_call>\n'
             '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n')  # fmt: skip
-    c = client(engine, **ERNIE)
-    kwargs = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 300, "extra_body": forced(text)}
-    choice = (await c.chat.completions.create(**kwargs)).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    assert choice.message.reasoning == "I need the weather tool.\n"
-    ((name, args),) = [(call.function.name, call.function.arguments) for call in choice.message.tool_calls]
-    assert name == "get_weather" and json.loads(args) == PARIS
-    chunks = [chunk async for chunk in await c.chat.completions.create(**kwargs, stream=True)]
-    assert streamed_calls(chunks) == ("", [(name, args)], "tool_calls")
-    assert "".join(getattr(ch.choices[0].delta, "reasoning", None) or "" for ch in chunks) == "I need the weather tool.\n"
-    await wait_idle(engine)
+    reasoning, ((name, args),) = await calls_after_reasoning(engine, ERNIE, forced(text))
+    assert reasoning == "I need the weather tool.\n" and name == "get_weather" and json.loads(args) == PARIS
 
 
 async def test_ernie45_response_through_the_chat_route(engine):

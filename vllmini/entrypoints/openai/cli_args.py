@@ -20,8 +20,8 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: prompt tokens served from the prefix cache")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                   help="<think>...</think> ([THINK]...[/THINK]: mistral) goes to message.reasoning (and "
-                        "reasoning_content)")  # fmt: skip
+                   help="<think>...</think> ([THINK]...[/THINK]: mistral; harmony's analysis channel: openai_gptoss) "
+                        "goes to message.reasoning (and reasoning_content)")  # fmt: skip
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help='tool_choice="auto": tool calls are read out of the output (needs --tool-call-parser)')
     p.add_argument("--tool-call-parser", choices=list(TOOL_PARSERS), default=None,
                    help="the model's tool-call format: hermes (Hermes, Qwen2.5/Qwen3), llama3_json (Llama 3.x), "
-                        "xlam (xLAM-2)...")  # fmt: skip
+                        "xlam (xLAM-2), openai (gpt-oss's harmony)...")  # fmt: skip
 
 
 def app_options(ns: argparse.Namespace) -> dict:

@@ -20,6 +20,8 @@ class ChatOutputParser:
         self.reasoning, self.tools, self.parallel_tool_calls = reasoning, tools, parallel_tool_calls
         self.include_reasoning = include_reasoning
         self.tools_called = False
+        if reasoning is not None:
+            reasoning.hand_calls_to(tools)
 
     def parse(self, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
         """(reasoning, content, tool calls) of a whole output."""

@@ -15,6 +15,8 @@
 - ``mistral`` (Magistral): ``[THINK]`` and ``[/THINK]`` instead, read as qwen3's, but a
   ``[THINK]`` after some content still opens the (one) reasoning section, and the tags, special
   tokens there, are kept in the text (``skip_special_tokens=False``).
+- ``openai_gptoss`` (gpt-oss): harmony messages, not think tags: the analysis channel is the
+  reasoning, the final channel the content (harmony_utils.py reads them; see its class).
 
 A request with structured outputs is constrained from its first token (here the grammar does not
 wait for the reasoning to end, as vLLM's does), so its output starts in content unless it opens
@@ -26,7 +28,9 @@ from __future__ import annotations
 from typing import Any
 
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, partial_tag
+from vllmini.entrypoints.openai.tool_parsers import harmony_utils as harmony
+from vllmini.entrypoints.openai.tool_parsers.openai_tool_parser import OpenAIToolParser
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser, partial_tag
 
 
 class ReasoningParser:
@@ -52,11 +56,20 @@ class ReasoningParser:
 
     def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output, each None when empty."""
-        parser = type(self)(self.tokenizer, self.in_reasoning)
+        parser = self.fresh()
         pieces = parser.extract_reasoning_streaming(model_output) + parser.finish_streaming()
         reasoning = "".join(p[1] for p in pieces if p[0] == "reasoning")
         content = "".join(p[1] for p in pieces if p[0] == "content")
         return reasoning or None, content or None
+
+    def fresh(self) -> ReasoningParser:
+        """A parser of this kind, set up as this one, with nothing read yet."""
+        return type(self)(self.tokenizer, self.in_reasoning)
+
+    def hand_calls_to(self, tools: ToolParser | None) -> None:
+        """The tool parser that reads the content after this one (None: none). A format whose
+        tool calls this parser reads too (gpt-oss's harmony) passes them on only to one that
+        reads them."""
 
     def extract_reasoning_streaming(self, delta_text: str) -> list[Piece]:
         """``("reasoning", text)`` and ``("content", text)`` pieces of the output's next text."""
@@ -243,6 +256,88 @@ class MistralReasoningParser(ReasoningParser):
         return True
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss's harmony messages (harmony_utils.py), as vLLM's ``openai_gptoss``: analysis
+    messages are the reasoning, final messages and preambles (commentary to no one) the content,
+    several of a kind joined by a newline (vLLM's whole reading; its streamed one joins them
+    without). A message addressed to a function is a tool call: passed on as harmony text in the
+    content to the ``openai`` tool parser, else dropped (as vLLM's); other messages are dropped.
+    Text outside any message (an output with no harmony tags) is content. The tags are special
+    tokens, kept in the text. ``START``/``END``, the thinking budget's and a grammar's strings:
+    an analysis message opens the reasoning, the final message's header (after ``<|end|>``, so a
+    forced end is well-formed harmony) closes it, as vLLM's ``is_reasoning_end``."""
+
+    START = harmony.CHANNEL + "analysis" + harmony.MESSAGE
+    END = harmony.END + harmony.START + "assistant" + harmony.CHANNEL + "final" + harmony.MESSAGE
+
+    def __init__(self, tokenizer: Any = None, in_reasoning: bool = False) -> None:
+        super().__init__(tokenizer, in_reasoning)
+        self._reader = harmony.HarmonyReader(harmony.ANALYSIS if in_reasoning else None)
+        self._kind: str | None = "reasoning" if in_reasoning else None  # what the body being read is
+        self._begun = False  # the body being read has text
+        self._said: set[str] = set()  # the kinds with text so far (a new message of one is joined by "\n")
+        self._passing = False  # the body being read is a call, passed on
+        self._pass_calls = False
+
+    @classmethod
+    def adjust_request(cls, params: SamplingParams) -> SamplingParams:
+        # the tags are special tokens of gpt-oss's tokenizer: skipped, no message could be read
+        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+
+    @classmethod
+    def starts_in_reasoning(cls, prompt: str) -> bool:
+        """Only a prompt that ends opening an analysis message (the template's generation
+        prompt, ``<|start|>assistant``, leaves the header to the model; earlier turns' analysis
+        messages are closed)."""
+        return prompt.endswith(cls.START)
+
+    def fresh(self) -> GptOssReasoningParser:
+        parser = type(self)(self.tokenizer, self.in_reasoning)
+        parser._pass_calls = self._pass_calls
+        return parser
+
+    def hand_calls_to(self, tools: ToolParser | None) -> None:
+        self._pass_calls = isinstance(tools, OpenAIToolParser)
+
+    def extract_reasoning_streaming(self, delta_text: str) -> list[Piece]:
+        return self._read(self._reader.feed(delta_text))
+
+    def finish_streaming(self) -> list[Piece]:
+        return self._read(self._reader.finish())
+
+    def _read(self, events: list[harmony.Event]) -> list[Piece]:
+        for kind, value in events:
+            if kind == "text":
+                self._said.add("content")
+                self._emit("content", value)
+            elif kind == "header":
+                assert isinstance(value, harmony.Header)
+                self._kind, self._begun = value.kind, False
+                self._passing = value.kind == "call" and self._pass_calls
+                if self._passing:
+                    self._emit("content", value.written())
+            elif kind == "body":
+                assert isinstance(value, str)
+                self._body(value)
+            elif kind == "end":
+                if self._passing:  # (the tool parser needs the end of the call)
+                    self._emit("content", value or harmony.CALL)
+                self._kind, self._passing = None, False
+        out, self._out = self._out, []
+        return out
+
+    def _body(self, text: str) -> None:
+        if self._passing:
+            self._emit("content", text)
+        elif self._kind in ("reasoning", "content"):
+            if not self._begun:
+                self._begun = True
+                if self._kind in self._said:
+                    self._emit(self._kind, "\n")
+                self._said.add(self._kind)
+            self._emit(self._kind, text)
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "ernie45": Ernie45ReasoningParser,
@@ -250,6 +345,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "granite": GraniteReasoningParser,
     "mistral": MistralReasoningParser,
     "olmo3": Olmo3ReasoningParser,
+    "openai_gptoss": GptOssReasoningParser,
     "qwen3": Qwen3ReasoningParser,
 }
 

@@ -7,6 +7,7 @@ from vllmini.entrypoints.openai.tool_parsers.granite_tool_parser import GraniteT
 from vllmini.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 from vllmini.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from vllmini.entrypoints.openai.tool_parsers.openai_tool_parser import OpenAIToolParser
 from vllmini.entrypoints.openai.tool_parsers.phi4mini_tool_parser import Phi4MiniJsonToolParser
 from vllmini.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
 from vllmini.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import Qwen3CoderToolParser
@@ -19,6 +20,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "llama4_json": Llama3JsonToolParser,  # (vLLM's name for the same format on Llama 4)
     "mistral": MistralToolParser,
+    "openai": OpenAIToolParser,  # (gpt-oss's harmony tool calls)
     "phi4_mini_json": Phi4MiniJsonToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
@@ -34,5 +36,5 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     return TOOL_PARSERS[name]
 
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "Ernie45ToolParser", "GraniteToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser",
+__all__ = ["TOOL_PARSERS", "ToolParser", "Ernie45ToolParser", "GraniteToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser", "OpenAIToolParser",
            "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "XLAMToolParser", "get_tool_parser"]
