@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from vllmini.models import gguf_cache, gguf_checks, gguf_gemma, gguf_moe, gguf_rope
+from vllmini.models import gguf_cache, gguf_checks, gguf_gemma, gguf_gpt_oss, gguf_moe, gguf_rope
 from vllmini.models.weight_loader import load_config
 
 logger = logging.getLogger(__name__)
@@ -32,10 +32,10 @@ CONVERTER_VERSION = 5  # 2: special tokens pinned to the GGUF metadata; 3: slidi
 # 5: tokenizer_config.json lists the added tokens
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py); a ``llama`` file
-# with ``llama.expert_count`` is Mixtral (gguf_moe.py); Gemma's settings: gguf_gemma.py.
+# with ``llama.expert_count`` is Mixtral (gguf_moe.py); Gemma's settings: gguf_gemma.py; gpt-oss: gguf_gpt_oss.py.
 GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    **gguf_moe.MOE_ARCHITECTURES, **gguf_gemma.GEMMA_ARCHITECTURES,
+    **gguf_moe.MOE_ARCHITECTURES, **gguf_gemma.GEMMA_ARCHITECTURES, **gguf_gpt_oss.GPT_OSS_ARCHITECTURES,
 }  # fmt: skip
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -54,8 +54,9 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 # where an architecture names a tensor differently: phi3 keeps gate and up fused in ffn_up; MoE routers;
-# Gemma's four norms per layer (ffn_norm is its pre-feedforward norm)
-_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, **gguf_moe.MOE_BLOCK_NAMES, **gguf_gemma.GEMMA_BLOCK_NAMES}
+# Gemma's four norms per layer (ffn_norm is its pre-feedforward norm); gpt-oss's router and MoE pre-norm
+_ARCH_BLOCK_NAMES = {"phi3": {"ffn_up": "mlp.gate_up_proj"}, **gguf_moe.MOE_BLOCK_NAMES, **gguf_gemma.GEMMA_BLOCK_NAMES,
+                     **gguf_gpt_oss.GPT_OSS_BLOCK_NAMES}  # fmt: skip
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(\w+)\.(weight|bias)$")
 
@@ -65,7 +66,7 @@ DEFAULT_MAX_SHARD_BYTES = 2 << 30
 def hf_tensor_name(gguf_name: str, arch: str = "llama", expert: int | None = None) -> str | None:
     """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``);
     of a stacked experts tensor (``blk.3.ffn_up_exps.weight``), that of its expert ``expert``."""
-    if (name := gguf_moe.expert_hf_name(gguf_name, arch, expert)) is not None:
+    if (name := gguf_moe.expert_hf_name(gguf_name, arch, expert) or gguf_gpt_oss.hf_tensor_name(gguf_name, arch)):
         return name
     if m := _BLOCK_RE.match(gguf_name):
         layer, kind, leaf = m.groups()
@@ -119,7 +120,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
             with _parsed_once(gguf, gguf_path, reader):
                 config = _write_config(gguf_path, reader, arch, tmp, rope)
                 gguf_checks.check_tensors(gguf_path, load_config(tmp), _tensor_names(reader, arch))
-                _write_tokenizer(gguf_path, reader, tmp)
+                _write_tokenizer(gguf_path, reader, tmp, arch)
             _write_weights(reader, config, arch, tmp, max_shard_bytes)
             gguf_cache.write_source(tmp, gguf_path)
         gguf_cache.check_unchanged(gguf_path, source_stat)
@@ -173,6 +174,8 @@ def _check_supported(reader, gguf_path: Path, arch: str) -> dict[str, Any]:
 
     rope = gguf_rope.rope_config(reader, gguf_path, arch)
     gguf_gemma.check_rope(gguf_path, arch, rope)
+    if arch in gguf_gpt_oss.GPT_OSS_ARCHITECTURES:
+        gguf_gpt_oss.check(reader, gguf_path)
     gguf_moe.check_experts(reader, gguf_path, arch)
     probed: set = set()
     for t in _weight_tensors(reader):
@@ -205,9 +208,12 @@ def _write_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str,
 def _save_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, Any]):
     from transformers import AutoConfig, GenerationConfig
 
-    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
-    config.architectures = [GGUF_ARCHITECTURES[arch]]
-    config = gguf_moe.moe_config(config, reader, gguf_path, arch)
+    if arch in gguf_gpt_oss.GPT_OSS_ARCHITECTURES:  # (transformers' GGUF reader fails on these files)
+        config = gguf_gpt_oss.gpt_oss_config(reader, gguf_path, rope)
+    else:
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
+        config.architectures = [GGUF_ARCHITECTURES[arch]]
+        config = gguf_moe.moe_config(config, reader, gguf_path, arch)
     key_length = reader.fields.get(f"{arch}.attention.key_length")
     if key_length is not None:  # transformers ignores it for qwen3 and falls back to Qwen3Config's default 128
         config.head_dim = int(key_length.contents())
@@ -225,15 +231,17 @@ def _save_config(gguf_path: Path, reader, arch: str, out: Path, rope: dict[str, 
     return config
 
 
-def _write_tokenizer(gguf_path: Path, reader, out: Path) -> None:
-    """Tokenizer files (incl. the chat template) rebuilt by transformers from the GGUF metadata."""
+def _write_tokenizer(gguf_path: Path, reader, out: Path, arch: str) -> None:
+    """Tokenizer files (incl. the chat template) rebuilt by transformers from the GGUF metadata
+    (gpt-oss: by its fast tokenizer class itself, as AutoTokenizer reads the file's config and fails)."""
     if "tokenizer.ggml.model" not in reader.fields:
         logger.warning("%s has no tokenizer; pass a tokenizer explicitly (EngineArgs.tokenizer)", gguf_path)
         return
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    loader = PreTrainedTokenizerFast if arch in gguf_gpt_oss.GPT_OSS_ARCHITECTURES else AutoTokenizer
     try:
-        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
+        tok = loader.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, trust_remote_code=False)
     except Exception as exc:  # transformers raises assorted types for tokenizers it cannot rebuild
         raise ValueError(f"{gguf_path}: cannot rebuild its tokenizer with transformers: {exc}") from exc
     _pin_special_tokens(tok, reader)
@@ -284,7 +292,7 @@ def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -
     expert at a time, so its experts may land in different shards), then name files like HF does."""
     from safetensors.torch import save_file
 
-    shards = _plan_shards(_weight_items(_weight_tensors(reader)), max_shard_bytes)
+    shards = _plan_shards(_weight_items(_weight_tensors(reader), arch), max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
     total = 0
@@ -306,8 +314,11 @@ def _weight_tensors(reader) -> list:
     return [t for t in reader.tensors if t.name not in gguf_rope.ROPE_TENSORS]
 
 
-def _weight_items(tensors: list) -> list[tuple[object, int | None]]:
-    """``(GGUF tensor, expert)`` per HF tensor to write: one per expert of a stacked experts tensor."""
+def _weight_items(tensors: list, arch: str) -> list[tuple[object, int | None]]:
+    """``(GGUF tensor, expert)`` per HF tensor to write: one per expert of a stacked experts tensor
+    (gpt-oss keeps its experts stacked, and a ``gguf_gpt_oss.FusedExperts`` stands for two of them)."""
+    if arch in gguf_gpt_oss.GPT_OSS_ARCHITECTURES:
+        return [(t, None) for t in gguf_gpt_oss.weight_items(tensors)]
     items: list[tuple[object, int | None]] = []
     for t in tensors:
         items += [(t, e) for e in range(int(t.shape[-1]))] if gguf_moe.is_stacked(t.name) else [(t, None)]
@@ -338,7 +349,7 @@ def _hf_item(t, expert: int | None, arch: str) -> tuple[str, tuple[int, ...]]:
 
 def _tensor_names(reader, arch: str) -> Iterator[tuple[str, str, tuple[int, ...]]]:
     """(GGUF name, HF name, HF shape) of each tensor the conversion writes, for gguf_checks.check_tensors."""
-    for t, expert in _weight_items(_weight_tensors(reader)):
+    for t, expert in _weight_items(_weight_tensors(reader), arch):
         yield t.name, *_hf_item(t, expert, arch)
 
 
@@ -348,8 +359,11 @@ def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Te
     for t, expert in items:
         name, shape = _hf_item(t, expert, arch)
         # one expert's rows of a stacked tensor (quantized blocks never span experts)
-        data = t.data if expert is None else t.data[expert]
-        w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
+        if isinstance(t, gguf_gpt_oss.FusedExperts):
+            w = t.values()
+        else:
+            data = t.data if expert is None else t.data[expert]
+            w = np.asarray(dequantize(data, t.tensor_type), dtype=np.float32).reshape(shape)
         w = gguf_gemma.hf_weight(name, w, arch)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = unpermute_rotary(w, config.num_attention_heads)

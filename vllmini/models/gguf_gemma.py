@@ -79,13 +79,13 @@ def gemma_config(config, reader, arch: str, rope: dict[str, Any]):
         config.rope_parameters = gemma3_rope_parameters(key("rope.freq_base"), rope.get("rope_parameters"))
     pattern = _SLIDING_PATTERN[arch] if config.sliding_window else 1
     config.layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
-    eos, end_of_turn = field_value(reader, "tokenizer.ggml.eos_token_id"), _token_id(reader, _END_OF_TURN)
+    eos, end_of_turn = field_value(reader, "tokenizer.ggml.eos_token_id"), token_id(reader, _END_OF_TURN)
     if eos is not None and end_of_turn not in (None, int(eos)):
         config.eos_token_id = [int(eos), end_of_turn]  # (into generation_config.json: the engine stops on either)
     return config
 
 
-def _token_id(reader, token: bytes) -> int | None:
+def token_id(reader, token: bytes) -> int | None:
     """A token's id, read from the vocabulary's raw parts (parsing all 262k of Gemma 3's costs seconds)."""
     field = reader.fields.get("tokenizer.ggml.tokens")
     for i, part in enumerate(field.data if field is not None else ()):
