@@ -77,10 +77,10 @@ def check_backend(
     ``softcap``: both cap their scores (passed only when set, as ``Attention`` passes it); ``sinks``: both
     get the same random sink logits, large enough to take a good share of each softmax."""
     cache_dtype = cache_dtype or dtype
-    capped: dict = {} if softcap is None else {"softcap": softcap}
+    options: dict = {} if softcap is None else {"softcap": softcap}  # (the model's, as Attention passes them)
     g = torch.Generator().manual_seed(0)
     if sinks:
-        capped["sinks"] = (torch.randn(num_heads, generator=g) + 2).to(device=device, dtype=dtype)
+        options["sinks"] = (torch.randn(num_heads, generator=g) + 2).to(device=device, dtype=dtype)
     scale = head_dim**-0.5
     tol = 1e-3 if dtype == torch.float32 else 3e-2
 
@@ -95,8 +95,8 @@ def check_backend(
         for w in windows:
             lens = [5, 1, 17]
             q, k, v = qkv(sum(lens))
-            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
-            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
+            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **options)
+            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **options)
             problems += _compare(f"prompts without a cache{_windowed(w)}", got, want, tol)
         for (q_lens, seq_lens), w in ((step, w) for step in _steps(block_size) for w in windows):
             blocks = [-(-n // block_size) for n in seq_lens]
@@ -108,7 +108,7 @@ def check_backend(
             k, v = to_cache(k, cache_dtype), to_cache(v, cache_dtype)  # as Attention.forward passes them
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
-                   tuple(c.clone() for c in cache), scale, w, **capped)
+                   tuple(c.clone() for c in cache), scale, w, **options)
                 for fn in (backend, torch_attention)
             )  # fmt: skip
             what = "decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step"

@@ -163,8 +163,8 @@ def select_backend(
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, and,
     with a softcap, only when their call takes one, and never with sinks: else skipped with the
-    reason logged), else
-    our Triton kernel when triton imports, else the torch backend (SDPA over gathered blocks).
+    reason logged), else our Triton kernel when triton imports, else the torch backend (SDPA over
+    gathered blocks).
     On CPU: the cpu backend (its C decode kernel) for float32 and bfloat16, else (float16) the
     torch backend. Every backend caps scores but flash-attn < 2.6 and a torch whose varlen_attn
     takes no softcap (2.13's); the torch, cpu and triton backends have sinks, the FlashAttention ones not."""
