@@ -2,7 +2,8 @@
 value row is zero) on every CPU backend, against transformers' own ``eager_attention_forward`` from
 modeling_gpt_oss: prompts, decode rows, chunks after cached tokens, sliding windows, GQA, float32 and
 bfloat16, the C kernel's cache kinds and split rows, the static (CUDA-graph) decode path, extreme sinks;
-then which backends an engine gets for a model with sinks, and which it refuses by name. The Triton
+then which backends an engine gets for a model with sinks, and which it refuses by name; last, the engine
+over a decoder with ``attn_sinks`` against transformers with gpt-oss's attention. The Triton
 kernel's sinks are tested in test_triton_attention.py (interpreter) and test_triton_compile.py (sm_90)."""
 from __future__ import annotations
 
@@ -247,8 +248,8 @@ def test_auto_skips_flash_attention_backends_for_sinks(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize(("requested", "device", "dtype", "expected"), [
-    ("cpu", CPU, torch.bfloat16, "cpu"), ("torch", CPU, torch.float16, "torch"), ("triton", CUDA, torch.bfloat16, "triton"),
-    ("torch", CUDA, torch.bfloat16, "torch"),
+    ("cpu", CPU, torch.bfloat16, "cpu"), ("torch", CPU, torch.float16, "torch"),
+    ("triton", CUDA, torch.bfloat16, "triton"), ("torch", CUDA, torch.bfloat16, "torch"),
     ("flash_attn", CUDA, torch.bfloat16, "flash-attn 2's flash_attn_varlen_func takes no attention sinks"),
     ("torch_varlen", CUDA, torch.bfloat16, r"torch .*'s varlen_attn takes no attention sinks"),
 ])  # fmt: skip
@@ -262,8 +263,8 @@ def test_a_forced_backend_without_sinks_is_refused_by_name(monkeypatch, requeste
     if expected in backend_select.BACKEND_NAMES:
         assert select_backend(requested, device, dtype, 256, sinks=True) == expected
         return
-    with pytest.raises(ValueError, match=rf"attention_backend='{requested}' cannot be used: the model has attention "
-                                         rf"sinks \(a learned softmax logit per head, gpt-oss\) and {expected}"):  # fmt: skip
+    why = rf"the model has attention sinks \(a learned softmax logit per head, gpt-oss\) and {expected}"
+    with pytest.raises(ValueError, match=rf"attention_backend='{requested}' cannot be used: {why}"):
         select_backend(requested, device, dtype, 256, sinks=True)
 
 
@@ -288,3 +289,46 @@ def test_engine_hands_the_model_and_drafts_sinks_to_backend_selection(tiny_dir, 
     llm = LLM(model=str(tiny_dir), kv_cache_memory=2**22, max_model_len=64,
               speculative_config={"model": str(tiny_dir), "num_speculative_tokens": 2})  # fmt: skip
     assert calls == [True, True] and llm.llm_engine.attention_backend == "cpu"
+
+
+@pytest.fixture(scope="module")
+def sink_model(tmp_path_factory, default_model_dir):
+    """A tiny Mistral (GQA, a sliding window of 8 in every layer) with a sink logit per head in every layer,
+    saved with them under gpt-oss's name (``model.layers.i.self_attn.sinks``), and transformers' model
+    attending with gpt-oss's ``eager_attention_forward`` (its mask function registered too: a sliding
+    window needs one)."""
+    from transformers import AttentionInterface, MistralForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from helpers import save_tiny_model, tiny_mistral_config
+
+    AttentionInterface.register("vllmini_test_sinks", eager_attention_forward)
+    AttentionMaskInterface.register("vllmini_test_sinks", eager_mask)
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(tiny_mistral_config(vocab_size=49152, sliding_window=8)).eval()
+    for layer in hf.model.layers:
+        layer.self_attn.sinks = torch.nn.Parameter(torch.randn(hf.config.num_attention_heads) + 1)
+    hf.set_attn_implementation("vllmini_test_sinks")
+    return str(save_tiny_model(hf, tmp_path_factory.mktemp("sinks"), default_model_dir)), hf
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_engine_with_sinks_matches_transformers(sink_model, monkeypatch, backend):
+    """The decoder's ``attn_sinks`` variant loads the checkpoint's sinks and hands them to the backend: greedy
+    tokens and logprobs equal transformers' (gpt-oss's eager math) over prompts prefilled in 16-token chunks
+    past the window (each chunk reads the window behind it from the cache, blocks behind it released), one
+    sharing another's prefix, then the same prompts from the prefix cache."""
+    import dataclasses
+
+    from test_gemma import assert_cached_runs_match_transformers
+    from vllmini import LLM
+    from vllmini.models.llama import MistralForCausalLM
+
+    monkeypatch.setattr(MistralForCausalLM, "variant", dataclasses.replace(MistralForCausalLM.variant, attn_sinks=True))
+    model_dir, hf = sink_model
+    llm = LLM(model=model_dir, attention_backend=backend, max_num_batched_tokens=16, enable_prefix_caching=True,
+              kv_cache_memory=2**22)  # fmt: skip
+    engine = llm.llm_engine
+    assert engine.attention_backend == backend and engine.model.attention_sinks and engine.model.kv_window == 8
+    assert_cached_runs_match_transformers(llm, hf, f"sinks on {backend}")
