@@ -43,13 +43,15 @@ def variants(scale: float) -> dict[str, Callable[..., torch.Tensor]]:
         )
         return (out.float() * torch.sigmoid(lse - sinks.float().view(1, -1, 1))[..., None]).to(q.dtype)
 
-    return {
+    found = {
         "sdpa_no_sinks": lambda q, k, v, sinks: F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                                                 enable_gqa=True),  # fmt: skip
         "sdpa_sink_key": lambda q, k, v, sinks: sink_prefill(q, k, v, scale, sinks, 0, 0, None),
         "eager_tiles": lambda q, k, v, sinks: capped_prefill(q, k, v, scale, None, 0, 0, None, sinks),
-        "sdpa_lse_private_op": lse_private,
     }
+    if hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):  # (private: may go)
+        found["sdpa_lse_private_op"] = lse_private
+    return found
 
 
 def run(tokens: int, dtype: torch.dtype, repeats: int) -> dict:

@@ -332,3 +332,11 @@ def test_engine_with_sinks_matches_transformers(sink_model, monkeypatch, backend
     engine = llm.llm_engine
     assert engine.attention_backend == backend and engine.model.attention_sinks and engine.model.kv_window == 8
     assert_cached_runs_match_transformers(llm, hf, f"sinks on {backend}")
+
+
+def test_prefill_benchmark_runs():
+    """bench/attention_sinks.py (the prefill figures in eager_attention.sink_prefill's docstring), tiny."""
+    from bench.attention_sinks import main
+
+    (row,) = main(["--tokens", "24", "--dtypes", "float32", "--repeats", "1"])
+    assert row["sdpa_no_sinks_ms"] > 0 and row["sdpa_sink_key_err"] < 1e-5 and row["eager_tiles_err"] < 1e-5
