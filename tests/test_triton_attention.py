@@ -208,14 +208,17 @@ def test_kernel_caps_scores_and_adds_sinks_on_every_launch_kind(ta, monkeypatch,
     torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.3, 5, **wide), atol=2e-5, rtol=2e-5)
 
 
-def test_a_sink_of_minus_infinity_is_no_sink(ta):
+def test_infinite_sinks(ta):
     """Also where a row's first keys are all masked (a window behind a prefill tile's first query): the
-    sink is clamped to a finite floor, so no exp(-inf + inf); and a plan without sinks refuses them."""
+    sink is clamped to +-1e30, so no exp(-inf + inf); +inf takes the whole softmax; and a plan without
+    sinks refuses them."""
     g = torch.Generator().manual_seed(23)
     q, k, v, meta, cache = _paged_step(g, 6, 2, 24, [1, 40, 1], [70, 40, 33])
     out, _ = run_kernel(ta, q, k, v, meta, cache, 24**-0.5, 3, sinks=torch.full((6,), float("-inf")))
     torch.testing.assert_close(out, torch_attention(q, k, v, _plain_meta(meta), cache, 24**-0.5, 3), atol=2e-5,
                                rtol=2e-5)  # fmt: skip
+    out, _ = run_kernel(ta, q, k, v, meta, cache, 24**-0.5, 3, sinks=torch.full((6,), float("inf")))
+    assert out.abs().max() == 0  # (+inf: the sink takes the whole softmax)
     plan = ta._plan(_plain_meta(meta, DEVICE), torch.float32, 24, 3, 2, 16, True)
     with pytest.raises(ValueError, match="a launch planned without sinks for 6 heads run with"):
         ta.run_launch(plan[0], *on_device(q, q, *cache, meta.block_tables), meta, 0.3, sinks=torch.zeros(6))

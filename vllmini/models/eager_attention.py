@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Finite stand-in for an infinite sink logit (a -inf sink is no sink): the sink-as-a-key trick below and
-# the C kernel (built with -ffast-math) need finite numbers; exp(-1e30 - score) is 0 in float32 as well.
+# Finite stand-in for an infinite sink logit (a -inf sink is no sink, +inf all of the softmax) for the eager
+# math (inf - inf is NaN) and the C kernel (built with -ffast-math): exp(-1e30 - score) is 0 in float32 as well.
 SINK_BOUND = 1e30
 
 
@@ -39,7 +39,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, soft
         scores = scores.masked_fill_(~mask, float("-inf"))
     if sinks is None:
         return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-    sink = sinks.float().view(q.shape[-3], -1, 1)
+    sink = sinks.float().clamp(-SINK_BOUND, SINK_BOUND).view(q.shape[-3], -1, 1)  # (+inf - +inf: NaN)
     scores = scores.float()  # (float32 scores: in place)
     top = torch.maximum(scores.amax(-1, keepdim=True), sink)  # the max over keys and sink: finite
     probs = scores.sub_(top).exp_()
@@ -92,7 +92,8 @@ def sink_prefill(
     heads, q_len, dim = q.shape[1], q.shape[2], q.shape[3]
     causal = q_first == k_first and q_len == k.shape[2] and (window is None or window >= q_len)
     extra, rows = (1 if q.dtype == torch.float32 else 2), q_len + causal
-    logit = sinks.float().clamp(-SINK_BOUND, SINK_BOUND) / scale
+    bound = torch.finfo(q.dtype).max / 4  # (finite in q's dtype: float16's 16376 / scale is still exp's 0 or inf)
+    logit = (sinks.float() / scale).clamp(-bound, bound)
     halves = [logit.to(q.dtype)]
     if extra == 2:
         halves.append((logit - halves[0].float()).to(q.dtype))

@@ -71,6 +71,12 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+@triton.jit
+def _finite(x):
+    """``x`` within +-1e30: a sink of -inf (no sink) or +inf (all of the softmax) gives no inf - inf."""
+    return tl.minimum(tl.maximum(x, -1.0e30), 1.0e30)
+
+
 @triton.jit(
     do_not_specialize=["stride_bt", "num_tokens", "window", "softcap"],
     do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"],
@@ -126,7 +132,7 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk adds 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
     if SINKS and not SPLIT:  # the sink's column (its value row zero) from the start; split: in the merge
-        m_i = tl.maximum(tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32), -1.0e30)
+        m_i = _finite(tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32))
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start in range(kv_begin, kv_end, BLOCK_N):
@@ -186,7 +192,7 @@ def _merge_splits_kernel(
     acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
     top = tl.max(m, 0)
     if SINKS:
-        sink = tl.maximum(tl.load(sinks_ptr + head).to(tl.float32), -1.0e30)
+        sink = _finite(tl.load(sinks_ptr + head).to(tl.float32))
         top = tl.maximum(top, sink)
         sink_sum = tl.exp(sink - top)
     else:
