@@ -26,7 +26,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real (tests set it when 
 
 import torch  # noqa: E402
 
-# (name, dtype, head_dim, query heads per KV head, block size[, KV cache dtype (None: the model's)[, softcap]])
+# (name, dtype, head_dim, query heads per KV head, block size[, KV cache dtype (None: the model's)[, softcap[, sinks]]])
 SHAPES = {
     "qwen3-0.6b-bf16": (torch.bfloat16, 128, 2, 256),
     "smollm2-bf16": (torch.bfloat16, 64, 3, 256),
@@ -37,6 +37,8 @@ SHAPES = {
     "gemma2-2b-bf16-softcap": (torch.bfloat16, 256, 2, 256, None, True),  # attn_logit_softcapping
     "gemma3-1b-bf16": (torch.bfloat16, 256, 4, 256),
     "gemma3-1b-fp32": (torch.float32, 256, 4, 256),
+    "gpt-oss-20b-bf16-sinks": (torch.bfloat16, 64, 8, 256, None, False, True),  # attention sinks, 64 / 8 heads
+    "gpt-oss-20b-fp32-sinks": (torch.float32, 64, 8, 256, None, False, True),
 }
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                  torch.float8_e4m3fn: "*fp8e4nv", torch.float8_e5m2: "*fp8e5"}  # fmt: skip
@@ -45,13 +47,13 @@ SIZE_LIMITS = {"registers": 255, "shared_bytes": 227 * 1024}  # per thread / per
 
 def launches(
     dtype: torch.dtype, head_dim: int, group: int, block_size: int, cache_dtype: torch.dtype | None = None,
-    softcap: bool = False,
+    softcap: bool = False, sinks: bool = False,
 ) -> dict[str, tuple[str, dict]]:
     """(kernel, constants) of every launch the backend makes for this shape (see triton_attention)."""
     from vllmini.models.triton_attention import SPLIT_MAX, _next_pow2, kernel_constants, prefill_block_q
 
     def constants(block_q: int, block: int, **kw) -> dict:
-        return kernel_constants(dtype, head_dim, group, block_q, block, softcap=softcap, **kw)
+        return kernel_constants(dtype, head_dim, group, block_q, block, softcap=softcap, sinks=sinks, **kw)
 
     prefill_q = prefill_block_q(dtype, group, head_dim)
     decode = constants(1, block_size, tile_is_seq=True, paged=True)
@@ -61,7 +63,7 @@ def launches(
         "decode-split": (attention, constants(1, block_size, tile_is_seq=True, paged=True, split=True,
                                               cache_dtype=cache_dtype)),  # fmt: skip
         "merge-splits": ("_merge_splits_kernel", {"HEAD_DIM": head_dim, "HEAD_DIM_PAD": decode["HEAD_DIM_PAD"],
-                                                  "SPLITS_PAD": _next_pow2(SPLIT_MAX)}),  # fmt: skip
+                                                  "SPLITS_PAD": _next_pow2(SPLIT_MAX), "SINKS": sinks}),  # fmt: skip
         "decode-in-mixed-step": (attention, constants(1, block_size, tile_is_seq=False, paged=True)),
         "prefill-paged": (attention, constants(prefill_q, block_size, tile_is_seq=False, paged=True)),
         "prefill-no-cache": (attention, constants(prefill_q, 1, tile_is_seq=False, paged=False)),
@@ -83,7 +85,7 @@ def compile_one(
     for name in names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("out_ptr", "q_ptr"):
+        elif name in ("out_ptr", "q_ptr", "sinks_ptr"):  # (sinks: the model's dtype, widened in the kernel)
             signature[name] = POINTER_TYPES[dtype]
         elif name in ("k_ptr", "v_ptr"):
             signature[name] = POINTER_TYPES[cache_dtype or dtype]
@@ -137,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"arch": args.arch, "triton": triton.__version__, "results": {}}
     failed = False
     for shape in args.shapes.split(","):
-        dtype, head_dim, group, block_size, cache_dtype, softcap = (*SHAPES[shape], None, False)[:6]
-        for launch, (kernel_name, constants) in launches(dtype, head_dim, group, block_size, cache_dtype, softcap).items():
+        dtype, head_dim, group, block_size, cache_dtype, softcap, sinks = (*SHAPES[shape], None, False, False)[:7]
+        shape_launches = launches(dtype, head_dim, group, block_size, cache_dtype, softcap, sinks)
+        for launch, (kernel_name, constants) in shape_launches.items():
             key = f"{shape}/{launch}"
             try:
                 row = compile_one(kernel_name, constants, dtype, args.arch, cache_dtype)

@@ -179,13 +179,20 @@ def test_engine_matches_transformers(saved, name, backend):
     assert engine.attention_backend == (backend or "cpu")
     assert [layer.self_attn.attn.window for layer in engine.model.model.layers] == WINDOWS[name]
     assert engine.model.kv_window is None  # full layers read every block: none is released
+    assert_cached_runs_match_transformers(llm, hf, name)
+
+
+def assert_cached_runs_match_transformers(llm: LLM, hf, name: str) -> None:
+    """Prompts several windows long (5, 40, 29 tokens), one sharing another's prefix, twice: the second
+    time from the prefix cache; 20 greedy tokens each, tokens and logprobs as transformers' (also
+    test_attention_sinks.py's)."""
     prompts = _prompts(4000, [5, 40, 29], 6)
     prompts.append(prompts[1][:32] + prompts[2][:8])
     for run in ("first", "prefix-cached"):
         worst, wrong = _engine_errors(llm, hf, prompts, 20)
         assert not wrong, f"{name} {run} run: greedy tokens differ from transformers' at {wrong}"
         assert worst < 2e-4, f"{name} {run} run: logprobs {worst:.2e} from transformers'"
-    assert engine.block_manager.prefix_cache_hits > 0
+    assert llm.llm_engine.block_manager.prefix_cache_hits > 0
     assert_no_leaks(llm)
 
 

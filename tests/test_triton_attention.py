@@ -43,10 +43,12 @@ def _plain_meta(meta: AttentionMetadata, device: torch.device = torch.device("cp
 
 
 def run_kernel(ta, q, k, v, meta, cache, scale, window=None, **capped):
-    """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU (``capped``: its softcap)."""
+    """The kernel on DEVICE; returns its output and the cache it wrote, on the CPU (``capped``: its softcap
+    or sinks)."""
     q, k, v = on_device(q, k, v)
     cache = None if cache is None else tuple(on_device(*cache))
     meta = _plain_meta(meta, DEVICE) if cache is not None else AttentionMetadata.for_prompts(meta.query_lens_cpu, DEVICE)
+    capped = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in capped.items()}
     out = ta.triton_attention(q, k, v, meta, cache, scale, window, **capped)
     return out.cpu(), None if cache is None else tuple(c.cpu() for c in cache)
 
@@ -162,38 +164,64 @@ def test_sliding_window_on_every_launch_kind(ta, monkeypatch, window, split):
     torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.2, window), atol=2e-5, rtol=2e-5)
 
 
+def score_options(feature: str, dtype: torch.dtype) -> dict:
+    """Gemma 2's softcap (0.5 against scores ~N(0, 1): it bites), or gpt-oss's sinks, one per head of 6."""
+    return {"softcap": 0.5} if feature == "softcap" else {"sinks": torch.linspace(-1.0, 3.0, 6).to(dtype)}
+
+
+@pytest.mark.parametrize("feature", ["softcap", "sinks"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_caps_scores_on_every_launch_kind(ta, monkeypatch, dtype):
-    """Gemma 2's softcap (the SOFTCAP constant): prefill tiles after cached tokens, decode rows in a mixed
-    step, decode rows split into shares, the static decode a graph replays, prompts without a cache, with
-    and without a window, as the torch backend caps them. Scores ~N(0, 1) against a cap of 0.5: the
-    uncapped kernel is far off. (float16, not bfloat16: the interpreter computes bfloat16 wrongly.)"""
+def test_kernel_caps_scores_and_adds_sinks_on_every_launch_kind(ta, monkeypatch, dtype, feature):
+    """Gemma 2's softcap (the SOFTCAP constant) and gpt-oss's attention sinks (SINKS: a row's softmax starts
+    from the sink; a split decode's merge adds it, once per row): prefill tiles after cached tokens, decode
+    rows in a mixed step, decode rows split into shares, the static decode a graph replays, prompts without a
+    cache, with and without a window, as the torch backend computes them; without either the kernel is far
+    off. (float16, not bfloat16: the interpreter computes bfloat16 wrongly.)"""
     from vllmini.models.base import block_table_tensor
 
     monkeypatch.setattr(ta, "_num_sms", lambda device: 16)
     monkeypatch.setattr(ta, "SPLIT_MIN_KEYS", 8)
-    heads, kv_heads, head_dim, cap = 6, 2, 24, 0.5
+    heads, kv_heads, head_dim = 6, 2, 24
     tol = 2e-5 if dtype == torch.float32 else 3e-3
+    options, wide = score_options(feature, dtype), score_options(feature, torch.float32)
     g = torch.Generator().manual_seed(21)
     for q_lens, seq_lens in (([1, 40, 9, 1], [70, 40, 33, 1]), ([1, 1, 1], [70, 45, 7])):
         q, k, v, meta, cache = _paged_step(g, heads, kv_heads, head_dim, q_lens, seq_lens)
         for window in (None, 5):
             out, _ = run_kernel(ta, *(x.to(dtype) for x in (q, k, v)), meta, tuple(c.to(dtype) for c in cache),
-                                head_dim**-0.5, window, softcap=cap)  # fmt: skip
-            ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, window, softcap=cap)
+                                head_dim**-0.5, window, **options)  # fmt: skip
+            ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, window, **wide)
             torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
             assert (torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, window) - ref).abs().max() > 0.1
     cu = torch.arange(4, dtype=torch.int32)  # the last step's decode rows again, as a graph replays them (split)
     tables = block_table_tensor(meta.block_tables.tolist(), 6)
     static = AttentionMetadata.for_static_decode(*on_device(cu, cu, meta.seq_lens, meta.slot_mapping, tables), 96)
-    got = ta.triton_attention(*on_device(q, k, v), static, tuple(on_device(*cache)), head_dim**-0.5, softcap=cap)
-    ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, softcap=cap)
+    assert ta._plan(static, torch.float32, head_dim, 3, kv_heads, 16, True)[0].num_splits > 1
+    got = ta.triton_attention(*on_device(q, k, v), static, tuple(on_device(*cache)), head_dim**-0.5,
+                              **{name: x.to(DEVICE) if feature == "sinks" else x for name, x in wide.items()})  # fmt: skip
+    ref = torch_attention(q, k, v, _plain_meta(meta), cache, head_dim**-0.5, **wide)
     torch.testing.assert_close(got.cpu(), ref, atol=2e-5, rtol=2e-5)
     lens = [3, 20, 1]
     q, k, v = (torch.randn(sum(lens), n, head_dim, generator=g) for n in (heads, kv_heads, kv_heads))
     meta = AttentionMetadata.for_prompts(lens)
-    out, _ = run_kernel(ta, q, k, v, meta, None, 0.3, 5, softcap=cap)
-    torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.3, 5, softcap=cap), atol=2e-5, rtol=2e-5)
+    out, _ = run_kernel(ta, q, k, v, meta, None, 0.3, 5, **wide)
+    torch.testing.assert_close(out, torch_attention(q, k, v, meta, None, 0.3, 5, **wide), atol=2e-5, rtol=2e-5)
+
+
+def test_infinite_sinks(ta):
+    """Also where a row's first keys are all masked (a window behind a prefill tile's first query): the
+    sink is clamped to +-1e30, so no exp(-inf + inf); +inf takes the whole softmax; and a plan without
+    sinks refuses them."""
+    g = torch.Generator().manual_seed(23)
+    q, k, v, meta, cache = _paged_step(g, 6, 2, 24, [1, 40, 1], [70, 40, 33])
+    out, _ = run_kernel(ta, q, k, v, meta, cache, 24**-0.5, 3, sinks=torch.full((6,), float("-inf")))
+    torch.testing.assert_close(out, torch_attention(q, k, v, _plain_meta(meta), cache, 24**-0.5, 3), atol=2e-5,
+                               rtol=2e-5)  # fmt: skip
+    out, _ = run_kernel(ta, q, k, v, meta, cache, 24**-0.5, 3, sinks=torch.full((6,), float("inf")))
+    assert out.abs().max() == 0  # (+inf: the sink takes the whole softmax)
+    plan = ta._plan(_plain_meta(meta, DEVICE), torch.float32, 24, 3, 2, 16, True)
+    with pytest.raises(ValueError, match="a launch planned without sinks for 6 heads run with"):
+        ta.run_launch(plan[0], *on_device(q, q, *cache, meta.block_tables), meta, 0.3, sinks=torch.zeros(6))
 
 
 def test_kernel_without_cache_and_in_fp16(ta):

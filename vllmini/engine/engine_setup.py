@@ -61,7 +61,7 @@ def build_runtime(
     attention_backend, backend = start_backend(
         args.attention_backend, device, dtype, block_size,
         hf_config.num_attention_heads, model.num_kv_heads, model.head_dim, model.sliding_window, cache_dtype,
-        model.logits_soft_cap,
+        model.logits_soft_cap, model.attention_sinks,
     )  # fmt: skip
     model.set_attention_backend(backend)
     lora_manager: LoRAManager | None = None
@@ -90,7 +90,7 @@ def build_runtime(
             draft_backend = start_backend(
                 args.attention_backend, device, dtype, block_size, draft_model.config.num_attention_heads,
                 draft_model.num_kv_heads, draft_model.head_dim, draft_model.sliding_window, cache_dtype,
-                draft_model.logits_soft_cap,
+                draft_model.logits_soft_cap, draft_model.attention_sinks,
             )[1]  # fmt: skip
         except ValueError as exc:
             raise ValueError(f"the draft model (speculative_config.model): {exc}") from exc

@@ -13,13 +13,19 @@
    before the softmax; the capped and uncapped loops are separate specialisations of attend (no
    branch in the uncapped one), and tanh is computed from one expf of a non-positive argument
    (no overflow), in a loop of its own so that it vectorises.
-   Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN.
+   With sinks (gpt-oss: a learned logit per query head that joins the softmax as a column whose value row
+   is zero) a row's online softmax starts from m = sink, l = 1, acc = 0 instead of from its first block:
+   no extra work per key, and without sinks (NULL) the same loop as before. A row cut into key ranges
+   counts its sink in its first range only (the merge would count it once per range otherwise).
+   Built with -ffast-math so that expf vectorises; nothing here relies on infinities or NaN (the caller
+   passes finite sinks).
 
    Layouts (all contiguous): q, out [batch, num_kv_heads, group, head_dim], float32;
    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], of cache_kind: 0 float32,
    1 bfloat16, 2 fp8 e4m3 (OCP "fn": no infinities), 3 fp8 e5m2; each element is widened to
    float32 as it is read, which is exact;
-   block_tables int32 [batch, table_stride]; seq_lens int32 [batch], each >= 1.
+   block_tables int32 [batch, table_stride]; seq_lens int32 [batch], each >= 1; sinks float32 [num_kv_heads * group]
+   or NULL.
    Limits (checked by the caller): num_kv_heads * group <= MAX_HEADS, head_dim <= MAX_HEAD_DIM,
    block_size <= MAX_BLOCK_SIZE. Built and loaded by vllmini/models/cpu_attention.py. */
 #include <float.h>
@@ -86,19 +92,20 @@ static inline float cap_scores(float *s, int64_t n, float softcap, float floor) 
 }
 
 /* Positions [start, end) of one row for all its query heads: m, l, acc hold that range's
-   running max, sum and unnormalised output when it returns (l = 0 for an empty range).
+   running max, sum and unnormalised output when it returns (l = 0 for an empty range; with
+   sink, a logit per head, the sink's column is in them from the start: m = sink, l = 1).
    capped (a constant where inlined): scores pass through cap_scores. */
 static inline __attribute__((always_inline)) void attend(
     const float *qb, const char *k_cache, const char *v_cache, const int32_t *table, int64_t start,
     int64_t end, int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t block_size,
-    float scale, float *m, float *l, float *acc, int kind, int capped, float softcap) {
+    float scale, float *m, float *l, float *acc, int kind, int capped, float softcap, const float *sink) {
     const int64_t elem = kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1; /* bytes */
     const float k_scale = scale * rebias(kind); /* fp8 keys' rebias, once per score */
     const int64_t token_stride = num_kv_heads * head_dim * elem;
     const int64_t block_stride = block_size * token_stride;
     const int64_t heads = num_kv_heads * group;
     float s[MAX_BLOCK_SIZE];
-    for (int64_t i = 0; i < heads; i++) m[i] = 0.f, l[i] = 0.f;
+    for (int64_t i = 0; i < heads; i++) m[i] = sink ? sink[i] : 0.f, l[i] = sink ? 1.f : 0.f;
     for (int64_t x = 0; x < heads * head_dim; x++) acc[x] = 0.f;
     for (int64_t pos = start, after; pos < end; pos = after) {
         const int64_t off = pos % block_size; /* a window may start mid-block */
@@ -113,6 +120,7 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t next_bytes = rest <= 0 ? 0 : (rest < block_size ? rest : block_size) * token_stride;
         const int64_t next = next_bytes ? table[after / block_size] * block_stride : 0;
         const int64_t slice = (next_bytes / heads + 63) / 64 * 64; /* whole cache lines */
+        const int seen = pos > start || sink; /* a running (m, l, acc) to rescale: earlier blocks or the sink */
         for (int64_t i = 0; i < heads; i++) { /* query head i reads KV head i / group */
             if (i * slice < next_bytes) {
                 const int64_t len = next_bytes - i * slice < slice ? next_bytes - i * slice : slice;
@@ -121,7 +129,7 @@ static inline __attribute__((always_inline)) void attend(
             }
             const float *qi = qb + i * head_dim;
             const char *kh = kb + (i / group) * head_dim * elem, *vh = vb + (i / group) * head_dim * elem;
-            float block_max = pos > start ? m[i] : -FLT_MAX;
+            float block_max = seen ? m[i] : -FLT_MAX;
             for (int64_t t = 0; t < n; t++) {
                 const char *kt = kh + t * token_stride;
                 float dot = 0.f;
@@ -131,7 +139,7 @@ static inline __attribute__((always_inline)) void attend(
                 if (!capped) block_max = s[t] > block_max ? s[t] : block_max;
             }
             if (capped) block_max = cap_scores(s, n, softcap, block_max);
-            const float correction = pos > start ? expf(m[i] - block_max) : 0.f;
+            const float correction = seen ? expf(m[i] - block_max) : 0.f;
             float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < n; t++) {
@@ -155,12 +163,12 @@ static inline __attribute__((always_inline)) void attend(
 
 /* Work items are (row, split): with num_splits > 1 each row's blocks are cut into that many
    ranges (so that fewer rows than threads still keep every thread busy), each range's m, l and
-   acc go to a scratch buffer, and a second pass merges them per row. */
+   acc go to a scratch buffer, and a second pass merges them per row (sinks: in range 0's). */
 void paged_decode(const float *q, const void *k_cache, const void *v_cache, int cache_kind,
                   const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
                   float *out, int64_t batch, int64_t num_kv_heads, int64_t group, int64_t head_dim,
                   int64_t block_size, float scale, int num_threads, int64_t num_splits, int64_t window,
-                  float softcap) {
+                  float softcap, const float *sinks) {
     const int64_t heads = num_kv_heads * group, part_size = heads * (head_dim + 2);
     float *parts = num_splits > 1 ? malloc(sizeof(float) * batch * num_splits * part_size) : NULL;
     if (num_splits > 1 && !parts) num_splits = 1; /* no scratch: one range per row */
@@ -176,7 +184,7 @@ void paged_decode(const float *q, const void *k_cache, const void *v_cache, int 
         const float *qb = q + b * heads * head_dim;
         const int32_t *table = block_tables + b * table_stride;
 #define ATTEND(kind, capped) attend(qb, k_cache, v_cache, table, start, end, num_kv_heads, group, head_dim, \
-                                        block_size, scale, m, l, acc, kind, capped, softcap)
+                                        block_size, scale, m, l, acc, kind, capped, softcap, split ? NULL : sinks)
 #define ATTEND_KINDS(capped) switch (cache_kind) { \
         case KIND_BF16: ATTEND(KIND_BF16, capped); break;    \
         case KIND_E4M3: ATTEND(KIND_E4M3, capped); break;    \

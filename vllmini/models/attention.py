@@ -18,8 +18,9 @@ The pure-PyTorch backend (any device):
   query heads into the query-length axis so no K/V repeat is needed), or all in one call
   of a ``decode`` kernel that reads the paged cache itself (the cpu backend's);
 - multi-token rows (prefill chunks) attend per sequence with a lower-right causal mask.
-With a ``softcap`` (Gemma 2) the scores are capped by whichever backend can (backend_select.py picks
-among those); the torch backend's prefill caps them in eager math, a tile of query rows at a time.
+With a ``softcap`` (Gemma 2) the scores are capped, and with ``sinks`` (gpt-oss: a learned logit per
+query head joins the softmax, its value row zero) the softmax has them, by whichever backend can
+(backend_select.py picks among those); the torch backend's math for them is models/eager_attention.py.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from vllmini.kv.cache_dtype import indexable, to_cache
 from vllmini.models.base import AttentionMetadata
-from vllmini.models.eager_attention import attend, capped_prefill, causal_mask
+from vllmini.models.eager_attention import attend, prefill
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -156,16 +157,17 @@ def torch_attention(
     window: int | None = None,
     decode: Callable[..., torch.Tensor] | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``. ``decode``, when given, attends all
     decode rows in one call, straight from the paged cache: ``decode(q [Bd, Hkv, G, D], k_cache,
-    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window, softcap)`` (the cpu
-    backend). ``softcap``: scores capped to (-softcap, softcap) (Gemma 2)."""
+    v_cache, block_tables [Bd, nb] int32, seq_lens [Bd] int32, scale, window, softcap, sinks)`` (the cpu
+    backend). ``softcap``: scores capped to (-softcap, softcap) (Gemma 2). ``sinks [H]``: gpt-oss's."""
     block_size = kv_cache[0].shape[1] if kv_cache is not None else None
     if kv_cache is not None and meta.slot_mapping is not None:
         write_kv(k, v, kv_cache, meta.slot_mapping)
     if meta.static_decode:
-        return _static_decode(q, meta, kv_cache, scale, window, softcap)
+        return _static_decode(q, meta, kv_cache, scale, window, softcap, sinks)
     plan = meta.backend_plan
     if plan is None:
         plan = meta.backend_plan = _plan(meta, block_size, grouped=decode is None)
@@ -177,14 +179,14 @@ def torch_attention(
         bd = group.block_tables.shape[0]
         qd = q.index_select(0, group.rows).view(bd, num_kv_heads, num_heads // num_kv_heads, head_dim)
         if decode is not None:
-            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window, softcap)
+            od = decode(qd, k_cache, v_cache, group.block_tables, group.seq_lens, scale, window, softcap, sinks)
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
             mask, hidden = _hidden_positions(group, window)
             keys = gather_blocks(k_cache, group.block_tables, q.dtype)
             vals = gather_blocks(v_cache, group.block_tables, q.dtype)
             for gathered in (keys, vals):  # fresh gathers: zeroed in place (see _zero_masked)
                 gathered.view(-1, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
-            od = attend(qd, keys.transpose(1, 2), vals.transpose(1, 2), scale, softcap, attn_mask=mask)
+            od = attend(qd, keys.transpose(1, 2), vals.transpose(1, 2), scale, softcap, sinks, attn_mask=mask)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
 
     for i in plan.prefill_seqs:
@@ -198,24 +200,17 @@ def torch_attention(
             blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
             keys = gather_blocks(kv_cache[0], blocks[None], q.dtype)[0, : seq_len - first]
             vals = gather_blocks(kv_cache[1], blocks[None], q.dtype)[0, : seq_len - first]
-        # [1, H, L, D]: SDPA takes its fused (flash) CPU kernel for 4-D inputs only; 3-D ones go to
-        # the math path, which builds every L x L score (7x slower at L = 2048 here)
+        # [1, H, L, D] (4-D: SDPA's fused CPU kernel); query j sits at absolute position seq_len - q_len + j
         qi = q[start : start + q_len].transpose(0, 1)[None]
         keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
-        if softcap is not None:  # (eager math: in tiles of query rows)
-            oi = capped_prefill(qi, keys, vals, scale, softcap, seq_len - q_len, first, window)
-        elif q_len == seq_len and (window is None or window >= seq_len):
-            oi = attend(qi, keys, vals, scale, is_causal=True, enable_gqa=True)
-        else:  # lower-right causal: query j sits at absolute position seq_len - q_len + j
-            mask = causal_mask((seq_len - q_len, seq_len), (first, seq_len), window, q.device)
-            oi = attend(qi, keys, vals, scale, attn_mask=mask, enable_gqa=True)
+        oi = prefill(qi, keys, vals, scale, seq_len - q_len, first, window, softcap, sinks)
         out[start : start + q_len] = oi[0].transpose(0, 1)
     return out
 
 
 def _static_decode(
     q: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, scale: float, window: int | None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One token per row over ALL ``block_tables`` columns, masked by the ``seq_lens`` tensor:
     fixed shapes, no host lists, no device->host sync, so a CUDA graph can capture it."""
@@ -232,7 +227,7 @@ def _static_decode(
         mask = mask & (pos >= meta.seq_lens[:, None] - window)
     qd = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     keys, vals = _zero_masked(keys, vals, mask[:, None, None, :])
-    out = attend(qd, keys, vals, scale, softcap, attn_mask=mask[:, None, None, :])
+    out = attend(qd, keys, vals, scale, softcap, sinks, attn_mask=mask[:, None, None, :])
     return out.reshape(batch, num_heads, head_dim)
 
 

@@ -27,19 +27,20 @@ AttentionFn = Callable[..., torch.Tensor]
 def start_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
     num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None, cache_dtype: torch.dtype | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: bool = False,
 ) -> tuple[str, AttentionFn]:  # fmt: skip
     """The engine's backend: ``select_backend``'s choice once it has passed ``check_backend``
     (``cache_dtype``: what the KV cache holds, None: ``dtype``; ``softcap``: the model's attention
-    score cap, which the check applies too).
+    score cap, which the check applies too; ``sinks``: the model has attention sinks, which the check
+    gives random values).
     A chosen backend that fails falls back to the torch one with a warning; a forced one
     (``EngineArgs.attention_backend``) that fails is a ValueError naming it and the failure."""
-    name = select_backend(requested, device, dtype, block_size, cache_dtype, softcap)
+    name = select_backend(requested, device, dtype, block_size, cache_dtype, softcap, sinks)
     fn = get_backend(name)
     if name == "torch":
         return name, fn
     problem = check_backend(fn, device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, cache_dtype,
-                            softcap)  # fmt: skip
+                            softcap, sinks)  # fmt: skip
     if problem is None:
         return name, fn
     if requested == name:
@@ -67,15 +68,19 @@ def check_backend(
     window: int | None = None,
     cache_dtype: torch.dtype | None = None,
     softcap: float | None = None,
+    sinks: bool = False,
 ) -> str | None:
     """None when ``backend`` matches the torch path on every kind of step, else why not; with a
     model that slides (``window``), each step is also run with a window shorter than its
     contexts (the value does not matter to a kernel, the masking does). The caches hold
     ``cache_dtype`` (None: ``dtype``), and the new K/V come in it, as ``Attention`` passes them.
-    ``softcap``: both cap their scores (passed only when set, as ``Attention`` passes it)."""
+    ``softcap``: both cap their scores (passed only when set, as ``Attention`` passes it); ``sinks``: both
+    get the same random sink logits, large enough to take a good share of each softmax."""
     cache_dtype = cache_dtype or dtype
-    capped = {} if softcap is None else {"softcap": softcap}
+    options: dict = {} if softcap is None else {"softcap": softcap}  # (the model's, as Attention passes them)
     g = torch.Generator().manual_seed(0)
+    if sinks:
+        options["sinks"] = (torch.randn(num_heads, generator=g) + 2).to(device=device, dtype=dtype)
     scale = head_dim**-0.5
     tol = 1e-3 if dtype == torch.float32 else 3e-2
 
@@ -90,8 +95,8 @@ def check_backend(
         for w in windows:
             lens = [5, 1, 17]
             q, k, v = qkv(sum(lens))
-            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
-            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **capped)
+            got = backend(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **options)
+            want = torch_attention(q, k, v, AttentionMetadata.for_prompts(lens, device), None, scale, w, **options)
             problems += _compare(f"prompts without a cache{_windowed(w)}", got, want, tol)
         for (q_lens, seq_lens), w in ((step, w) for step in _steps(block_size) for w in windows):
             blocks = [-(-n // block_size) for n in seq_lens]
@@ -103,7 +108,7 @@ def check_backend(
             k, v = to_cache(k, cache_dtype), to_cache(v, cache_dtype)  # as Attention.forward passes them
             got, want = (
                 fn(q, k, v, AttentionMetadata.paged(q_lens, seq_lens, slots, tables, device=device),
-                   tuple(c.clone() for c in cache), scale, w, **capped)
+                   tuple(c.clone() for c in cache), scale, w, **options)
                 for fn in (backend, torch_attention)
             )  # fmt: skip
             what = "decode-only step" if max(q_lens) == 1 else "mixed prefill/decode step"

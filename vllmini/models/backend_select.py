@@ -91,22 +91,41 @@ def _softcap_problem(name: str) -> str | None:
     return None
 
 
-def _fused_choice(softcap: float | None) -> str | None:
+def _sinks_problem(name: str) -> str | None:
+    """Why a FlashAttention backend cannot add attention sinks to its softmax (gpt-oss's): flash-attn 2.x
+    has no such argument, nor has torch's varlen_attn (2.13's), so our glue passes none."""
+    if name == "flash_attn":
+        return "flash-attn 2's flash_attn_varlen_func takes no attention sinks"
+    if name == "torch_varlen":
+        return f"torch {torch.__version__}'s varlen_attn takes no attention sinks"
+    return None
+
+
+def _model_problems(name: str, softcap: float | None, sinks: bool) -> list[str]:
+    """What of the model's attention backend ``name`` cannot compute: a score cap, sinks (empty: all of it)."""
+    problems = []
+    if softcap is not None and (problem := _softcap_problem(name)):
+        problems.append(f"the model caps its attention scores (attn_logit_softcapping={softcap}) and {problem}")
+    if sinks and (problem := _sinks_problem(name)):
+        problems.append(f"the model has attention sinks (a learned softmax logit per head, gpt-oss) and {problem}")
+    return problems
+
+
+def _fused_choice(softcap: float | None, sinks: bool = False) -> str | None:
     """flash-attn, else torch's varlen FlashAttention, whichever is installed (and caps scores,
-    for a model with ``softcap``); None, with the reason logged, when neither can run."""
-    flash, capless = _flash_attn_importable(), []
+    for a model with ``softcap``, and has ``sinks``); None, with the reason logged, when neither can run."""
+    flash, unable = _flash_attn_importable(), []
     for name, installed in (("flash_attn", flash), ("torch_varlen", torch_varlen_backend() is not None)):
         if not installed:
             continue
-        if softcap is not None and (problem := _softcap_problem(name)):
-            capless.append(problem)
+        if problems := _model_problems(name, softcap, sinks):
+            unable += problems
             continue
         if name == "torch_varlen" and not flash:
             logger.warning("flash-attn is not importable with this torch; using torch's varlen FlashAttention")
         return name
-    if capless:
-        logger.info("FlashAttention backends skipped: the model caps its attention scores "
-                    "(attn_logit_softcapping=%s) and %s", softcap, "; ".join(capless))  # fmt: skip
+    if unable:
+        logger.info("FlashAttention backends skipped: %s", "; ".join(dict.fromkeys(unable)))
     else:
         logger.warning("flash-attn is not importable and torch %s's varlen_attn cannot read a paged cache",
                        torch.__version__)  # fmt: skip
@@ -134,25 +153,26 @@ def _fused_problems(
 
 def select_backend(
     requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int,
-    cache_dtype: torch.dtype | None = None, softcap: float | None = None,
+    cache_dtype: torch.dtype | None = None, softcap: float | None = None, sinks: bool = False,
 ) -> str:  # fmt: skip
     """The backend for this engine (``cache_dtype``: what the KV cache holds, None: ``dtype``;
-    ``softcap``: the model caps its attention scores, Gemma 2's attn_logit_softcapping).
+    ``softcap``: the model caps its attention scores, Gemma 2's attn_logit_softcapping; ``sinks``: its
+    softmax has a learned logit per head, gpt-oss's attention sinks).
     ``requested`` (EngineArgs.attention_backend) is validated: a configuration it cannot run is a
     ValueError naming the backend and the constraint.
     Auto on CUDA: flash-attn when importable, else torch's varlen FlashAttention when its schema
     reads a paged cache (both only for fp16/bf16 and block sizes that are multiples of 256, and,
-    with a softcap, only when their call takes one: else skipped with the reason logged), else
-    our Triton kernel when triton imports, else the torch backend (SDPA over gathered blocks).
+    with a softcap, only when their call takes one, and never with sinks: else skipped with the
+    reason logged), else our Triton kernel when triton imports, else the torch backend (SDPA over
+    gathered blocks).
     On CPU: the cpu backend (its C decode kernel) for float32 and bfloat16, else (float16) the
     torch backend. Every backend caps scores but flash-attn < 2.6 and a torch whose varlen_attn
-    takes no softcap (2.13's)."""
+    takes no softcap (2.13's); the torch, cpu and triton backends have sinks, the FlashAttention ones not."""
     if requested is not None and requested not in BACKEND_NAMES:
         raise ValueError(f"attention_backend={requested!r} is not one of {list(BACKEND_NAMES)}")
     cache_dtype = cache_dtype or dtype
-    if softcap is not None and requested is not None and (problem := _softcap_problem(requested)):
-        raise ValueError(f"attention_backend={requested!r} cannot be used: the model caps its attention scores "
-                         f"(attn_logit_softcapping={softcap}) and {problem}")  # fmt: skip
+    if requested is not None and (problems := _model_problems(requested, softcap, sinks)):
+        raise ValueError(f"attention_backend={requested!r} cannot be used: " + "; ".join(problems))
     if requested == "cpu":
         problems = [] if device.type == "cpu" else [f"it runs on the CPU (device is {device.type})"]
         if dtype not in MODEL_DTYPES:
@@ -185,7 +205,7 @@ def select_backend(
     problems = _fused_problems("flash_attn", device, dtype, block_size, cache_dtype)
     if problems:
         logger.info("FlashAttention backends skipped: %s", "; ".join(problems))
-    elif (fused := _fused_choice(softcap)) is not None:
+    elif (fused := _fused_choice(softcap, sinks)) is not None:
         return fused
     if dtype == torch.float32 and cache_dtype.itemsize == 1:  # (forced, it runs: correct, slower)
         logger.info("a float32 model over an fp8 KV cache: the torch backend (the Triton kernel's float32 tiles "

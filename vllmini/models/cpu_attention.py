@@ -15,8 +15,10 @@ calls it with the tensors' data pointers. It links OpenMP, which resolves to the
 torch has already loaded (one thread pool). Prefill chunks and the KV write stay on the torch
 path. A softcap (Gemma 2's attn_logit_softcapping) is applied by both: in the kernel's scores
 (a specialisation of its loop, so uncapped models run the loop they ran before) and in the
-torch path's eager prefill. No compiler, a failed build or a wrong result: the engine's
-start-up check (models/backend_check.py) falls back to the torch backend with one warning.
+torch path's eager prefill. So are gpt-oss's attention sinks (the kernel's online softmax starts from
+the sink's column; the torch path's prefill has it as one more key). No compiler, a failed build or
+a wrong result: the engine's start-up check (models/backend_check.py) falls back to the torch
+backend with one warning.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 
 from vllmini.models.attention import KVCache, torch_attention
 from vllmini.models.base import AttentionMetadata
+from vllmini.models.eager_attention import SINK_BOUND
 
 logger = logging.getLogger("vllmini")
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "paged_decode.c"
@@ -91,6 +94,7 @@ def load_kernel() -> ctypes.CDLL:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 2
     fn.argtypes += [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+    fn.argtypes += [ctypes.c_void_p]  # sinks (NULL: none)
     lib.paged_decode_limits.restype = ctypes.c_int64
     lib.paged_decode_limits.argtypes = [ctypes.c_int64]
     return lib
@@ -112,11 +116,13 @@ def paged_decode(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [B, Hkv, G, D]``, caches ``[num_blocks, bs, Hkv, D]``, ``block_tables [B, nb]`` int32,
     ``seq_lens [B]`` int32 (each >= 1) -> ``[B, Hkv, G, D]`` in q's dtype (row b attends to
     its last ``window`` positions, or all ``seq_lens[b]`` with no window; ``softcap``: each score
-    capped to ``softcap * tanh(score / softcap)``, Gemma 2's attn_logit_softcapping); CPU tensors, the
+    capped to ``softcap * tanh(score / softcap)``, Gemma 2's attn_logit_softcapping; ``sinks [Hkv * G]``:
+    gpt-oss's sink logit per query head, one more softmax column whose value row is zero); CPU tensors, the
     caches float32, bfloat16 or fp8 (``CACHE_DTYPES``). The math is float32 either way: a bfloat16 q
     and the cache's elements are widened (exact) and the output rounded back. The kernel trusts its inputs, so shapes,
     dtypes and layouts are checked here: a wrong one would read out of bounds, not raise."""
@@ -142,6 +148,11 @@ def paged_decode(
     out = torch.empty_like(q32)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be positive (got {softcap})")
+    if sinks is not None:
+        if sinks.shape != (num_kv_heads * group,) or sinks.device.type != "cpu":
+            raise ValueError(f"sinks must be one logit per query head on the CPU (got {tuple(sinks.shape)}, "
+                             f"{num_kv_heads * group} heads)")  # fmt: skip
+        sinks = sinks.to(torch.float32).clamp(-SINK_BOUND, SINK_BOUND)  # (a copy: contiguous, finite)
     if batch:
         threads, block_size = torch.get_num_threads(), k_cache.shape[1]
         keys = min(int(seq_lens.max()), window or 2**62)
@@ -150,6 +161,7 @@ def paged_decode(
             q32.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CACHE_DTYPES.index(k_cache.dtype),
             block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(),
             batch, num_kv_heads, group, head_dim, block_size, scale, threads, splits, window or 0, softcap or 0.0,
+            None if sinks is None else sinks.data_ptr(),
         )  # fmt: skip
     return out.to(q.dtype)
 
@@ -169,8 +181,8 @@ def num_splits(batch: int, max_blocks: int, threads: int) -> int:
 
 def cpu_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache | None,
-    scale: float, window: int | None = None, softcap: float | None = None,
+    scale: float, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The torch backend with every decode row in one kernel call (no padding, no groups);
-    ``softcap`` caps the scores in both (Gemma 2)."""
-    return torch_attention(q, k, v, meta, kv_cache, scale, window, decode=paged_decode, softcap=softcap)
+    ``softcap`` caps the scores in both (Gemma 2), ``sinks`` join both softmaxes (gpt-oss)."""
+    return torch_attention(q, k, v, meta, kv_cache, scale, window, decode=paged_decode, softcap=softcap, sinks=sinks)

@@ -13,7 +13,9 @@ is lower-right aligned: query ``j`` of a chunk of ``q_len`` new tokens sits at p
 ``window`` (> 0) a query also skips keys more than ``window - 1`` positions behind it, and a
 tile starts at the first ``BLOCK_N`` run its earliest query still needs. A ``softcap`` (Gemma 2's
 ``attn_logit_softcapping``; the ``SOFTCAP`` constant, so uncapped launches compile as before)
-caps each score to ``softcap * tanh(score / softcap)`` before the mask and the softmax.
+caps each score to ``softcap * tanh(score / softcap)`` before the mask and the softmax. gpt-oss's
+attention sinks (the ``SINKS`` constant; ``sinks``, a logit per query head, joins each row's softmax
+as a column whose value row is zero) start a row's online softmax from (max, sum) = (sink, 1).
 
 Launches:
 - a decode-only step (including ``static_decode``, what a CUDA graph replays): one tile per
@@ -26,9 +28,10 @@ Launches:
 Split-KV decode: when a decode launch has fewer programs (rows x KV heads) than the GPU has
 SMs (one stream, a few), each row's keys are cut into ``num_splits`` shares, one program per
 share (a third grid axis); each writes its unnormalised output with its (max, sum), and a
-second small kernel merges the shares. A share's bounds come from the row's context length
-on the device, so a graph (captured with a fixed number of shares) stays correct for any
-context; shares past a short context are empty and cost one early exit.
+second small kernel merges the shares (and adds the sink's column, once per row). A share's
+bounds come from the row's context length on the device, so a graph (captured with a fixed
+number of shares) stays correct for any context; shares past a short context are empty and
+cost one early exit.
 
 Importing this module needs triton; ``backend_select.select_backend`` only picks it when triton
 imports. Tests run the kernel on CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
@@ -68,6 +71,12 @@ def _tanh(x):
     return tl.where(x < 0, -t, t)
 
 
+@triton.jit
+def _finite(x):
+    """``x`` within +-1e30: a sink of -inf (no sink) or +inf (all of the softmax) gives no inf - inf."""
+    return tl.minimum(tl.maximum(x, -1.0e30), 1.0e30)
+
+
 @triton.jit(
     do_not_specialize=["stride_bt", "num_tokens", "window", "softcap"],
     do_not_specialize_on_alignment=["tile_seq_ptr", "tile_start_ptr"],
@@ -75,14 +84,14 @@ def _tanh(x):
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_ptr, v_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, tile_seq_ptr, tile_start_ptr,
-    part_ptr, ml_ptr,
+    part_ptr, ml_ptr, sinks_ptr,
     scale, num_tokens, window, softcap,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TILE_IS_SEQ: tl.constexpr, PAGED: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,6 +131,9 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a fully masked chunk adds 0, never NaN
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS and not SPLIT:  # the sink's column (its value row zero) from the start; split: in the merge
+        m_i = _finite(tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32))
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start in range(kv_begin, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -162,11 +174,12 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
-    out_ptr, part_ptr, ml_ptr, num_tokens, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    out_ptr, part_ptr, ml_ptr, sinks_ptr, num_tokens, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr = False,
 ):  # fmt: skip
     """One (token, head) per program: rescale each share's sums to the row's overall max and
-    add them up (a share with no keys has max -1e30 and sum 0: weight 0)."""
+    add them up (a share with no keys has max -1e30 and sum 0: weight 0); with ``SINKS`` the
+    head's sink logit is one more share of sum 1 and no output."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -177,8 +190,15 @@ def _merge_splits_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     acc = tl.load(part_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None] & dim_ok[None, :], other=0.0)
-    w = tl.exp(m - tl.max(m, 0))
-    total = tl.sum(w * l, 0)
+    top = tl.max(m, 0)
+    if SINKS:
+        sink = _finite(tl.load(sinks_ptr + head).to(tl.float32))
+        top = tl.maximum(top, sink)
+        sink_sum = tl.exp(sink - top)
+    else:
+        sink_sum = 0.0
+    w = tl.exp(m - top)
+    total = tl.sum(w * l, 0) + sink_sum
     out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + token.to(tl.int64) * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok
@@ -216,7 +236,7 @@ def prefill_block_q(dtype: torch.dtype, group: int, head_dim: int = 128) -> int:
 
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, group: int, block_q: int, block_size: int, *, tile_is_seq: bool, paged: bool,
-    split: bool = False, cache_dtype: torch.dtype | None = None, softcap: bool = False,
+    split: bool = False, cache_dtype: torch.dtype | None = None, softcap: bool = False, sinks: bool = False,
 ) -> dict:  # fmt: skip
     """The compile-time constants of one launch: what the launcher passes, and what
     bench/triton_compile_check.py compiles ahead of time for a GPU this machine may not have.
@@ -224,7 +244,8 @@ def kernel_constants(
     gives it 255 registers and spills 360 bytes at head_dim 128 (Triton 3.9: 80 registers). A
     split-KV launch over an fp8 cache (``cache_dtype``; None: q's dtype) takes half too: the
     widening's registers spilled 8 bytes at head_dim 128 with 64 keys a step (Triton 3.9).
-    ``softcap``: the launch caps its scores (the value is a run-time argument). A prefill tile
+    ``softcap``: the launch caps its scores (the value is a run-time argument); ``sinks``: its softmax
+    has gpt-oss's sink logits (a run-time tensor; a split launch leaves them to the merge). A prefill tile
     (``block_q > 1``) past head_dim 128 (Gemma's 256) takes half the keys a step: with 64, its
     64 x 256 accumulator and queries spilled 40-160 bytes on sm_90 (Triton 3.9); with 32 none,
     and half the shared memory."""
@@ -237,6 +258,7 @@ def kernel_constants(
         "GROUP": group, "BLOCK_Q": block_q, "BLOCK_M": max(_next_pow2(block_q * group), MIN_DOT),
         "BLOCK_N": block_n, "TILE_IS_SEQ": tile_is_seq, "PAGED": paged,
         "PRECISION": "ieee" if dtype == torch.float32 else "tf32", "SPLIT": split, "SOFTCAP": softcap,
+        "SINKS": sinks,
     }  # fmt: skip
 
 
@@ -265,14 +287,14 @@ def decode_splits(num_programs: int, max_context: int | None, num_sms: int) -> i
 
 def _plan(
     meta: AttentionMetadata, dtype: torch.dtype, head_dim: int, group: int, num_kv_heads: int, block_size: int,
-    paged: bool, cache_dtype: torch.dtype | None = None, softcap: bool = False,
+    paged: bool, cache_dtype: torch.dtype | None = None, softcap: bool = False, sinks: bool = False,
 ) -> list[_Launch]:  # fmt: skip
     """Split the step into launches (see the module docstring), once per step."""
 
     def launch(block_q: int, num_tiles: int, tiles: torch.Tensor | None, splits: int = 1) -> _Launch:
         constants = kernel_constants(
             dtype, head_dim, group, block_q, block_size, tile_is_seq=tiles is None, paged=paged, split=splits > 1,
-            cache_dtype=cache_dtype, softcap=softcap,
+            cache_dtype=cache_dtype, softcap=softcap, sinks=sinks,
         )
         return _Launch(block_q, num_tiles, tiles, constants, splits)
 
@@ -304,9 +326,11 @@ def triton_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [T, H, D]``, ``k/v [T, Hkv, D]`` -> ``[T, H, D]``; writes the new K/V into the cache
-    first (one indexed copy each, as every backend does). ``softcap``: scores capped (Gemma 2)."""
+    first (one indexed copy each, as every backend does). ``softcap``: scores capped (Gemma 2);
+    ``sinks [H]``: gpt-oss's sink logit per query head."""
     num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = num_heads // num_kv_heads
     if q.stride(-1) != 1:
@@ -324,17 +348,17 @@ def triton_attention(
     if plan is None:
         plan = meta.backend_plan = _plan(
             meta, q.dtype, head_dim, group, num_kv_heads, block_size, paged=kv_cache is not None, cache_dtype=keys.dtype,
-            softcap=softcap is not None,
+            softcap=softcap is not None, sinks=sinks is not None,
         )
     for launch in plan:
-        run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window, softcap)
+        run_launch(launch, out, q, keys, vals, block_tables, meta, scale, window, softcap, sinks)
     return out
 
 
 def run_launch(
     launch: _Launch, out: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
     block_tables: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
-    softcap: float | None = None, **overrides: int,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, **overrides: int,
 ) -> None:  # fmt: skip
     """One kernel launch of a plan. ``overrides`` replace compile-time constants or launch
     options (``BLOCK_N``, ``num_warps``, ``num_stages``): bench/attention_micro.py sweeps them."""
@@ -349,10 +373,14 @@ def run_launch(
     constants = {**launch.constants, **overrides}
     if constants["SOFTCAP"] != (softcap is not None):  # (a plan is per step, shared by every layer)
         raise ValueError(f"a launch planned {'with' if constants['SOFTCAP'] else 'without'} a softcap run with {softcap}")
+    if constants["SINKS"] != (sinks is not None) or (sinks is not None and sinks.shape != q.shape[1:2]):
+        raise ValueError(f"a launch planned {'with' if constants['SINKS'] else 'without'} sinks for {q.shape[1]} heads "
+                         f"run with {None if sinks is None else tuple(sinks.shape)}")  # fmt: skip
+    sinks_arg = q if sinks is None else sinks.contiguous()  # (not read without SINKS)
     _paged_attention_kernel[(launch.num_tiles, keys.shape[2], splits)](
         out, q, keys, vals,
         block_tables, meta.seq_lens, meta.cu_seqlens_q, tile_seq, tile_start,
-        part, ml,
+        part, ml, sinks_arg,
         scale, q.shape[0], window or 0, softcap or 1.0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         keys.stride(0), keys.stride(1), keys.stride(2), block_tables.stride(0),
@@ -360,6 +388,7 @@ def run_launch(
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(q.shape[0], q.shape[1])](
-            out, part, ml, q.shape[0], splits, out.stride(0), out.stride(1),
+            out, part, ml, sinks_arg, q.shape[0], splits, out.stride(0), out.stride(1),
             HEAD_DIM=constants["HEAD_DIM"], HEAD_DIM_PAD=constants["HEAD_DIM_PAD"], SPLITS_PAD=_next_pow2(splits),
+            SINKS=constants["SINKS"],
         )  # fmt: skip
