@@ -70,10 +70,12 @@ def bare_decode_forward_s(engine, context_len: int, iters: int = 20) -> float:
     from vllmini.models.base import AttentionMetadata
 
     runner = engine.runner
-    block_size = runner.block_size
+    block_size, layout = runner.block_size, runner.kv_layout
     num_blocks = -(-(context_len + 1) // block_size)
-    kv = [(torch.zeros((num_blocks, *k.shape[1:]), dtype=k.dtype, device=k.device),
-           torch.zeros((num_blocks, *v.shape[1:]), dtype=v.dtype, device=v.device)) for k, v in runner.kv_caches]  # fmt: skip
+    groups = 1 if layout is None else layout.num_groups  # (grouped KV: each group its own blocks)
+    kv = [(torch.zeros((num_blocks * groups, *k.shape[1:]), dtype=k.dtype, device=k.device),
+           torch.zeros((num_blocks * groups, *v.shape[1:]), dtype=v.dtype, device=v.device))
+          for k, v in runner.kv_caches]  # fmt: skip
     table = list(range(num_blocks))
     ids = torch.tensor([1], device=runner.device)
     pos = torch.tensor([context_len], device=runner.device)
@@ -81,6 +83,12 @@ def bare_decode_forward_s(engine, context_len: int, iters: int = 20) -> float:
     for i in range(iters + 3):
         t = time.perf_counter()
         meta = AttentionMetadata.paged([1], [context_len + 1], [context_len], [table], [0], runner.device)
+        if layout is not None:
+            tables = [torch.tensor([[b + g * num_blocks for b in table]], dtype=torch.int32, device=runner.device)
+                      for g in range(1, groups)]  # fmt: skip
+            slots = [torch.tensor([g * num_blocks * block_size + context_len], device=runner.device)
+                     for g in range(1, groups)]  # fmt: skip
+            meta = meta.with_groups(layout, slots, tables)
         runner.model(ids, pos, meta, kv)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)

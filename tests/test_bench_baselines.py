@@ -108,6 +108,22 @@ def test_bare_forward_leaves_the_engine_alone(tiny_model):
     assert torch.equal(eng.runner.kv_caches[0][0], before[0])
 
 
+def test_bare_forward_over_kv_groups(tmp_path, default_model_dir):
+    """A model of sliding and full layers (grouped KV: fewer cache tensors than layers) gets a
+    table per group; it was indexed as one table per layer and failed."""
+    from transformers import Gemma3ForCausalLM as HFGemma3
+
+    from helpers import tiny_gemma3_config
+    from vllmini import LLMEngine
+    from vllmini.config import EngineArgs
+
+    torch.manual_seed(0)
+    model = save_tiny_model(HFGemma3(tiny_gemma3_config(vocab_size=49152)).eval(), tmp_path, default_model_dir)
+    eng = LLMEngine.from_engine_args(EngineArgs(model=str(model), kv_cache_memory=2**20))
+    assert eng.block_manager.num_groups > 1
+    assert 0 < bare_decode_forward_s(eng, context_len=40, iters=3) < 5
+
+
 FAKE_DRIVER = textwrap.dedent(
     """
     # Stands in for "<vllm venv>/bin/python": answers `-c "import vllm"`, and for
