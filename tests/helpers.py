@@ -127,6 +127,19 @@ def assert_greedy_matches(ours: list[int], theirs: list[int], gaps: list[float],
     assert len(ours) == len(theirs), f"{what}: {len(ours)} tokens vs transformers' {len(theirs)}"
 
 
+def assert_engine_matches_transformers(llm, hf_model, prompts: list[list[int]], what: str, max_new: int = 16) -> None:
+    """``llm``'s greedy tokens equal transformers' and its chosen tokens' logprobs within 2e-4, prompt by prompt."""
+    from vllmini import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True, logprobs=0)
+    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens, logprobs = hf_greedy_logprobs(hf_model, p, max_new)
+        got = out.outputs[0]
+        assert_greedy_matches(got.token_ids, tokens, [1.0] * len(tokens), f"{what}, prompt of {len(p)}")
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+
+
 # what every tiny test model shares: 3 layers, GQA, a large init so that logits are well separated
 _TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_key_value_heads=2,
              max_position_embeddings=1024, initializer_range=0.3)  # fmt: skip

@@ -9,7 +9,7 @@ from transformers import (AutoModelForCausalLM, Ernie4_5Config, Exaone4Config, G
                           Olmo3Config)  # fmt: skip
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
 
-from helpers import (assert_greedy_matches, hf_greedy_logprobs, hf_last_logits, prompt_forward, randomize_biases,
+from helpers import (assert_engine_matches_transformers, hf_last_logits, prompt_forward, randomize_biases,
                      randomize_norms, save_tiny_model)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
@@ -109,13 +109,7 @@ def test_engine_greedy_and_logprobs_match_transformers(pair):
     assert (llm.llm_engine.block_manager.num_groups > 1) == (len(windows) > 1) == (name in ("olmo3", "exaone4")), windows
     prompts = _prompts([3, 40, 29], seed=2)
     prompts.append(prompts[1][:32] + prompts[2][:5])
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        tokens, logprobs = hf_greedy_logprobs(hf, p, 16)
-        got = out.outputs[0]
-        assert_greedy_matches(got.token_ids, tokens, [1.0] * len(tokens), f"{name}, prompt of {len(p)}")
-        ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    assert_engine_matches_transformers(llm, hf, prompts, f"{name}")
     assert_no_leaks(llm)
 
 

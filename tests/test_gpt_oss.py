@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, GptOssConfig
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
-from helpers import assert_greedy_matches, hf_greedy_logprobs, hf_last_logits, prompt_forward, save_tiny_model
+from helpers import assert_engine_matches_transformers, hf_last_logits, prompt_forward, save_tiny_model
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 from vllmini.models.gpt_oss import GptOssMoE, _our_expert_layout
@@ -108,13 +108,7 @@ def test_engine_greedy_and_logprobs_match_transformers(pair, backend):
     assert llm.llm_engine.block_manager.num_groups == 2
     prompts = _prompts([3, 40, 29], seed=2)
     prompts.append(prompts[1][:32] + prompts[2][:5])
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        tokens, logprobs = hf_greedy_logprobs(hf, p, 16)
-        got = out.outputs[0]
-        assert_greedy_matches(got.token_ids, tokens, [1.0] * len(tokens), f"prompt of {len(p)}")
-        ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
-        torch.testing.assert_close(torch.tensor(ours), torch.tensor(logprobs), atol=2e-4, rtol=0)
+    assert_engine_matches_transformers(llm, hf, prompts, "gpt-oss")
     assert_no_leaks(llm)
 
 
