@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GptOssConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
 
 from helpers import assert_engine_matches_transformers, hf_last_logits, prompt_forward, save_tiny_model
 from test_engine import assert_no_leaks
-from vllmini import LLM, SamplingParams
+from vllmini import LLM
 from vllmini.models.gpt_oss import GptOssMoE, _our_expert_layout
 from vllmini.models.mxfp4 import dequantize_mxfp4
 from vllmini.models.weight_loader import load_model
@@ -133,7 +133,8 @@ def _mxfp4_checkpoint(model_dir, out_dir) -> dict[str, torch.Tensor]:
 
 def test_mxfp4_experts_dequantize_as_transformers_does(pair, tmp_path):
     """OpenAI's MXFP4 experts: each weight equals transformers' dequantization of the same blocks and
-    scales, exactly, and greedy generation runs on them."""
+    scales, exactly, and logits, greedy tokens and logprobs equal transformers' own MXFP4 load's
+    (``Mxfp4Config(dequantize=True)``, its CPU path)."""
     hf, model_dir = pair
     packed = _mxfp4_checkpoint(model_dir, tmp_path)
     ours, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
@@ -146,10 +147,12 @@ def test_mxfp4_experts_dequantize_as_transformers_does(pair, tmp_path):
         experts = ours.model.layers[layer].mlp.experts
         assert torch.equal(experts.w13, torch.cat((gate_up[..., ::2], gate_up[..., 1::2]), -1).transpose(1, 2))
         assert torch.equal(experts.w2, down.transpose(1, 2))
-    llm = LLM(model=str(tmp_path))
-    out = llm.generate([{"prompt_token_ids": _prompts([9], seed=3)[0]}], SamplingParams(max_tokens=4, temperature=0,
-                       ignore_eos=True), use_tqdm=False)[0]  # fmt: skip
-    assert len(out.outputs[0].token_ids) == 4
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, attn_implementation="eager",
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()  # fmt: skip
+    prompts = _prompts([5, 33], seed=3)
+    torch.testing.assert_close(prompt_forward(ours, prompts), hf_last_logits(theirs, prompts), atol=1e-4, rtol=0)
+    llm = LLM(model=str(tmp_path), max_num_batched_tokens=16)
+    assert_engine_matches_transformers(llm, theirs, prompts, "gpt-oss MXFP4")
 
 
 def test_dequantize_mxfp4_matches_transformers_and_refuses_bad_shapes():
