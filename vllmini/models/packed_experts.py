@@ -4,8 +4,10 @@ On the CPU ``F.grouped_mm`` (and a loop of ``F.linear``) runs each expert's smal
 thread and through MKL's per-call repacking, the cost models/packed_linear.py removes for the
 dense linears. A loop over the experts hit, each a prepacked oneDNN inner product, is faster per
 expert matmul (fp32, 32 experts of [1536, 768], 2 threads): 1 row per expert 12.4 -> 8.1 ms,
-4 rows 15.8 -> 8.5, 16 rows 17.4 -> 10.9, 64 rows 36.9 -> 28.2. The loop reads the rows per
-expert on the host, which costs nothing on the CPU (no CUDA graphs there).
+4 rows 15.8 -> 8.5, 16 rows 17.4 -> 10.9, 64 rows 36.9 -> 28.2; a whole gpt-oss-small MoE layer
+(32 experts of [1536, 768], top 4) 1 token 2.40 -> 1.15 ms, 32 tokens 24.3 -> 11.8, 512 tokens
+73 -> 49, 2048 tokens 277 -> 222. The loop reads the rows per expert on the host, which costs
+nothing on the CPU (no CUDA graphs there).
 
 :func:`prepack_experts` replaces every ``ExpertWeights``' stacked ``w13`` / ``w2`` by their packed
 slices and releases the dense parameters (gpt-oss-20b's experts are tens of GB: one copy only);
