@@ -7,7 +7,8 @@ differs in three ways, which this wrapper (installed as the model's ``load_weigh
 - on a CPU with oneDNN its linears are prepacked (models/packed_linear.py): their dense weight
   is gone. Each linear an update touches is unpacked (``to_dense``, exact) into a plain
   ``nn.Linear`` for the copy and packed again after; a tied ``lm_head`` is repacked when the
-  embedding changes (its packed copy would be stale otherwise);
+  embedding changes (its packed copy would be stale otherwise); prepacked experts
+  (models/packed_experts.py) are unpacked to their stacked ``w13`` / ``w2`` and packed again;
 - with ``enable_lora`` the adapted projections are wrapped (lora/layers.py): the wrapper steps
   aside for the copy, so the checkpoint names reach the base linear;
 - a bad name or shape must not leave half the weights new: the update is checked first, in full,
@@ -29,6 +30,8 @@ import torch
 from torch import nn
 
 from vllmini.lora.layers import LoRALinear
+from vllmini.models.moe import ExpertWeights
+from vllmini.models.packed_experts import pack_experts, unpack_experts
 from vllmini.models.packed_linear import PackedLinear, pack_weight
 
 if TYPE_CHECKING:
@@ -59,7 +62,8 @@ class LiveWeights:
                 raise TypeError(f"checkpoint tensor {name!r} {what}: load_weights takes floating-point weights")
         touched = self._check(items)
         model, ptrs = self.model, _data_ptrs(self.model)
-        with torch.no_grad(), _plain_linears(model, self._linear_paths(touched)):
+        paths = self._linear_paths(touched)
+        with torch.no_grad(), _plain_linears(model, paths), _dense_experts(model, paths):
             loaded = type(model).load_weights(model, items)  # (the class's: this object shadows it)
         if _data_ptrs(model) != ptrs:  # a parameter was replaced (untied): the graphs hold its old address
             self.worker.recapture_graphs()
@@ -103,7 +107,8 @@ class LiveWeights:
 
     def _linear_paths(self, touched: set[str] | None) -> list[str]:
         """The modules an update writes into that may be wrapped or packed (None: every one)."""
-        wrapped = [name for name, m in self.model.named_modules() if isinstance(m, (PackedLinear, LoRALinear))]
+        wrapped = [name for name, m in self.model.named_modules() if isinstance(m, (PackedLinear, LoRALinear))
+                   or isinstance(m, ExpertWeights) and m.prepacked is not None]  # fmt: skip
         if touched is None:
             return wrapped
         paths = {name.rpartition(".")[0] for name in touched}
@@ -123,6 +128,8 @@ def _plain_linears(model: nn.Module, paths: list[str]) -> Iterator[None]:
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path)
             original = getattr(parent, attr)
+            if isinstance(original, ExpertWeights):
+                continue  # (_dense_experts)
             inner = original.base_layer if isinstance(original, LoRALinear) else original
             packed = inner if isinstance(inner, PackedLinear) else None
             if packed is not None:
@@ -142,6 +149,20 @@ def _plain_linears(model: nn.Module, paths: list[str]) -> Iterator[None]:
                 packed.packed = pack_weight(plain.weight)
                 packed.bias = None if plain.bias is None else plain.bias.detach()
             setattr(parent, attr, original)
+
+
+@contextlib.contextmanager
+def _dense_experts(model: nn.Module, paths: list[str]) -> Iterator[None]:
+    """The prepacked experts at ``paths`` unpacked to dense ``w13`` / ``w2`` for the copy, then packed again."""
+    experts = [m for m in map(model.get_submodule, paths) if isinstance(m, ExpertWeights) and m.prepacked is not None]
+    try:
+        for module in experts:
+            unpack_experts(module)
+        yield
+    finally:
+        for module in experts:
+            if module.prepacked is None:
+                pack_experts(module)
 
 
 def _linear(weight: nn.Parameter, bias: torch.Tensor | None) -> nn.Linear:

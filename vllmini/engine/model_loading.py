@@ -15,6 +15,7 @@ import torch
 
 from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, resolve_runner
 from vllmini.models import registry
+from vllmini.models.packed_experts import prepack_experts
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.seq_cls_from_lm import resolve_score_from_tokens
 from vllmini.models.weight_loader import load_config, load_model, load_tokenizer, resolve_model_dir
@@ -70,8 +71,10 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
                     score_from_tokens.token_ids, score_from_tokens.method)  # fmt: skip
     model, hf_config = load_model(model_dir, dtype, device, config, pooling=runner == "pooling",
                                   max_model_len=max_model_len, score_from_tokens=score_from_tokens)  # fmt: skip
-    if packing_available(device, dtype):
-        logger.info("CPU linears: %d prepacked for oneDNN", prepack_linears(model))
+    if packing_available(device, dtype):  # (after load_model: its missing-tensor checks read the dense weights)
+        linears, experts = prepack_linears(model), prepack_experts(model)
+        logger.info("CPU linears: %d prepacked for oneDNN%s", linears,
+                    f", and {experts} expert matrices" if experts else "")  # fmt: skip
     if args.skip_tokenizer_init:
         tokenizer = None
     logger.info("loaded %s (%s, %s) in %.1fs", model_dir, dtype, device, time.perf_counter() - t0)
@@ -126,6 +129,7 @@ def load_draft_model(draft: str, args: EngineArgs, device: torch.device, target:
         raise ValueError(f"{field}: the draft model {unsupported}")
     if packing_available(device, target.dtype):
         prepack_linears(model)
+        prepack_experts(model)
     logger.info("draft model %s loaded (%d layers)", model_dir, config.num_hidden_layers)
     return model
 

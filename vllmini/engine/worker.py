@@ -23,6 +23,7 @@ from torch import nn
 from vllmini.engine.live_weights import LiveWeights
 from vllmini.engine.model_runner import ModelRunner
 from vllmini.kv.cache import zeros
+from vllmini.models.packed_experts import PackedExperts
 from vllmini.models.packed_linear import PackedLinear, pack_weight
 
 logger = logging.getLogger("vllmini")
@@ -144,7 +145,7 @@ class Worker:
             tensor.data = tensor.data.to(device)
 
     def _discard_weights(self) -> None:
-        """Level 2: every parameter (and packed linear) left empty; its shape kept for wake_up.
+        """Level 2: every parameter (and packed linear or experts) left empty; its shape kept for wake_up.
         Buffers (rotary tables, LoRA slots) are small and stay."""
         model = self.get_model()
         for module in model.modules():
@@ -152,6 +153,9 @@ class Worker:
                 self._discarded.append((module, module.packed.dtype, module.bias is not None))
                 module.packed = torch.empty(0, dtype=module.packed.dtype)
                 module.bias = None if module.bias is None else module.bias.new_empty(0)
+            elif isinstance(packed := getattr(module, "prepacked", None), PackedExperts):  # (ExpertWeights)
+                packed.discard()
+                self._discarded.append((packed,))
         for param in model.parameters():
             self._discarded.append((param, param.shape, param.dtype))
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
@@ -159,7 +163,9 @@ class Worker:
     def _restore_discarded(self) -> None:
         """Zeros where the discarded weights were (the caller loads weights next)."""
         for entry in self._discarded:
-            if isinstance(entry[0], PackedLinear):
+            if isinstance(entry[0], PackedExperts):
+                entry[0].zero()
+            elif isinstance(entry[0], PackedLinear):
                 module, dtype, bias = entry
                 module.packed = pack_weight(torch.zeros(module.out_features, module.in_features, dtype=dtype))
                 module.bias = torch.zeros(module.out_features, dtype=dtype) if bias else None

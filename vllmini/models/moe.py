@@ -5,20 +5,25 @@ The experts' weights are stacked (``w13 [E, 2I, H]``: gate then up; ``w2 [E, H, 
 one grouped matmul runs every expert over its own slice of the token rows, sorted by expert:
 no loop over experts in Python and no host sync, so a decode step stays capturable in a CUDA
 graph. Where torch has no grouped matmul for the device and dtype (CUDA only has it for
-bfloat16; torch before 2.10 not at all), the experts hit run one after another instead.
+bfloat16; torch before 2.10 not at all), the experts hit run one after another instead. On a
+CPU with oneDNN the experts are prepacked after load (models/packed_experts.py) and run one
+after another, each a prepacked matmul: faster there than the grouped matmul.
 Routing follows transformers: softmax in fp32 over the router logits, top-k, then the k
 weights renormalised to sum to one where the model says so (``norm_topk_prob``; Mixtral always).
 """
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllmini.models.layers import GatedMLP
+
+if TYPE_CHECKING:
+    from vllmini.models.packed_experts import PackedExperts
 
 
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -31,7 +36,8 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class ExpertWeights(nn.Module):
     """The experts' stacked weights; checkpoints hold one tensor per expert and projection
     (``experts.<e>.gate_proj``...), each copied into its :meth:`slot` (the loader counts them
-    against :meth:`shards` until all are in)."""
+    against :meth:`shards` until all are in). Once prepacked (CPU, models/packed_experts.py),
+    ``w13`` / ``w2`` are None and ``prepacked`` holds them."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
@@ -41,6 +47,7 @@ class ExpertWeights(nn.Module):
         # per-expert biases of gate/up (gate first) and down (gpt-oss), None elsewhere
         self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size), requires_grad=False) if bias else None
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
+        self.prepacked: PackedExperts | None = None
 
     def slot(self, param: str, expert: int, shard: int) -> torch.Tensor:
         """Where checkpoint tensor ``(expert, shard)`` of ``param`` ("w13": 0 gate, 1 up; "w2") goes."""
@@ -93,6 +100,8 @@ class FusedMoE(nn.Module):
         """Every row of ``xs`` through its expert: rows sorted by expert, ``counts[e]`` of them for
         expert ``e``, ``expert_ids`` each row's (for the biases, where the experts have them)."""
         experts = self.experts
+        if experts.prepacked is not None:
+            return experts.prepacked.run(xs, counts, experts.b13, experts.b2, self.activation)
         h = _grouped_linear(xs, experts.w13, counts)
         if experts.b13 is not None:
             h = h + experts.b13.index_select(0, expert_ids)
