@@ -3,7 +3,7 @@
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
 streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings,
-a YaRN-scaled rope, fp8 KV caches and the hybrid (grouped) KV cache of a Gemma 3. bench/gpu_check.sh runs them; without CUDA
+a YaRN-scaled rope, fp8 KV caches and the hybrid (grouped) KV cache of a Gemma 3 and of gpt-oss (attention sinks). bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -351,6 +351,29 @@ def test_hybrid_kv_cache_matches_the_cpu_path(tmp_path):
         bm.check_invariants()
         assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
         return outs
+
+    cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64)
+    assert dev == cpu
+
+
+def test_gpt_oss_matches_the_cpu_path(tmp_path):
+    """gpt-oss (attention sinks in the Triton kernel, prefill and split decode; sliding and full KV
+    groups; biased experts with the clamped SwiGLU): greedy tokens equal the CPU path's, where the
+    sinks run in the C decode kernel and SDPA with a sink key."""
+    from transformers import AutoModelForCausalLM
+
+    from test_gpt_oss import gpt_oss_config, randomize
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "yarn", "factor": 8.0, "truncate": False, "original_max_position_embeddings": 128,
+            "rope_theta": 150000.0}  # (a 1024-token context, the engines' max_model_len)
+    config = gpt_oss_config(vocab_size=VOCAB, max_position_embeddings=1024, rope_parameters=rope)
+    randomize(AutoModelForCausalLM.from_config(config, dtype=torch.float32)).save_pretrained(tmp_path)
+    save_word_level_tokenizer(VOCAB, tmp_path)
+
+    def run(llm: LLM):
+        assert llm.llm_engine.block_manager.num_groups == 2 and llm.llm_engine.model.attention_sinks
+        return token_ids(llm.generate(prompts(6), greedy(40), use_tqdm=False))
 
     cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64)
     assert dev == cpu
