@@ -32,7 +32,7 @@ class GptOssMoE(FusedMoE):
     """gpt-oss's MLP: ``router`` (with a bias) and biased experts with the clamped SwiGLU."""
 
     def __init__(self, config: Any) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # (not FusedMoE's: its router is ``gate``, unbiased; this one keeps the checkpoint's name)
         self.num_experts, self.top_k = num_experts(config), int(config.num_experts_per_tok)
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..num_local_experts ({self.num_experts}), got {self.top_k}")
