@@ -127,7 +127,7 @@ def test_full_disk_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     cache = tmp_path / "cache"
     real_usage = gguf_cache.shutil.disk_usage
     monkeypatch.setattr(gguf_cache.shutil, "disk_usage", lambda p: real_usage(p)._replace(free=50_000))
-    with pytest.raises(OSError, match=r"model\.gguf: its conversion needs 0\.\d MiB of fp32 weights, but .*cache/gguf has 0\.0 MiB free") as info:
+    with pytest.raises(OSError, match=r"model\.gguf: its conversion needs 0\.\d MiB for its weights, but .*cache/gguf has 0\.0 MiB free") as info:
         resolve_model_dir(str(path), cache)
     assert info.value.errno == errno.ENOSPC and "VLLMINI_CACHE" in str(info.value)
     monkeypatch.undo()

@@ -18,15 +18,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize, quantize
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from helpers import prompt_forward
-from test_gguf import _cache_entries, _read_all, finish_gguf
+from test_gguf import _cache_entries, finish_gguf
 from test_gpt_oss import gpt_oss_config, randomize
-from vllmini.models import attention
+from vllmini.models import attention, gguf_gpt_oss
 from vllmini.models.gguf_convert import convert_gguf, hf_tensor_name
-from vllmini.models.weight_loader import load_model, resolve_model_dir
+from vllmini.models.mxfp4 import is_mxfp4
+from vllmini.models.weight_loader import iter_weights, load_model, resolve_model_dir
 
 HARMONY = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
            "<|message|>", "<|call|>"]  # fmt: skip
@@ -195,6 +196,27 @@ def sink_attention(q, k, v, meta, kv_cache, scale, window=None, sinks=None, **_)
     return out
 
 
+def dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A converted folder's tensors with each MXFP4 pair as transformers dequantizes it ([E, in, out])."""
+    out = {n: t for n, t in tensors.items() if not n.endswith(("_blocks", "_scales"))}
+    for name in [n.removesuffix("_blocks") for n in tensors if n.endswith("_blocks")]:
+        out[name] = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"], dtype=torch.float32)
+    return out
+
+
+def read_converted(model_dir: Path) -> dict[str, torch.Tensor]:
+    """A converted folder's tensors as stored (MXFP4 pairs as their bytes)."""
+    return dict(iter_weights(model_dir, mxfp4=is_mxfp4(json.loads((model_dir / "config.json").read_text()))))
+
+
+def transformers_model(model_dir: Path):
+    """transformers on a converted folder (an MXFP4 one as OpenAI's: ``Mxfp4Config(dequantize=True)``)."""
+    packed = "quantization_config" in json.loads((model_dir / "config.json").read_text())
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager",
+                                                **({"quantization_config": Mxfp4Config(dequantize=True)} if packed else {})
+                                                ).eval()  # fmt: skip
+
+
 def backends_take_sinks() -> bool:
     return "sinks" in inspect.signature(attention.torch_attention).parameters
 
@@ -240,7 +262,11 @@ def test_gpt_oss_gguf_converts_to_the_original(tmp_path: Path, variant: str) -> 
     expected = write_gpt_oss_gguf(path, hf, packed=packed, quantized=variant == "mxfp4")
     out = convert_gguf(path, tmp_path / "out", max_shard_bytes=100_000)
 
-    got = _read_all(out)
+    got = read_converted(out)
+    if packed:  # OpenAI's bytes, back from GGML's
+        assert {n: t for n, t in got.items() if n.endswith(("_blocks", "_scales"))}.keys() == packed.keys()
+        assert all(torch.equal(got[n], t) for n, t in packed.items())
+    got = dense(got)
     assert set(got) == set(expected) == set(hf.state_dict())
     for name, tensor in expected.items():
         assert torch.equal(got[name], torch.from_numpy(tensor)), name
@@ -263,7 +289,7 @@ def test_gpt_oss_gguf_converts_to_the_original(tmp_path: Path, variant: str) -> 
     reference.load_state_dict({n: torch.from_numpy(t) for n, t in expected.items()})
     with torch.no_grad():
         want = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in prompts])
-        theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
+        theirs = transformers_model(out)
         torch.testing.assert_close(torch.stack([theirs(torch.tensor([p])).logits[0, -1] for p in prompts]), want,
                                    atol=1e-4, rtol=0)  # fmt: skip
     ours, _ = load_model(out, torch.float32, torch.device("cpu"))
@@ -284,13 +310,50 @@ def test_gpt_oss_gguf_generates_like_transformers(tmp_path: Path) -> None:
     write_gpt_oss_gguf(path, hf, packed=random_mxfp4(hf, seed=1))
     llm = LLM(model=str(path), cache_dir=str(tmp_path / "cache"), max_num_batched_tokens=16, max_num_seqs=4)
     (model_dir,) = _cache_entries(tmp_path / "cache")
-    theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    assert (model_dir / "config.json").read_text().count('"quant_method": "mxfp4"') == 1  # (over the packed cache)
+    theirs = transformers_model(model_dir)
     prompts = _prompts(seed=4)
     with torch.no_grad():
         want = torch.stack([theirs(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), want, atol=1e-4, rtol=0)
     assert_engine_greedy(llm, theirs, prompts, 12, "GGUF gpt-oss")
     assert set(llm.llm_engine.eos_token_ids) == {EOS, PAD, VOCAB.index("<|call|>")}
+
+
+def _experts_bytes(model_dir: Path) -> int:
+    return sum(t.nbytes for n, t in read_converted(model_dir).items() if n.endswith(("_proj", "_blocks", "_scales")))
+
+
+def test_mxfp4_experts_stay_packed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """All experts MXFP4: the folder holds OpenAI's blocks and scales (config as OpenAI's), their values the
+    dense conversion's exactly, in 17 bytes per 32 weights instead of 128."""
+    hf = tiny_gpt_oss()
+    path = tmp_path / "m.gguf"
+    write_gpt_oss_gguf(path, hf, packed=random_mxfp4(hf))
+    out = convert_gguf(path, tmp_path / "packed")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == gguf_gpt_oss.MXFP4_QUANTIZATION_CONFIG
+    with monkeypatch.context() as m:  # the dense conversion, as before experts stayed packed
+        m.setattr(gguf_gpt_oss, "experts_packed", lambda tensors: False)
+        reference = convert_gguf(path, tmp_path / "dense")
+    assert "quantization_config" not in json.loads((reference / "config.json").read_text())
+    got, want = dense(read_converted(out)), read_converted(reference)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], t) for n, t in want.items())
+    assert 7.4 < _experts_bytes(reference) / _experts_bytes(out) < 7.6  # 32 bits a weight / 4.25
+
+
+def test_mixed_experts_are_dequantized(tmp_path: Path) -> None:
+    """A file with MXFP4 gates but an F32 ``ffn_up_exps`` keeps the dense layout (no MXFP4 pairs)."""
+    hf = tiny_gpt_oss()
+    packed = random_mxfp4(hf)
+    up = hf.model.layers[0].mlp.experts.gate_up_proj.detach()[..., 1::2].transpose(1, 2).numpy()  # [E, I, H]
+    path = tmp_path / "mixed.gguf"
+    expected = write_gpt_oss_gguf(path, hf, packed=packed, skip_tensors=("blk.0.ffn_up_exps.weight",),
+                                  extra_tensors={"blk.0.ffn_up_exps.weight": np.ascontiguousarray(up)})  # fmt: skip
+    out = convert_gguf(path, tmp_path / "out")
+    got = read_converted(out)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert got.keys() == expected.keys() and all(torch.equal(got[n], torch.from_numpy(t)) for n, t in expected.items())
 
 
 def test_gpt_oss_gguf_tokenizer(tmp_path: Path) -> None:

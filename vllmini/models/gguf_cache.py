@@ -9,7 +9,7 @@ there exactly once, whole, even with several processes (or hosts sharing the fol
   * a conversion goes to a temporary sibling renamed into place at the end; one left by a killed
     process is deleted by the next conversion on the same host (a host sharing the cache folder
     over NFS may still be writing its own), and a file that changed while it was read is refused;
-  * the disk's free space is checked before the (fp32, ~4x a 4-bit file) weights are written, and
+  * the disk's free space is checked before the (mostly fp32, ~4x a 4-bit file) weights are written, and
     a full disk is reported as such, naming the file and the folder;
   * each entry records the path it was converted from (``SOURCE_FILE``), and a new conversion of
     that path deletes the entries of its earlier versions (a file replaced, an older converter):
@@ -186,7 +186,7 @@ def check_free_space(gguf_path: Path, folder: Path, nbytes: int) -> None:
     """Refuse before writing when ``folder``'s file system has less than ``nbytes`` free."""
     free = shutil.disk_usage(folder).free
     if free < nbytes:
-        raise OSError(errno.ENOSPC, f"{gguf_path}: its conversion needs {_size(nbytes)} of fp32 weights, but "
+        raise OSError(errno.ENOSPC, f"{gguf_path}: its conversion needs {_size(nbytes)} for its weights, but "
                       f"{folder} has {_size(free)} free; {_WHERE}")  # fmt: skip
 
 

@@ -4,9 +4,10 @@ Why convert instead of reading GGUF at every start: the rest of the engine then
 has a single weight format (safetensors, mmap'd, one tensor at a time), and the
 dequantization plus tokenizer reconstruction (a few seconds) is paid once.
 
-The output holds fp32 weights, so it is ~4x the size of a 4-bit GGUF file.
-Config and tokenizer come from transformers' own GGUF readers; tensors are
-dequantized with ``gguf.quants.dequantize`` and renamed to HF names here.
+The output holds fp32 weights, so it is ~4x the size of a 4-bit GGUF file (gpt-oss's
+MXFP4 experts excepted: they stay packed, gguf_gpt_oss.py). Config and tokenizer come
+from transformers' own GGUF readers; tensors are dequantized with
+``gguf.quants.dequantize`` and renamed to HF names here.
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ from vllmini.models.weight_loader import load_config
 logger = logging.getLogger(__name__)
 
 # Bump when the converted layout changes: it is part of the cache key, so old entries are not reused.
-CONVERTER_VERSION = 5  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling;
-# 5: tokenizer_config.json lists the added tokens
+CONVERTER_VERSION = 6  # 2: special tokens pinned to the GGUF metadata; 3: sliding_window kept; 4: linear rope scaling;
+# 5: tokenizer_config.json lists the added tokens; 6: gpt-oss's MXFP4 experts kept packed (its fp32 entries: 84 GB)
 
 # GGUF ``general.architecture`` -> HF architecture name (see registry.py); a ``llama`` file
 # with ``llama.expert_count`` is Mixtral (gguf_moe.py); Gemma's settings: gguf_gemma.py; gpt-oss: gguf_gpt_oss.py.
@@ -112,7 +113,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, max_shard_bytes: int = DEFAULT_
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     gguf_cache.remove_stale_tmp(out_dir)
-    gguf_cache.check_free_space(gguf_path, out_dir.parent, 4 * sum(int(t.n_elements) for t in _weight_tensors(reader)))
+    items = _weight_items(_weight_tensors(reader), arch)
+    gguf_cache.check_free_space(gguf_path, out_dir.parent, sum(_out_bytes(t, expert) for t, expert in items))
     tmp = gguf_cache.tmp_dir(out_dir)
     try:
         with gguf_cache.cache_errors(gguf_path, out_dir.parent):
@@ -289,7 +291,8 @@ def _pin_special_tokens(tok, reader) -> None:
 
 def _write_weights(reader, config, arch: str, out: Path, max_shard_bytes: int) -> None:
     """Dequantize to fp32 shard by shard (memory ~ one shard; a stacked experts tensor is read one
-    expert at a time, so its experts may land in different shards), then name files like HF does."""
+    expert at a time, so its experts may land in different shards), then name files like HF does;
+    gpt-oss's MXFP4 experts are repacked instead (gguf_gpt_oss.FusedExperts.mxfp4)."""
     from safetensors.torch import save_file
 
     shards = _plan_shards(_weight_items(_weight_tensors(reader), arch), max_shard_bytes)
@@ -329,14 +332,20 @@ def _plan_shards(items: list[tuple[object, int | None]], max_shard_bytes: int) -
     shards: list[list] = [[]]
     size = 0
     for item in items:
-        t, expert = item
-        nbytes = int(t.n_elements) * 4 // (1 if expert is None else int(t.shape[-1]))
+        nbytes = _out_bytes(*item)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
         shards[-1].append(item)
         size += nbytes
     return shards
+
+
+def _out_bytes(t, expert: int | None) -> int:
+    """Bytes a GGUF tensor (one expert of it) takes once converted."""
+    if isinstance(t, gguf_gpt_oss.FusedExperts):
+        return t.out_bytes
+    return int(t.n_elements) * 4 // (1 if expert is None else int(t.shape[-1]))
 
 
 def _hf_item(t, expert: int | None, arch: str) -> tuple[str, tuple[int, ...]]:
@@ -359,6 +368,11 @@ def _dequantized(items: list, config, arch: str) -> Iterator[tuple[str, torch.Te
     for t, expert in items:
         name, shape = _hf_item(t, expert, arch)
         # one expert's rows of a stacked tensor (quantized blocks never span experts)
+        if isinstance(t, gguf_gpt_oss.FusedExperts) and t.packed:
+            blocks, scales = t.mxfp4()
+            yield f"{name}_blocks", torch.from_numpy(blocks)
+            yield f"{name}_scales", torch.from_numpy(scales)
+            continue
         if isinstance(t, gguf_gpt_oss.FusedExperts):
             w = t.values()
         else:

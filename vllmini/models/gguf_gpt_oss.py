@@ -7,8 +7,12 @@ Why this is its own step of the conversion:
   * llama.cpp splits HF's experts: ``gate_up_proj [E, H, 2I]`` (gate and up interleaved along the
     last axis) becomes ``ffn_gate_exps`` / ``ffn_up_exps [E, I, H]`` (its even / odd columns),
     ``down_proj [E, I, H]`` becomes ``ffn_down_exps [E, H, I]``, and the biases follow. They are put
-    back into HF's layout here (``FusedExperts``), one expert at a time. MXFP4 experts (GGML type 39:
-    OpenAI's blocks with their scale byte in front, nibbles reordered) dequantize exactly with gguf;
+    back into HF's layout here (``FusedExperts``), one expert at a time;
+  * MXFP4 experts (GGML type 39: OpenAI's blocks with their scale byte in front, nibbles reordered)
+    are repacked byte for byte into OpenAI's ``*_blocks`` / ``*_scales`` with its
+    ``quantization_config``, as gpt-oss is published: the cache holds 4.25 bits a weight, not 32
+    (~13 GB for gpt-oss-20b instead of ~84), and the loader dequantizes them exactly. A file whose
+    experts are not all MXFP4 is dequantized to fp32 as the other architectures are;
   * names: ``attn_sinks.weight`` is HF's ``self_attn.sinks`` (no ``.weight``), ``post_attention_norm``
     the norm before the experts, ``ffn_gate_inp`` (with a bias) the router;
   * what llama.cpp fixes in code: every other layer slides, the first one first, unless
@@ -21,6 +25,7 @@ What llama.cpp requires and the file lacks, or what the HF model cannot express,
 """
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +37,10 @@ from vllmini.models.gguf_gemma import token_id
 from vllmini.models.gguf_moe import field_value, numpy_shape
 
 ARCH = "gpt-oss"
+# OpenAI's gpt-oss config.json: only the experts are MXFP4
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+_GGML_MXFP4_BYTES = 17  # a block of 32 values: its E8M0 scale byte, then 16 bytes of E2M1 pairs
 GPT_OSS_ARCHITECTURES = {ARCH: "GptOssForCausalLM"}
 GPT_OSS_BLOCK_NAMES = {ARCH: {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router"}}
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # llama.cpp's build_moe_ffn (LLM_FFN_SWIGLU_OAI_MOE)
@@ -69,11 +78,17 @@ class FusedExperts:
     ``ffn_gate_exps`` and ``ffn_up_exps [E, I, H]`` (gate at the even columns), ``gate_up_proj_bias
     [E, 2I]`` from their biases, ``down_proj [E, I, H]`` from ``ffn_down_exps [E, H, I]``. It has a
     gguf tensor's ``name``, ``n_elements`` and ``shape`` (fastest dim first), so the conversion plans
-    and checks it as one tensor."""
+    and checks it as one tensor. ``packed``: written as OpenAI's MXFP4 blocks and scales (``mxfp4``)."""
 
     name: str  # its first part's: hf_tensor_name gives the HF name
     parts: tuple[Any, ...]  # the GGUF tensors: (gate, up), or (down,)
     hf_shape: tuple[int, ...]
+    packed: bool = False
+
+    @property
+    def out_bytes(self) -> int:
+        """What it takes in the converted folder (MXFP4: as many bytes as in the GGUF file)."""
+        return sum(int(t.n_bytes) for t in self.parts) if self.packed else 4 * self.n_elements
 
     @property
     def n_elements(self) -> int:
@@ -95,26 +110,54 @@ class FusedExperts:
                 pairs[..., k] = part.reshape(numpy_shape(t)[1:]).T
         return out
 
+    def mxfp4(self) -> tuple[np.ndarray, np.ndarray]:
+        """OpenAI's ``blocks [E, out, in / 32, 16]`` and ``scales [E, out, in / 32]`` (uint8) from GGML's
+        MXFP4 bytes, without dequantizing: gate and up rows interleaved (gate at the even rows, as
+        ``gate_up_proj_blocks`` has them), scales copied, each block's nibbles reordered (GGML: byte j
+        holds values j and j + 16; OpenAI: values 2j and 2j + 1, the low nibble first)."""
+        raws = [np.asarray(t.data, np.uint8).reshape(*numpy_shape(t)[:-1], -1, _GGML_MXFP4_BYTES) for t in self.parts]
+        experts, rows, groups = raws[0].shape[0], raws[0].shape[1] * len(raws), raws[0].shape[2]
+        blocks = np.empty((experts, rows, groups, 16), np.uint8)
+        scales = np.empty((experts, rows, groups), np.uint8)
+        for e in range(experts):  # (one expert at a time: the temporaries stay small)
+            # row k of part p becomes row len(parts) * k + p: gate and up interleaved
+            raw = np.stack([r[e] for r in raws], axis=1).reshape(rows, groups, _GGML_MXFP4_BYTES)
+            qs = raw[..., 1:]
+            values = np.concatenate((qs & 0x0F, qs >> 4), axis=-1)  # the block's 32 values, in order
+            blocks[e] = values[..., 0::2] | (values[..., 1::2] << 4)
+            scales[e] = raw[..., 0]
+        return blocks, scales
 
-def _fused(parts: tuple[Any, ...]) -> FusedExperts:
+
+def _fused(parts: tuple[Any, ...], packed: bool) -> FusedExperts:
     experts, *dims = numpy_shape(parts[0])
     *lead, last = reversed(dims)  # transposed: [E, H, I] -> [E, I, H]; gate with up: the last dim twice
-    return FusedExperts(parts[0].name, parts, (experts, *lead, last * len(parts)))
+    return FusedExperts(parts[0].name, parts, (experts, *lead, last * len(parts)), packed)
+
+
+def experts_packed(tensors: list) -> bool:
+    """Whether every expert weight is MXFP4, so the experts can stay packed (one that is not, say
+    an F32 ``ffn_up_exps``, would need its own format: all are dequantized then)."""
+    from gguf import GGMLQuantizationType
+
+    weights = [t for t in tensors if (m := _EXPERTS_RE.match(t.name)) and m[3] == "weight"]
+    return bool(weights) and all(t.tensor_type == GGMLQuantizationType.MXFP4 for t in weights)
 
 
 def weight_items(tensors: list) -> list:
     """The file's tensors as the conversion writes them: the experts' as ``FusedExperts`` (gate with
-    up; down transposed), the rest as they are."""
+    up; down transposed; packed when all are MXFP4), the rest as they are."""
     by_name = {t.name: t for t in tensors}
+    packed = experts_packed(tensors)
     items = []
     for t in tensors:
         m = _EXPERTS_RE.match(t.name)
         if m is None or (m[2], m[3]) == ("down", "bias"):
             items.append(t)
         elif m[2] == "gate":
-            items.append(_fused((t, by_name[f"blk.{m[1]}.ffn_up_exps.{m[3]}"])))
+            items.append(_fused((t, by_name[f"blk.{m[1]}.ffn_up_exps.{m[3]}"]), packed and m[3] == "weight"))
         elif m[2] == "down":
-            items.append(_fused((t,)))
+            items.append(_fused((t,), packed))
     return items
 
 
@@ -198,6 +241,7 @@ def gpt_oss_config(reader, gguf_path: Path, rope: dict[str, Any]):
         swiglu_limit=SWIGLU_LIMIT, swiglu_alpha=SWIGLU_ALPHA, attention_bias=True, tie_word_embeddings=False,
         bos_token_id=_token_key(reader, "bos_token_id"), pad_token_id=_token_key(reader, "padding_token_id"),
         eos_token_id=ends if len(ends) > 1 else eos, architectures=[GPT_OSS_ARCHITECTURES[ARCH]],
+        **({"quantization_config": copy.deepcopy(MXFP4_QUANTIZATION_CONFIG)} if experts_packed(reader.tensors) else {}),
     )  # fmt: skip
 
 
