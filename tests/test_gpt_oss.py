@@ -157,9 +157,9 @@ def test_mxfp4_experts_dequantize_as_transformers_does(pair, tmp_path):
 
 def test_dequantize_mxfp4_matches_transformers_and_refuses_bad_shapes():
     g = torch.Generator().manual_seed(0)
-    blocks = torch.randint(0, 256, (3, 5, 2, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 150, (3, 5, 2), generator=g, dtype=torch.uint8)
-    for dtype in (torch.float32, torch.bfloat16):
+    blocks = torch.randint(0, 256, (3, 255, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.arange(255, dtype=torch.uint8)[None, :, None].expand(3, 255, 2).contiguous()  # every finite scale
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ref = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # (transposed to [E, in, out])
         assert torch.equal(dequantize_mxfp4(blocks, scales, dtype), ref.transpose(1, 2))
     with pytest.raises(ValueError, match="do not match"):

@@ -6,7 +6,8 @@ Each run of 32 values along a row shares one scale, a power of two stored as a b
 (E8M0: 2**(s - 127)); each value is a 4-bit E2M1 float (sign, two exponent bits, one mantissa bit),
 two per byte, the low nibble first. A tensor comes as ``<name>_blocks [..., rows, G, 16]`` (uint8)
 and ``<name>_scales [..., rows, G]`` (uint8): the dense tensor is ``[..., rows, G * 32]``.
-Every such value is exact in bfloat16 (and float32), so dequantizing loses nothing.
+Every such value is exact in bfloat16 (and float32), so dequantizing loses nothing. (A scale byte of
+0xFF, NaN in the OCP format, gives NaN.)
 """
 from __future__ import annotations
 
@@ -36,13 +37,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
         raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
                          "(blocks [..., G, 16], scales [..., G])")  # fmt: skip
-    lut = torch.tensor(E2M1_VALUES, dtype=dtype)
-    groups = blocks.reshape(-1, 16)
+    # each byte's two values (low nibble first): one lookup per byte instead of one per nibble; the
+    # values times their power-of-two scale are exact in bfloat16 and float32 (the same exponent range)
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    pairs = torch.tensor([[E2M1_VALUES[b & 0x0F], E2M1_VALUES[b >> 4]] for b in range(256)], dtype=work)
+    groups, scales = blocks.reshape(-1, 16), scales.reshape(-1)
     out = torch.empty(groups.shape[0], 32, dtype=dtype)
     step = CHUNK_GROUPS
-    for start in range(0, groups.shape[0], step):  # (in chunks: the int64 codes are 8x the packed bytes)
+    for start in range(0, groups.shape[0], step):  # (in chunks: the int64 indices are 8x the packed bytes)
         chunk = groups[start : start + step]
-        codes = torch.stack((chunk & 0x0F, chunk >> 4), dim=-1).flatten(-2)  # low nibble first
-        exponents = scales.reshape(-1)[start : start + step].to(torch.int32).sub_(127).unsqueeze(-1)
-        out[start : start + step] = torch.ldexp(lut[codes.long()], exponents)
+        values = pairs.index_select(0, chunk.reshape(-1).long()).view(-1, 32)
+        exponents = scales[start : start + step].to(torch.int32).sub_(127).unsqueeze(-1)
+        out[start : start + step] = values * torch.ldexp(torch.ones(exponents.shape, dtype=work), exponents)
     return out.view(*blocks.shape[:-1], 32).flatten(-2)
