@@ -205,3 +205,25 @@ def test_lora_requests_draft_with_the_base_draft_model(tiny, tmp_path):
         assert_no_leaks(llm)
     assert [o.outputs[0].token_ids for o in outs["draft"]] == [o.outputs[0].token_ids for o in outs["plain"]]
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 20
+
+
+def test_a_mixture_of_experts_drafting_for_itself(tmp_path, default_model_dir):
+    """A Qwen3-MoE as its own draft: the draft's experts are prepacked on the CPU as the target's
+    are (engine/model_loading.py), and a draft equal to the target has nearly every draft accepted,
+    outputs those of plain decoding."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from helpers import tiny_qwen3_moe_config
+    from vllmini.models.packed_linear import packing_available
+
+    torch.manual_seed(0)
+    target = save_tiny_model(Qwen3MoeForCausalLM(tiny_qwen3_moe_config()).eval(), tmp_path, default_model_dir)
+    ps, params = prompts(4, seed=5), SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(target), speculative_config=draft(target, k=3))
+    packed = [m.experts.prepacked is not None for m in llm.llm_engine.speculator.drafter.model.modules()
+              if hasattr(m, "experts")]  # fmt: skip
+    assert packed and all(packed) == packing_available(torch.device("cpu"), torch.float32)
+    assert run(llm, params, ps) == run(LLM(model=str(target)), params, ps)
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens > 0
+    assert_no_leaks(llm)
