@@ -36,7 +36,6 @@ class GptOssMoE(FusedMoE):
         self.num_experts, self.top_k = num_experts(config), int(config.num_experts_per_tok)
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok must be in 1..num_local_experts ({self.num_experts}), got {self.top_k}")
-        self.renormalize = True
         self.alpha, self.limit = float(config.swiglu_alpha), float(config.swiglu_limit)
         self.router = nn.Linear(config.hidden_size, self.num_experts, bias=True)
         self.experts = ExpertWeights(self.num_experts, config.hidden_size, config.intermediate_size, bias=True)

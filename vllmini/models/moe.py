@@ -14,7 +14,7 @@ weights renormalised to sum to one where the model says so (``norm_topk_prob``; 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -92,21 +92,22 @@ class FusedMoE(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
         rows = order // self.top_k  # the token of each sorted pair
         counts = torch.bincount(flat, minlength=self.num_experts)
-        ys = self.run_experts(x.index_select(0, rows), counts, flat.index_select(0, order))
+        ys = self.run_experts(x.index_select(0, rows), counts)
         ys = ys * weights.flatten().index_select(0, order)[:, None]
         return torch.zeros_like(x).index_add_(0, rows, ys)
 
-    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Every row of ``xs`` through its expert: rows sorted by expert, ``counts[e]`` of them for
-        expert ``e``, ``expert_ids`` each row's (for the biases, where the experts have them)."""
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Every row of ``xs`` through its expert: rows sorted by expert, ``counts[e]`` of them for expert ``e``."""
         experts = self.experts
         if experts.prepacked is not None:
             return experts.prepacked.run(xs, counts, experts.b13, experts.b2, self.activation)
         h = _grouped_linear(xs, experts.w13, counts)
-        if experts.b13 is not None:
-            h = h + experts.b13.index_select(0, expert_ids)
-        ys = _grouped_linear(self.activation(h), experts.w2, counts)
-        return ys if experts.b2 is None else ys + experts.b2.index_select(0, expert_ids)
+        if experts.b13 is None:
+            return _grouped_linear(self.activation(h), experts.w2, counts)
+        # each row's expert, for the biases (output_size given: no host sync, so graph-safe)
+        ids = torch.arange(self.num_experts, device=xs.device).repeat_interleave(counts, output_size=xs.shape[0])
+        ys = _grouped_linear(self.activation(h + experts.b13.index_select(0, ids)), experts.w2, counts)
+        return ys + experts.b2.index_select(0, ids)
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The gated activation of the experts' fused gate/up output (SwiGLU)."""
@@ -114,18 +115,24 @@ class FusedMoE(nn.Module):
         return F.silu(gate) * up
 
 
+def expert_loop(xs: torch.Tensor, rows: list[int], matmul: Callable[[torch.Tensor, int], torch.Tensor],
+                out_features: int) -> torch.Tensor:  # fmt: skip
+    """``xs`` rows sorted by expert, ``rows[e]`` of them for expert ``e``, each expert's through
+    ``matmul(its rows, e)``, in order; experts with no rows are skipped (a host loop: no CUDA graph)."""
+    outs, start = [], 0
+    for expert, count in enumerate(rows):
+        if count:
+            outs.append(matmul(xs[start : start + count], expert))
+            start += count
+    return torch.cat(outs) if outs else xs.new_empty(0, out_features)
+
+
 def _grouped_linear(xs: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``xs`` rows sorted by expert, ``counts[e]`` of them through ``weight[e]`` (``[E, out, in]``): one
     grouped matmul where torch has one for the device and dtype, else expert after expert."""
     if grouped_mm_supported(xs.device, xs.dtype):
         return F.grouped_mm(xs, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
-    out = xs.new_empty(xs.shape[0], weight.shape[1])
-    start = 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            out[start : start + count] = F.linear(xs[start : start + count], weight[expert])
-            start += count
-    return out
+    return expert_loop(xs, counts.tolist(), lambda rows, e: F.linear(rows, weight[e]), weight.shape[1])
 
 
 class SharedExpertMoE(FusedMoE):

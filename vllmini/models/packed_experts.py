@@ -23,7 +23,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from vllmini.models.moe import ExpertWeights
+from vllmini.models.moe import ExpertWeights, expert_loop
 from vllmini.models.packed_linear import pack_weight, packed_linear
 
 
@@ -41,8 +41,8 @@ class PackedExperts:
         """``FusedMoE.run_experts`` on the packed weights: rows sorted by expert, ``counts[e]`` of them
         for expert ``e``; the experts with no rows are skipped."""
         rows = counts.tolist()
-        h = _expert_loop(xs, self.w13, rows, b13, self.shape13[0])
-        return _expert_loop(activation(h), self.w2, rows, b2, self.shape2[0])
+        h = _packed_matmuls(xs, self.w13, rows, b13, self.shape13[0])
+        return _packed_matmuls(activation(h), self.w2, rows, b2, self.shape2[0])
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The stacked ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, unpacked (exact)."""
@@ -58,16 +58,13 @@ class PackedExperts:
         self.w2 = [pack_weight(torch.zeros(self.shape2, dtype=self.dtype)) for _ in range(self.num_experts)]
 
 
-def _expert_loop(xs: torch.Tensor, packed: list[torch.Tensor], rows: list[int], bias: torch.Tensor | None,
-                 out_features: int) -> torch.Tensor:  # fmt: skip
+def _packed_matmuls(xs: torch.Tensor, packed: list[torch.Tensor], rows: list[int], bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:  # fmt: skip
     """Each expert's rows of ``xs`` through its packed matrix (and bias), in order."""
-    outs, start = [], 0
-    for expert, count in enumerate(rows):
-        if count:
-            b = None if bias is None else bias[expert]
-            outs.append(packed_linear(xs[start : start + count], packed[expert], b))
-            start += count
-    return torch.cat(outs) if outs else xs.new_empty(0, out_features)
+    def matmul(x: torch.Tensor, e: int) -> torch.Tensor:
+        return packed_linear(x, packed[e], None if bias is None else bias[e])
+
+    return expert_loop(xs, rows, matmul, out_features)
 
 
 def pack_experts(experts: ExpertWeights) -> None:
