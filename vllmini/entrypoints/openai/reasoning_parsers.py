@@ -30,7 +30,7 @@ from typing import Any
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.tool_parsers import harmony_utils as harmony
 from vllmini.entrypoints.openai.tool_parsers.openai_tool_parser import OpenAIToolParser
-from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser, partial_tag
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser, keep_special_tokens, partial_tag
 
 
 class ReasoningParser:
@@ -243,7 +243,7 @@ class MistralReasoningParser(ReasoningParser):
     @classmethod
     def adjust_request(cls, params: SamplingParams) -> SamplingParams:
         # the tags are special tokens of Magistral's tokenizer: skipped, no reasoning could be read
-        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+        return keep_special_tokens(params)
 
     def _step(self) -> bool:
         if self._state != "before":
@@ -282,7 +282,7 @@ class GptOssReasoningParser(ReasoningParser):
     @classmethod
     def adjust_request(cls, params: SamplingParams) -> SamplingParams:
         # the tags are special tokens of gpt-oss's tokenizer: skipped, no message could be read
-        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+        return keep_special_tokens(params)
 
     @classmethod
     def starts_in_reasoning(cls, prompt: str) -> bool:

@@ -237,6 +237,12 @@ def collect_tool_calls(pieces: list[Piece], make_id: Callable[[], str] = make_to
     return [calls[i] for i in sorted(calls)]
 
 
+def keep_special_tokens(params: SamplingParams) -> SamplingParams:
+    """``params`` with ``skip_special_tokens`` off: for a parser whose tags are special tokens of the
+    model's tokenizer (skipped, the parser could not read them)."""
+    return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+
+
 def partial_tag(text: str, tag: str) -> int:
     """The length of the longest end of ``text`` that begins ``tag`` (held back: the tag may be
     completed by the next delta)."""

@@ -10,6 +10,7 @@ begin so (after whitespace) is plain content, as vLLM decides; text after the ar
 from __future__ import annotations
 
 from vllmini.engine.sampling_params import SamplingParams
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import keep_special_tokens
 from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
 
 
@@ -18,7 +19,7 @@ class GraniteToolParser(Llama3JsonToolParser):
 
     def adjust_request(self, params: SamplingParams) -> SamplingParams:
         # <|tool_call|> is a special token of Granite 3.0's tokenizer: kept in the text, or no call could be read
-        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+        return keep_special_tokens(params)
 
     def _step(self) -> bool:
         if self._state == "text":

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllmini.engine.sampling_params import SamplingParams
-from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, partial_tag
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser, keep_special_tokens, partial_tag
 
 
 class Hermes2ProToolParser(ToolParser):
@@ -30,7 +30,7 @@ class Hermes2ProToolParser(ToolParser):
 
     def adjust_request(self, params: SamplingParams) -> SamplingParams:
         # in Hermes 2 Pro the tags are special tokens: left out of the text, no call could be read (as vLLM)
-        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+        return keep_special_tokens(params)
 
     def _step(self) -> bool:
         if self._closing:

@@ -17,7 +17,7 @@ from typing import Any
 
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.tool_parsers.harmony_utils import Event, HarmonyReader, Header
-from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser
+from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import Piece, ToolParser, keep_special_tokens
 
 
 class OpenAIToolParser(ToolParser):
@@ -31,7 +31,7 @@ class OpenAIToolParser(ToolParser):
 
     def adjust_request(self, params: SamplingParams) -> SamplingParams:
         # the tags are special tokens of gpt-oss's tokenizer: skipped, no call could be read
-        return params.clone(skip_special_tokens=False) if params.skip_special_tokens else params
+        return keep_special_tokens(params)
 
     def extract_tool_calls_streaming(self, delta_text: str) -> list[Piece]:
         self._read_events(self._reader.feed(delta_text))
