@@ -69,10 +69,16 @@ def prefill(
         return capped_prefill(q, k, v, scale, softcap, q_first, k_first, window, sinks)
     if sinks is not None:
         return sink_prefill(q, k, v, scale, sinks, q_first, k_first, window)
-    if q_first == k_first and q.shape[2] == k.shape[2] and (window is None or window >= k.shape[2]):
+    if _whole_context(q, k, q_first, k_first, window):
         return attend(q, k, v, scale, is_causal=True, enable_gqa=True)
     mask = causal_mask((q_first, q_first + q.shape[2]), (k_first, k_first + k.shape[2]), window, q.device)
     return attend(q, k, v, scale, attn_mask=mask, enable_gqa=True)
+
+
+def _whole_context(q: torch.Tensor, k: torch.Tensor, q_first: int, k_first: int, window: int | None) -> bool:
+    """Whether the chunk's queries are its whole context with no window cutting it: SDPA's causal
+    (upper-left aligned) flag then masks it, no mask needed."""
+    return q_first == k_first and q.shape[2] == k.shape[2] and (window is None or window >= k.shape[2])
 
 
 def sink_prefill(
@@ -90,7 +96,7 @@ def sink_prefill(
     faster at 512 tokens only); SDPA's private op that returns the log-sum-exp, for a correction of the
     output by sigmoid(lse - sink), 1.06-1.12x (bench/attention_sinks.py)."""
     heads, q_len, dim = q.shape[1], q.shape[2], q.shape[3]
-    causal = q_first == k_first and q_len == k.shape[2] and (window is None or window >= q_len)
+    causal = _whole_context(q, k, q_first, k_first, window)
     extra, rows = (1 if q.dtype == torch.float32 else 2), q_len + causal
     bound = torch.finfo(q.dtype).max / 4  # (finite in q's dtype: float16's 16376 / scale is still exp's 0 or inf)
     logit = (sinks.float() / scale).clamp(-bound, bound)

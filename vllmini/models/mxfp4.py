@@ -20,7 +20,7 @@ MXFP4_SUFFIXES = ("_blocks", "_scales")
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
-# scale groups dequantized at a time (2**20: 32 Mi values, their int64 codes 256 MiB)
+# scale groups dequantized at a time (2**20: 32 Mi values; the int64 indices of their bytes 128 MiB)
 CHUNK_GROUPS = 2**20
 
 
@@ -43,10 +43,9 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     pairs = torch.tensor([[E2M1_VALUES[b & 0x0F], E2M1_VALUES[b >> 4]] for b in range(256)], dtype=work)
     groups, scales = blocks.reshape(-1, 16), scales.reshape(-1)
     out = torch.empty(groups.shape[0], 32, dtype=dtype)
-    step = CHUNK_GROUPS
-    for start in range(0, groups.shape[0], step):  # (in chunks: the int64 indices are 8x the packed bytes)
-        chunk = groups[start : start + step]
+    for start in range(0, groups.shape[0], CHUNK_GROUPS):  # (in chunks: the int64 indices are 8x the packed bytes)
+        chunk = groups[start : start + CHUNK_GROUPS]
         values = pairs.index_select(0, chunk.reshape(-1).long()).view(-1, 32)
-        exponents = scales[start : start + step].to(torch.int32).sub_(127).unsqueeze(-1)
-        out[start : start + step] = values * torch.ldexp(torch.ones(exponents.shape, dtype=work), exponents)
+        exponents = scales[start : start + CHUNK_GROUPS].to(torch.int32).sub_(127).unsqueeze(-1)
+        out[start : start + CHUNK_GROUPS] = values * torch.ldexp(torch.ones(exponents.shape, dtype=work), exponents)
     return out.view(*blocks.shape[:-1], 32).flatten(-2)
