@@ -48,11 +48,11 @@ def test_packed_experts_equal_the_grouped_matmul(counts, gpt_oss, dtype, seed):
     xs = torch.randn(sum(counts), 64).to(dtype)
     with torch.no_grad():
         want, got = dense.run_experts(xs, counts_t), packed.run_experts(xs, counts_t)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    else:  # (bf16: the two paths round the hidden activations apart, an ulp of bf16 on a few elements)
-        scale = want.abs().max().item() if want.numel() else 1.0
-        torch.testing.assert_close(got.float(), want.float(), atol=2e-2 * scale, rtol=2e-2)
+    # Both paths sum in their own order, so the tolerance follows the output's size (outputs reach ~40
+    # here; fp32 oneDNN and MKL differ by ~5e-7 of that, bf16 by an ulp on a few hidden activations).
+    scale = want.abs().max().item() if want.numel() else 1.0
+    tol = 4e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol * scale, rtol=tol)
 
 
 def test_packing_releases_the_dense_experts_and_unpacks_exactly():

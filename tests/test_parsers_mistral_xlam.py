@@ -136,6 +136,17 @@ def test_xlam_reads_the_array_bare_fenced_or_wrapped_whole_and_streamed(calls, w
 
 
 @SETTINGS
+@given(data=st.data())
+def test_xlam_text_opening_with_a_bracket_that_is_no_array_of_calls_leaves_a_later_fence_readable(data):
+    """A "[" that does not open an array of objects is text (as vLLM's, which looks for fences
+    first): the fenced calls after it are still read, streamed as whole."""
+    fenced = '```json\n[{"name": "f", "arguments": {"a": 1}}]\n```'
+    for before in ("[", "[ hi ", "[1] then ", "[]\n"):
+        got = both(xlam(), before + fenced, data)
+        assert got == {"reasoning": None, "content": before.rstrip(), "calls": [("f", '{"a": 1}')]}
+
+
+@SETTINGS
 @given(calls=calls_st, thought=text_st, gap=st.sampled_from(["", "\n\n", " "]), data=st.data())
 def test_xlam_reads_the_array_after_think_end(calls, thought, gap, data):
     """As vLLM's: the text through </think> is content, the array after it the calls; with a

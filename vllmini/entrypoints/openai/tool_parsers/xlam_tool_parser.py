@@ -3,7 +3,8 @@ where vLLM's xLAMToolParser looks for them: a JSON array of calls
 
     [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ...}]
 
-that opens the output (after whitespace) or follows a ``</think>``, or, anywhere in the text,
+that opens the output (after whitespace) or follows a ``</think>`` (a ``[`` not followed by a
+``{`` is text, so a fence after ``[1] ...`` still holds calls), or, anywhere in the text,
 one in a ```` ```json ```` (or bare ```` ``` ````) fence, after ``[TOOL_CALLS]`` or in a
 ``<tool_call>...</tool_call>`` block. The text around the calls is content, ``</think>`` and
 what comes before it too (as vLLM's); whitespace next to the calls is dropped, as Hermes's. A
@@ -53,8 +54,11 @@ class XLAMToolParser(Hermes2ProToolParser):
             head = self._buf.lstrip()
             if TOOL_CALLS.startswith(head) and head != TOOL_CALLS:  # whitespace or maybe the tag so far
                 return False
+            opens_object = head[1:].lstrip()[:1]  # (an array of calls: "[" then "{")
+            if head[0] == "[" and not head.startswith(TOOL_CALLS) and not opens_object:
+                return False  # ("[" and whitespace so far)
             self._state = "text"
-            if head[0] == "[" and not head.startswith(TOOL_CALLS):
+            if head[0] == "[" and not head.startswith(TOOL_CALLS) and opens_object == "{":
                 self._calls_begin(len(self._buf) - len(head), 0, "")
             return True
         if self._state == "code":
