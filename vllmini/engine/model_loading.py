@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from vllmini.config import EngineArgs, resolve_dtype, resolve_max_model_len, resolve_runner
-from vllmini.models import registry
+from vllmini.models import checkpoint_checks, registry
 from vllmini.models.packed_experts import prepack_experts
 from vllmini.models.packed_linear import packing_available, prepack_linears
 from vllmini.models.seq_cls_from_lm import resolve_score_from_tokens
@@ -46,6 +46,7 @@ def load_for_engine(args: EngineArgs, device: torch.device) -> LoadedModel:
                        "never code shipped with a model")  # fmt: skip
     model_dir = resolve_model_dir(args.model, args.cache_dir, args.revision, args.download_dir)
     config = apply_hf_overrides(load_config(model_dir), args.hf_overrides)
+    checkpoint_checks.check_quantization(args.quantization, config, model_dir)
     runner = resolve_runner(args, config.architectures)
     convert = resolve_convert(args, config.architectures, runner)
     if convert == "classify" and not registry.is_classifier_architecture(config.architectures):

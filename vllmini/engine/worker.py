@@ -57,7 +57,7 @@ class Worker:
     def reload_weights(self, weights_path: str | None = None) -> set[str]:
         """vLLM's: read the weights again from the model's folder, or from ``weights_path`` (an HF
         folder of safetensors files: a trainer's checkpoint), into the live model."""
-        from vllmini.models.weight_loader import iter_weights
+        from vllmini.models.weight_loader import checkpoint_weights
 
         if weights_path is not None and not isinstance(weights_path, (str, Path)):
             raise ValueError(f"reload_weights: weights_path must be a folder's path, got {type(weights_path).__name__}")
@@ -65,7 +65,7 @@ class Worker:
         if folder is None or not folder.is_dir():
             raise ValueError(f"reload_weights: {folder} is not a folder of safetensors files")
         try:
-            return self.load_weights(iter_weights(folder))
+            return self.load_weights(checkpoint_weights(folder))
         except FileNotFoundError as exc:  # (no safetensors there: a bad argument, as vLLM's 400)
             raise ValueError(f"reload_weights: {exc}") from None
 

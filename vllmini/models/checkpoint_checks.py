@@ -1,5 +1,5 @@
 """Checks on an HF-format model folder, for what users really hand over: a config.json with a
-zero, a negative or a missing size, a quantized checkpoint (GPTQ, AWQ, FP8...), integer tensors,
+zero, a negative or a missing size, a quantized checkpoint (GPTQ, AWQ...), integer tensors,
 one tensor in two shard files. Each becomes one error naming the file, instead of a ZeroDivisionError
 inside transformers, a negative dimension inside torch, silently wrong weights, or a shape
 mismatch that blames config.json for a size it never set (transformers' default filled it in).
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllmini.models.fp8 import FP8_DTYPES, fp8_format
 from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
 
 MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
@@ -32,22 +33,39 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
     if is_mxfp4(raw) and MXFP4_ARCHITECTURE in (raw.get("architectures") or []):
         pass  # (gpt-oss's experts: dequantized while loading, models/mxfp4.py)
     elif quant is not None:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
-                         "loads float weights only (and gpt-oss's MXFP4 experts): use the model's unquantized "
-                         "checkpoint, or a GGUF file of it")  # fmt: skip
+        try:
+            fp8 = fp8_format(raw)  # (FP8 weights: dequantized while loading, models/fp8.py)
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        if fp8 is None:
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+            raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
+                             "loads float weights, FP8 ones ('fp8', compressed-tensors' float8) and gpt-oss's MXFP4 "
+                             "experts: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
     for key in _SIZE_KEYS:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{path}: {key} is {value!r}; it must be a positive integer")
 
 
-def check_tensor(path: Path, name: str, tensor: torch.Tensor, mxfp4: bool = False) -> None:
+def check_quantization(requested: str | None, config: Any, model_dir: Path) -> None:
+    """vLLM's ``quantization`` names the checkpoint's own method, if given (vllmini reads that from
+    config.json and does not quantize an unquantized checkpoint online)."""
+    quant = getattr(config, "quantization_config", None)
+    found = (quant.to_dict() if hasattr(quant, "to_dict") else quant or {}).get("quant_method")
+    if requested is not None and requested != found:
+        raise ValueError(f"quantization={requested!r}, but {model_dir / 'config.json'} says "
+                         f"{'quant_method ' + repr(found) if found else 'the weights are not quantized'}; vllmini "
+                         "does not quantize online: leave quantization unset (a checkpoint's own method is read from it)")  # fmt: skip
+
+
+def check_tensor(path: Path, name: str, tensor: torch.Tensor, mxfp4: bool = False, fp8: bool = False) -> None:
     """A checkpoint tensor holds floating-point values of a dtype the models compute in (an integer
     tensor copied into a float parameter loads silently, and wrongly: a quantized checkpoint's
     packed weights, or a broken export). ``mxfp4``: the checkpoint is gpt-oss's MXFP4 one, whose
-    ``*_blocks`` / ``*_scales`` bytes the model dequantizes."""
-    if mxfp4 and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES):
+    ``*_blocks`` / ``*_scales`` bytes the model dequantizes; ``fp8``: an FP8 one, whose float8
+    tensors models/fp8.py dequantizes."""
+    if (mxfp4 and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES)) or (fp8 and tensor.dtype in FP8_DTYPES):
         return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vllmini.files import foreign_file_hint
+from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
 from vllmini.models.mxfp4 import is_mxfp4
 from vllmini.models import checkpoint_checks, registry
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
@@ -250,7 +251,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no *.safetensors weights; {ACCEPTED_FORMS}")
 
 
-def iter_weights(model_dir: Path, mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's (HF name, tensor) pairs as the model loads them: FP8 tensors dequantized
+    (models/fp8.py), MXFP4 bytes passed on for gpt-oss to dequantize. ``config``: the folder's
+    config (read from its config.json when None; a folder without one, a trainer's, holds float weights)."""
+    if config is None and (Path(model_dir) / "config.json").is_file():
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    fp8 = fp8_format(config) if config is not None else None
+    weights = iter_weights(model_dir, config is not None and is_mxfp4(config), fp8=fp8 is not None)
+    return dequantize_fp8_weights(weights, fp8) if fp8 is not None else weights
+
+
+def iter_weights(model_dir: Path, mxfp4: bool = False, fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
 
     Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
@@ -258,7 +270,7 @@ def iter_weights(model_dir: Path, mxfp4: bool = False) -> Iterator[tuple[str, to
     as soon as the caller drops the tensor, instead of staying resident until the whole
     file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
     new ones) is refused: which one the checkpoint means is unknown; so is a non-float one (but
-    an MXFP4 checkpoint's packed bytes, with ``mxfp4``).
+    an MXFP4 checkpoint's packed bytes, with ``mxfp4``, and an FP8 one's float8 tensors, with ``fp8``).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -274,7 +286,7 @@ def iter_weights(model_dir: Path, mxfp4: bool = False) -> Iterator[tuple[str, to
                 seen[name] = path
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     tensor = f.get_tensor(name)
-                checkpoint_checks.check_tensor(path, name, tensor, mxfp4)
+                checkpoint_checks.check_tensor(path, name, tensor, mxfp4, fp8)
                 yield name, tensor
                 del tensor
         except SafetensorError as exc:
@@ -318,7 +330,7 @@ def load_model(
     tied = _shared_parameter_names(model)
     model.to_empty(device=device)
     _retie(model, tied)  # to_empty gives every alias of a shared (tied) parameter its own storage
-    weights = iter_weights(model_dir, is_mxfp4(config))
+    weights = checkpoint_weights(model_dir, config)
     if score_from_tokens is not None:
         weights = score_from_tokens.capture(weights)
     try:
