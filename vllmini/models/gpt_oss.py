@@ -24,7 +24,6 @@ from torch import nn
 
 from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
 from vllmini.models.moe import ExpertWeights, FusedMoE, num_experts
-from vllmini.models.mxfp4 import MXFP4_SUFFIXES, dequantize_mxfp4
 from vllmini.models.olmo2 import Olmo2RMSNorm
 
 
@@ -64,19 +63,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
 def _our_expert_layout(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """gpt-oss's expert tensors in ``ExpertWeights``' layout and names, the rest as they come:
     ``gate_up_proj [E, H, 2I]`` (gate and up interleaved) -> ``w13 [E, 2I, H]`` gate first;
-    ``down_proj [E, I, H]`` -> ``w2 [E, H, I]``; biases likewise; an MXFP4 pair (``_blocks`` and
-    ``_scales``, in either order) dequantized once both have come (they hold ``[E, out, in]``)."""
-    pending: dict[str, torch.Tensor] = {}
+    ``down_proj [E, I, H]`` -> ``w2 [E, H, I]``; biases likewise. (MXFP4 experts come here
+    dequantized: models/mxfp4.py, ``dequantize_mxfp4_weights``.)"""
     for name, tensor in weights:
-        base, suffix = _split_suffix(name)
-        if suffix is not None:  # half of an MXFP4 pair
-            other = base + ("_scales" if suffix == "_blocks" else "_blocks")
-            if other not in pending:
-                pending[name] = tensor
-                continue
-            blocks, scales = (tensor, pending.pop(other)) if suffix == "_blocks" else (pending.pop(other), tensor)
-            dense = dequantize_mxfp4(blocks, scales)  # [E, out, in]
-            name, tensor = base, dense.transpose(1, 2)  # transformers' in-memory layout [E, in, out]
         if name.endswith(".experts.gate_up_proj"):
             yield name[: -len("gate_up_proj")] + "w13", _gate_first(tensor.transpose(1, 2), dim=1)
         elif name.endswith(".experts.down_proj"):
@@ -87,15 +76,6 @@ def _our_expert_layout(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[
             yield name[: -len("down_proj_bias")] + "b2", tensor
         else:
             yield name, tensor
-    if pending:
-        raise ValueError(f"MXFP4 tensors without their blocks or scales: {', '.join(sorted(pending))}")
-
-
-def _split_suffix(name: str) -> tuple[str, str | None]:
-    for suffix in MXFP4_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)], suffix
-    return name, None
 
 
 def _gate_first(tensor: torch.Tensor, dim: int) -> torch.Tensor:

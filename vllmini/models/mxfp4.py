@@ -11,7 +11,7 @@ Every such value is exact in bfloat16 (and float32), so dequantizing loses nothi
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -49,3 +49,24 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         exponents = scales[start : start + CHUNK_GROUPS].to(torch.int32).sub_(127).unsqueeze(-1)
         out[start : start + CHUNK_GROUPS] = values * torch.ldexp(torch.ones(exponents.shape, dtype=work), exponents)
     return out.view(*blocks.shape[:-1], 32).flatten(-2)
+
+
+def dequantize_mxfp4_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) pairs with each MXFP4 pair (``<name>_blocks`` and ``<name>_scales``,
+    in either order) dequantized once both have come, as ``<name>`` in transformers' in-memory layout
+    (the pair holds ``[E, out, in]``; the tensor is ``[E, in, out]``); the rest as they come."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        suffix = next((s for s in MXFP4_SUFFIXES if name.endswith(s)), None)
+        if suffix is None:
+            yield name, tensor
+            continue
+        base = name[: -len(suffix)]
+        other = base + ("_scales" if suffix == "_blocks" else "_blocks")
+        if other not in pending:
+            pending[name] = tensor
+            continue
+        blocks, scales = (tensor, pending.pop(other)) if suffix == "_blocks" else (pending.pop(other), tensor)
+        yield base, dequantize_mxfp4(blocks, scales).transpose(-2, -1)
+    if pending:
+        raise ValueError(f"MXFP4 tensors without their blocks or scales: {', '.join(sorted(pending))}")

@@ -25,7 +25,7 @@ from torch import nn
 
 from vllmini.files import foreign_file_hint
 from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
-from vllmini.models.mxfp4 import is_mxfp4
+from vllmini.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4
 from vllmini.models import checkpoint_checks, registry
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
@@ -252,13 +252,15 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The folder's (HF name, tensor) pairs as the model loads them: FP8 tensors dequantized
-    (models/fp8.py), MXFP4 bytes passed on for gpt-oss to dequantize. ``config``: the folder's
+    """The folder's (HF name, tensor) pairs as the model loads them, float tensors all: FP8 and
+    MXFP4 ones dequantized (models/fp8.py, models/mxfp4.py). ``config``: the folder's
     config (read from its config.json when None; a folder without one, a trainer's, holds float weights)."""
     if config is None and (Path(model_dir) / "config.json").is_file():
         config = json.loads((Path(model_dir) / "config.json").read_text())
-    fp8 = fp8_format(config) if config is not None else None
-    weights = iter_weights(model_dir, config is not None and is_mxfp4(config), fp8=fp8 is not None)
+    fp8, mxfp4 = (fp8_format(config), is_mxfp4(config)) if config is not None else (None, False)
+    weights = iter_weights(model_dir, mxfp4, fp8=fp8 is not None)
+    if mxfp4:
+        weights = dequantize_mxfp4_weights(weights)
     return dequantize_fp8_weights(weights, fp8) if fp8 is not None else weights
 
 
