@@ -197,7 +197,7 @@ def test_broken_fp8_checkpoints_are_refused_by_name(tmp_path, default_model_dir)
     config = json.loads((dense / "config.json").read_text())
     for quant, field in [({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
                          ({**_compressed("channel"), "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "config_groups.g.weights"),
-                         ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'")]:  # fmt: skip
+                         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'")]:  # fmt: skip
         (dense / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
         with pytest.raises(ValueError, match=field):
             LLM(model=str(dense), dtype="float32")
@@ -222,5 +222,5 @@ def test_quantization_argument_names_the_checkpoints_own_method(tmp_path, defaul
         LLM(model=str(dense), dtype="float32", quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization='compressed-tensors'.*quant_method 'fp8'"):
         LLM(model=str(tmp_path / "fp8"), dtype="float32", quantization="compressed-tensors")
-    with pytest.raises(ValueError, match=r"quantization='awq' is not supported"):
-        LLM(model=str(tmp_path / "fp8"), dtype="float32", quantization="awq")
+    with pytest.raises(ValueError, match=r"quantization='bitsandbytes' is not supported"):
+        LLM(model=str(tmp_path / "fp8"), dtype="float32", quantization="bitsandbytes")

@@ -206,7 +206,7 @@ def dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def read_converted(model_dir: Path) -> dict[str, torch.Tensor]:
     """A converted folder's tensors as stored (MXFP4 pairs as their bytes)."""
-    return dict(iter_weights(model_dir, mxfp4=is_mxfp4(json.loads((model_dir / "config.json").read_text()))))
+    return dict(iter_weights(model_dir, "mxfp4" if is_mxfp4(json.loads((model_dir / "config.json").read_text())) else None))
 
 
 def transformers_model(model_dir: Path):

@@ -17,7 +17,7 @@ VLLM_STYLE = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_paralle
                   quantization=None, calculate_kv_scales=False, tokenizer_mode="hf", load_format="safetensors",
                   cpu_offload_gb=0)  # fmt: skip
 REFUSED = dict(tensor_parallel_size=2, pipeline_parallel_size=4, data_parallel_size=2, enable_chunked_prefill=False,
-               quantization="awq", calculate_kv_scales=True, tokenizer_mode="mistral", load_format="pt", cpu_offload_gb=4)  # fmt: skip
+               quantization="bitsandbytes", calculate_kv_scales=True, tokenizer_mode="mistral", load_format="pt", cpu_offload_gb=4)  # fmt: skip
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 17, 300, 42, 9, 1200, 77, 3]}
 

@@ -473,8 +473,8 @@ _UNSET = object()
         ({"num_key_value_heads": 0}, r"config\.json: num_key_value_heads is 0; it must be a positive integer"),
         ({"num_hidden_layers": 0}, r"config\.json: num_hidden_layers is 0; it must be a positive integer"),
         ({"vocab_size": 0}, r"config\.json: vocab_size is 0"),
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
-         r"config\.json: a quantized checkpoint \(quantization_config with quant_method 'gptq'\)"),
+        ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}},
+         r"config\.json: a quantized checkpoint \(quantization_config with quant_method 'bitsandbytes'\)"),
         ({"hidden_size": _UNSET}, r"m: checkpoint tensor 'model\.embed_tokens\.weight' has shape \(128, 64\) but config\.json "
                                   r"implies \(128, 4096\) \(config\.json does not set hidden_size \(default 4096\)"),
         ({"num_hidden_layers": _UNSET}, r"m: the checkpoint does not provide these parameters: model\.layers\.2\..*"

@@ -11,14 +11,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# vLLM's kernel-specific names for a checkpoint's method (they pick its kernels; vllmini dequantizes either way)
+QUANTIZATION_ALIASES = {"gptq_marlin": "gptq", "auto_gptq": "gptq", "awq_marlin": "awq", "auto_awq": "awq"}
 # name -> (accepted values, what vllmini does instead of the others)
 FIXED = {
     "tensor_parallel_size": ((1,), "vllmini runs a model on one device"),
     "pipeline_parallel_size": ((1,), "vllmini runs a model on one device"),
     "data_parallel_size": ((1,), "an engine is one process on one device (run several servers behind a load balancer)"),
     "enable_chunked_prefill": ((True,), "vllmini always splits a prompt longer than max_num_batched_tokens into chunks"),
-    "quantization": ((None, "fp8", "compressed-tensors", "mxfp4"), "nothing is quantized online: a checkpoint's own FP8 "
-                     "or MXFP4 weights (and a GGUF file's) are dequantized to the engine's dtype while loading"),
+    "quantization": ((None, "fp8", "compressed-tensors", "mxfp4", "gptq", "awq", *QUANTIZATION_ALIASES),
+                     "nothing is quantized online: a checkpoint's own FP8, GPTQ, AWQ or MXFP4 weights (and a GGUF "
+                     "file's) are dequantized to the engine's dtype while loading"),
     "calculate_kv_scales": ((False,), "K/V are cached unscaled (scale 1.0, vLLM's default), saturated at fp8's range"),
     "tokenizer_mode": (("auto", "hf"), "tokenizers are transformers' (AutoTokenizer)"),
     "load_format": (("auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files only"),

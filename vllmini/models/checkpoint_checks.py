@@ -1,5 +1,5 @@
 """Checks on an HF-format model folder, for what users really hand over: a config.json with a
-zero, a negative or a missing size, a quantized checkpoint (GPTQ, AWQ...), integer tensors,
+zero, a negative or a missing size, a quantized checkpoint vllmini cannot read, integer tensors,
 one tensor in two shard files. Each becomes one error naming the file, instead of a ZeroDivisionError
 inside transformers, a negative dimension inside torch, silently wrong weights, or a shape
 mismatch that blames config.json for a size it never set (transformers' default filled it in).
@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from vllmini.models.fp8 import FP8_DTYPES, fp8_format
+from vllmini.models.gptq_awq import wna16_format
 from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
+from vllmini.vllm_args import QUANTIZATION_ALIASES
 
 MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
 
@@ -23,6 +25,7 @@ _SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_
 # sizes whose transformers default is a fixed number (Llama 2 7B's), not derived from the others
 _DEFAULTED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "num_hidden_layers", "vocab_size")  # fmt: skip
+WNA16_INT_PARTS = (".qweight", ".qzeros", ".g_idx")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -33,15 +36,15 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
     if is_mxfp4(raw) and MXFP4_ARCHITECTURE in (raw.get("architectures") or []):
         pass  # (gpt-oss's experts: dequantized while loading, models/mxfp4.py)
     elif quant is not None:
-        try:
-            fp8 = fp8_format(raw)  # (FP8 weights: dequantized while loading, models/fp8.py)
+        try:  # (FP8, GPTQ and AWQ weights: dequantized while loading, models/fp8.py, models/gptq_awq.py)
+            readable = fp8_format(raw) or wna16_format(raw)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
-        if fp8 is None:
+        if readable is None:
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
             raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
-                             "loads float weights, FP8 ones ('fp8', compressed-tensors' float8) and gpt-oss's MXFP4 "
-                             "experts: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
+                             "loads float weights, FP8 ones ('fp8', compressed-tensors' float8), GPTQ, AWQ and gpt-oss's "
+                             "MXFP4 experts: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
     for key in _SIZE_KEYS:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -53,19 +56,21 @@ def check_quantization(requested: str | None, config: Any, model_dir: Path) -> N
     config.json and does not quantize an unquantized checkpoint online)."""
     quant = getattr(config, "quantization_config", None)
     found = (quant.to_dict() if hasattr(quant, "to_dict") else quant or {}).get("quant_method")
-    if requested is not None and requested != found:
+    if requested is not None and QUANTIZATION_ALIASES.get(requested, requested) != found:
         raise ValueError(f"quantization={requested!r}, but {model_dir / 'config.json'} says "
                          f"{'quant_method ' + repr(found) if found else 'the weights are not quantized'}; vllmini "
                          "does not quantize online: leave quantization unset (a checkpoint's own method is read from it)")  # fmt: skip
 
 
-def check_tensor(path: Path, name: str, tensor: torch.Tensor, mxfp4: bool = False, fp8: bool = False) -> None:
+def check_tensor(path: Path, name: str, tensor: torch.Tensor, quant: str | None = None) -> None:
     """A checkpoint tensor holds floating-point values of a dtype the models compute in (an integer
     tensor copied into a float parameter loads silently, and wrongly: a quantized checkpoint's
-    packed weights, or a broken export). ``mxfp4``: the checkpoint is gpt-oss's MXFP4 one, whose
-    ``*_blocks`` / ``*_scales`` bytes the model dequantizes; ``fp8``: an FP8 one, whose float8
-    tensors models/fp8.py dequantizes."""
-    if (mxfp4 and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES)) or (fp8 and tensor.dtype in FP8_DTYPES):
+    packed weights, or a broken export). ``quant``: the checkpoint's quantization whose packed tensors
+    are dequantized while loading: "mxfp4" (gpt-oss's ``*_blocks`` / ``*_scales`` bytes), "fp8"
+    (float8 tensors, models/fp8.py), "wna16" (GPTQ / AWQ int32 words, models/gptq_awq.py)."""
+    if ((quant == "mxfp4" and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES))
+            or (quant == "fp8" and tensor.dtype in FP8_DTYPES)
+            or (quant == "wna16" and tensor.dtype == torch.int32 and name.endswith(WNA16_INT_PARTS))):  # fmt: skip
         return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "

@@ -25,6 +25,7 @@ from torch import nn
 
 from vllmini.files import foreign_file_hint
 from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
+from vllmini.models.gptq_awq import dequantize_wna16_weights, wna16_format
 from vllmini.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4
 from vllmini.models import checkpoint_checks, registry
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
@@ -253,18 +254,22 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's (HF name, tensor) pairs as the model loads them, float tensors all: FP8 and
-    MXFP4 ones dequantized (models/fp8.py, models/mxfp4.py). ``config``: the folder's
+    MXFP4, GPTQ and AWQ ones dequantized (models/fp8.py, models/mxfp4.py, models/gptq_awq.py). ``config``: the folder's
     config (read from its config.json when None; a folder without one, a trainer's, holds float weights)."""
     if config is None and (Path(model_dir) / "config.json").is_file():
         config = json.loads((Path(model_dir) / "config.json").read_text())
-    fp8, mxfp4 = (fp8_format(config), is_mxfp4(config)) if config is not None else (None, False)
-    weights = iter_weights(model_dir, mxfp4, fp8=fp8 is not None)
-    if mxfp4:
-        weights = dequantize_mxfp4_weights(weights)
-    return dequantize_fp8_weights(weights, fp8) if fp8 is not None else weights
+    if config is None:
+        return iter_weights(model_dir)
+    if is_mxfp4(config):
+        return dequantize_mxfp4_weights(iter_weights(model_dir, "mxfp4"))
+    if (fp8 := fp8_format(config)) is not None:
+        return dequantize_fp8_weights(iter_weights(model_dir, "fp8"), fp8)
+    if (wna16 := wna16_format(config)) is not None:
+        return dequantize_wna16_weights(iter_weights(model_dir, "wna16"), wna16)
+    return iter_weights(model_dir)
 
 
-def iter_weights(model_dir: Path, mxfp4: bool = False, fp8: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, quant: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
 
     Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
@@ -272,7 +277,7 @@ def iter_weights(model_dir: Path, mxfp4: bool = False, fp8: bool = False) -> Ite
     as soon as the caller drops the tensor, instead of staying resident until the whole
     file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
     new ones) is refused: which one the checkpoint means is unknown; so is a non-float one (but
-    an MXFP4 checkpoint's packed bytes, with ``mxfp4``, and an FP8 one's float8 tensors, with ``fp8``).
+    a quantized checkpoint's packed tensors, with ``quant``: checkpoint_checks.check_tensor).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -288,7 +293,7 @@ def iter_weights(model_dir: Path, mxfp4: bool = False, fp8: bool = False) -> Ite
                 seen[name] = path
                 with safe_open(str(path), framework="pt", device="cpu") as f:
                     tensor = f.get_tensor(name)
-                checkpoint_checks.check_tensor(path, name, tensor, mxfp4, fp8)
+                checkpoint_checks.check_tensor(path, name, tensor, quant)
                 yield name, tensor
                 del tensor
         except SafetensorError as exc:
