@@ -5,6 +5,7 @@ import contextlib
 import math
 import os
 import re
+import json
 import shutil
 import signal
 import subprocess
@@ -264,6 +265,22 @@ def save_tiny_model(hf_model, out_dir: Path, tokenizer_dir: Path) -> Path:
         if (Path(tokenizer_dir) / name).is_file():
             shutil.copy(Path(tokenizer_dir) / name, out_dir / name)
     return out_dir
+
+
+def checkpoint_like(model_dir: Path, out: Path, tensors: dict, quantization_config: dict | None = None) -> Path:
+    """``model_dir``'s config and tokenizer with ``tensors`` as its one safetensors file (and a
+    ``quantization_config`` in config.json): a quantized or dequantized twin of a test model."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    for f in Path(model_dir).iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    if quantization_config is not None:
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return out
 
 
 def save_tiny_classifier(kind: str, out_dir: Path, tokenizer_dir: Path, num_labels: int, seed: int = 0,

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-from helpers import assert_engine_matches_transformers, save_tiny_model, tiny_llama_config, tiny_qwen3_moe_config
+from helpers import assert_engine_matches_transformers, checkpoint_like, save_tiny_model, tiny_llama_config, tiny_qwen3_moe_config
 from vllmini import LLM
 from vllmini.models.fp8 import fp8_format
 from vllmini.models.weight_loader import load_model
@@ -45,10 +45,6 @@ def _write_fp8(dense_dir: Path, out: Path, quantization_config: dict, kind: str,
                scale_suffix: str = "_scale_inv", extra: dict | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """``dense_dir``'s checkpoint with every projection weight (and stacked experts) in FP8; returns
     the dense weights it stands for (each FP8 value times its scale)."""
-    out.mkdir()
-    for f in dense_dir.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
     tensors, dequantized = {}, {}
     for name, w in load_file(dense_dir / "model.safetensors").items():
         if name.endswith(("proj.weight", "experts.gate_up_proj", "experts.down_proj")):
@@ -56,11 +52,7 @@ def _write_fp8(dense_dir: Path, out: Path, quantization_config: dict, kind: str,
             tensors[name], tensors[name + scale_suffix] = q, scale.float()
         else:
             tensors[name] = dequantized[name] = w
-    tensors.update(extra or {})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (out / "config.json").write_text(json.dumps(config))
+    checkpoint_like(dense_dir, out, {**tensors, **(extra or {})}, quantization_config)
     return dequantized
 
 
@@ -71,12 +63,7 @@ def _dense(tmp_path: Path, default_model_dir: Path, config, name: str = "dense")
 
 def _dense_copy(dense_dir: Path, weights: dict[str, torch.Tensor], out: Path) -> Path:
     """``dense_dir`` with ``weights`` in float32: what the FP8 checkpoint must load as."""
-    out.mkdir()
-    for f in dense_dir.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return checkpoint_like(dense_dir, out, weights)
 
 
 def _assert_same_parameters(fp8_dir: Path, dense_dir: Path) -> None:
@@ -147,12 +134,7 @@ def test_fp8_experts_per_expert_and_stacked(tmp_path, default_model_dir):
     weights = _write_fp8(dense, tmp_path / "per_expert", _block_fp8((16, 16)), "block", (16, 16))
     want = _dense_copy(dense, weights, tmp_path / "want")
     _assert_same_parameters(tmp_path / "per_expert", want)
-    stacked = tmp_path / "dense_stacked"  # (a trainer's state_dict: the experts stacked)
-    stacked.mkdir()
-    for f in dense.iterdir():
-        if f.suffix != ".safetensors":
-            (stacked / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, stacked / "model.safetensors")
+    stacked = checkpoint_like(dense, tmp_path / "dense_stacked", model.state_dict())  # (a trainer's: experts stacked)
     assert any(k.endswith("experts.gate_up_proj") for k in load_file(stacked / "model.safetensors"))
     _write_fp8(stacked, tmp_path / "stacked", _block_fp8((16, 16)), "block", (16, 16))  # (tiles split at I = 48)
     _assert_same_parameters(tmp_path / "stacked", want)

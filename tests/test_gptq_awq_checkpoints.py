@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_engine_matches_transformers, save_tiny_model, tiny_llama_config, tiny_qwen3_moe_config
+from helpers import assert_engine_matches_transformers, checkpoint_like, save_tiny_model, tiny_llama_config, tiny_qwen3_moe_config
 from vllmini import LLM
 from vllmini.models.weight_loader import load_model
 
@@ -66,10 +66,6 @@ def _pack(w: torch.Tensor, fmt: dict, g_idx=None) -> tuple[dict[str, torch.Tenso
 
 def _write(dense_dir: Path, out: Path, fmt: dict, act_order: bool = False, skip=("mlp.gate.",)) -> dict[str, torch.Tensor]:
     """``dense_dir``'s checkpoint with every projection quantized; returns the dense weights it stands for."""
-    out.mkdir()
-    for f in dense_dir.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
     g = torch.Generator().manual_seed(1)
     tensors, want = {}, {}
     for name, w in load_file(dense_dir / "model.safetensors").items():
@@ -80,26 +76,14 @@ def _write(dense_dir: Path, out: Path, fmt: dict, act_order: bool = False, skip=
         k, group = w.shape[1], fmt.get("group_size", 128)
         g_idx = torch.randperm(k, generator=g) // group if act_order else None  # (act-order: groups out of order)
         parts, want[name] = _pack(w.float(), fmt, g_idx)
-        tensors.update({f"{module}.{part}": t.contiguous() for part, t in parts.items()})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = fmt
-    (out / "config.json").write_text(json.dumps(config))
+        tensors.update({f"{module}.{part}": t for part, t in parts.items()})
+    checkpoint_like(dense_dir, out, tensors, fmt)
     return want
 
 
 def _dense(tmp_path: Path, default_model_dir: Path, config) -> Path:
     torch.manual_seed(0)
     return save_tiny_model(AutoModelForCausalLM.from_config(config).float(), tmp_path / "dense", default_model_dir)
-
-
-def _want_dir(dense_dir: Path, weights: dict[str, torch.Tensor], out: Path) -> Path:
-    out.mkdir()
-    for f in dense_dir.iterdir():
-        if f.suffix != ".safetensors":
-            (out / f.name).write_bytes(f.read_bytes())
-    save_file({k: v.contiguous() for k, v in weights.items()}, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 def _assert_loads_as(got_dir: Path, want_dir: Path) -> None:
@@ -124,7 +108,7 @@ def _awq(group=32) -> dict:
     ("awq", _awq(), False), ("awq-group-64", _awq(64), False)])  # fmt: skip
 def test_quantized_linears_load_as_their_dense_weights(tmp_path, default_model_dir, name, fmt, act_order):
     dense = _dense(tmp_path, default_model_dir, tiny_llama_config())
-    want = _want_dir(dense, _write(dense, tmp_path / "q", fmt, act_order), tmp_path / "want")
+    want = checkpoint_like(dense, tmp_path / "want", _write(dense, tmp_path / "q", fmt, act_order))
     _assert_loads_as(tmp_path / "q", want)
     if name in ("gptq-act-order", "awq"):  # (through the engine: greedy tokens and logprobs as transformers')
         llm = LLM(model=str(tmp_path / "q"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
@@ -134,7 +118,7 @@ def test_quantized_linears_load_as_their_dense_weights(tmp_path, default_model_d
 def test_quantized_experts(tmp_path, default_model_dir):
     """GPTQ experts of a Qwen3-MoE (one quantized linear per expert and projection, the router left float)."""
     dense = _dense(tmp_path, default_model_dir, tiny_qwen3_moe_config())
-    want = _want_dir(dense, _write(dense, tmp_path / "q", _gptq(group=16)), tmp_path / "want")
+    want = checkpoint_like(dense, tmp_path / "want", _write(dense, tmp_path / "q", _gptq(group=16)))
     _assert_loads_as(tmp_path / "q", want)
 
 
