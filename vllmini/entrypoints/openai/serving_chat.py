@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import message_text, render_chat, resolve_chat_template
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmini.entrypoints.openai.output_parser import ChatOutputParser
@@ -84,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         top, vocab = request.num_logprobs, self.engine.engine.input_processor.vocab_size
         if top is not None and (vocab if top == -1 else top) > self.max_logprobs:  # (the engine would name logprobs)
-            raise ValueError(f"top_logprobs={top} asks for more than the server's max_logprobs={self.max_logprobs}")
+            raise VLLMValidationError(f"top_logprobs={top} asks for more than the server's max_logprobs="
+                                      f"{self.max_logprobs}", parameter="top_logprobs", value=top)
         choice = request.resolved_tool_choice()
         if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')

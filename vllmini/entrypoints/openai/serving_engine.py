@@ -15,6 +15,7 @@ import msgspec
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.protocol import StreamOptions
@@ -38,9 +39,10 @@ def json_logprob(logprob: float) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
-    """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...)."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...);
+    ``param``: the request field at fault, where known (vLLM's VLLMValidationError.parameter)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def refusal_endpoint(message: str, kind: str, status: int) -> Callable[[Any], Awaitable[Any]]:
@@ -238,10 +240,10 @@ class OpenAIServing:
         if params.truncate_prompt_tokens is not None:
             num_prompt_tokens = min(num_prompt_tokens, self.engine.engine.input_processor.keep_tokens(params))
         if num_prompt_tokens < self.max_model_len < num_prompt_tokens + params.max_tokens:  # (a prompt past it: the engine says so)
-            raise ValueError(
+            raise VLLMValidationError(
                 f"{name} is too large: {params.max_tokens}. This model's maximum context length is "
                 f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})"
+                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})", parameter=name,
             )
 
     def check_model(self, model: str | None) -> LoRARequest | None:

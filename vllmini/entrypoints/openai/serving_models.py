@@ -29,7 +29,12 @@ RUNTIME_LORA_ENV = "VLLMINI_ALLOW_RUNTIME_LORA_UPDATING"  # (vLLM: VLLM_ALLOW_RU
 
 
 class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve (404, as in vLLM)."""
+    """The request names a model this server does not serve (404, as in vLLM); ``parameter``:
+    the request field, as vLLM's error.param."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 def runtime_lora_updating() -> bool:
@@ -122,7 +127,7 @@ class OpenAIServingModels:
             return None
         if (request := self.lora_requests.get(model)) is not None:
             return request
-        raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        raise ModelNotFoundError(f"The model `{model}` does not exist. Valid aliases: {self.base_name}.", "model")
 
     def cards(self, max_model_len: int) -> dict[str, Any]:
         """``GET /v1/models``: the base model, then each adapter with its folder and parent."""
