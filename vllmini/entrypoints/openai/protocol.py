@@ -156,6 +156,10 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     best_of: int | None = None  # vLLM's V1 engine keeps only best_of == n
     add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without the tokenizer's BOS/EOS
 
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:  # (vLLM's: null is the default, not the end of the context)
+            self.max_tokens = 16
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token-id list, or a list of either."""
         p = self.prompt

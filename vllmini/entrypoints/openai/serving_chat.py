@@ -96,8 +96,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
-        if max_tokens is not None and max_tokens is not self.model_max_tokens:
-            self.check_context(len(prompt["prompt_token_ids"]), params, max_tokens_name)
+        if max_tokens is not self.model_max_tokens:
+            self.check_max_tokens(max_tokens, max_tokens_name)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
         # (a beam also stops where the context ends)
         beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)

@@ -24,10 +24,8 @@ class OpenAIServingCompletion(OpenAIServing):
         if self.tokenizer is None:  # skip_tokenizer_init: token ids in and out
             check_completion(request, prompts)
         params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
+        self.check_max_tokens(params.max_tokens)
         prompts = await off_loop(self._tokenized, prompts, params, request.add_special_tokens)
-        if request.max_tokens is not None:
-            for prompt in prompts:
-                self.check_context(len(self.engine.engine.tokenize(prompt)[1]), params)
         if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
             params = params.clone(prompt_logprobs=request.logprobs)
         request_id = self.new_id("cmpl", request.request_id)
