@@ -102,7 +102,7 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         if self.stream_options is not None and not self.stream:
             # (as vLLM: it would be ignored otherwise)
             raise VLLMValidationError("stream_options needs stream=true", parameter="stream_options")
-        if self.stream and self.prompt_logprobs is not None:
+        if self.stream and self.prompt_logprobs not in (None, 0):  # (0, the prompt's tokens only: vLLM takes it)
             raise VLLMValidationError("prompt_logprobs are not available with stream=true (as in vLLM)",
                                       parameter="prompt_logprobs")
         given: dict[str, Any] = {name: getattr(defaults, name) for name in _MODEL_DEFAULTS}
@@ -160,6 +160,12 @@ class CompletionRequest(SamplingRequest, kw_only=True):
         if self.max_tokens is None:  # (vLLM's: null is the default, not the end of the context)
             self.max_tokens = 16
 
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's ``echo`` with ``max_tokens=0``: the prompt comes back alone (one token is
+        generated, and counted in usage, but not returned)."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token-id list, or a list of either."""
         p = self.prompt
@@ -180,6 +186,11 @@ class CompletionRequest(SamplingRequest, kw_only=True):
             raise ValueError(f"best_of must equal n (vLLM's V1 engine has no best_of), got best_of={self.best_of}")
         if self.echo and self.prompt_logprobs is not None:
             raise ValueError("echo with prompt_logprobs: use one of them (echo with logprobs returns the prompt's)")
+        if self.logprob_token_ids and self.logprobs is None:
+            raise VLLMValidationError("when using logprob_token_ids, logprobs must be set", parameter="logprob_token_ids")
+        if self.logprob_token_ids and self.echo_only:  # (no output token to give them for)
+            raise VLLMValidationError("logprob_token_ids is not supported with echo=true and max_tokens=0",
+                                      parameter="logprob_token_ids")
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -209,6 +220,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
         self.resolved_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise VLLMValidationError("top_logprobs needs logprobs=true", parameter="top_logprobs")
+        if self.logprob_token_ids and not self.logprobs:
+            raise VLLMValidationError("logprob_token_ids needs logprobs=true", parameter="logprob_token_ids")
         # checked here by their own names (SamplingParams would name max_tokens and logprobs)
         for name in ("max_tokens", "max_completion_tokens"):
             if (value := getattr(self, name)) is not None and value < 1:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +91,15 @@ def check_lora_modules(modules: list[LoRAModulePath], enable_lora: bool, served_
         seen.add(m.name)
 
 
+def permission() -> dict[str, Any]:
+    """vLLM's ModelPermission of a model card (its fixed values: every model may be sampled, none
+    fine-tuned), which OpenAI's older clients read."""
+    return {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}  # fmt: skip
+
+
 class OpenAIServingModels:
     """The served names and their adapters; ``/v1/models`` and the load/unload routes."""
 
@@ -132,8 +142,8 @@ class OpenAIServingModels:
     def cards(self, max_model_len: int) -> dict[str, Any]:
         """``GET /v1/models``: the base model, then each adapter with its folder and parent."""
         def card(name: str, root: str, parent: str | None, length: int | None) -> dict[str, Any]:
-            return {"id": name, "object": "model", "created": self.created, "owned_by": "vllmini", "root": root,
-                    "parent": parent, "max_model_len": length}  # fmt: skip
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": length, "permission": [permission()]}  # fmt: skip
 
         data = [card(self.base_name, str(self.engine.engine.model_dir), None, max_model_len)]
         data += [card(r.lora_name, r.lora_path, r.base_model_name or self.base_name, None)
