@@ -129,3 +129,13 @@ async def test_model_cards_are_vllms(http):
         "object": "model_permission", "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
         "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
         "group": None, "is_blocking": False}  # fmt: skip
+
+
+async def test_echo_takes_prompt_logprobs_too_as_vllm(http, engine):
+    """vLLM takes both (it was a 400 here): the choice's prompt_logprobs are the request's."""
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "echo": True, "prompt_logprobs": 1}
+    r = await http.post("/v1/completions", json=body)
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["text"].startswith(body["prompt"]) and choice["logprobs"] is None, r.text
+    assert choice["prompt_logprobs"][0] is None and all(1 <= len(p) <= 2 for p in choice["prompt_logprobs"][1:])
+    await wait_idle(engine)

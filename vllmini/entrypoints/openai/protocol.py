@@ -184,8 +184,6 @@ class CompletionRequest(SamplingRequest, kw_only=True):
             raise VLLMValidationError("suffix is not supported", parameter="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (vLLM's V1 engine has no best_of), got best_of={self.best_of}")
-        if self.echo and self.prompt_logprobs is not None:
-            raise ValueError("echo with prompt_logprobs: use one of them (echo with logprobs returns the prompt's)")
         if self.logprob_token_ids and self.logprobs is None:
             raise VLLMValidationError("when using logprob_token_ids, logprobs must be set", parameter="logprob_token_ids")
         if self.logprob_token_ids and self.echo_only:  # (no output token to give them for)

@@ -26,8 +26,8 @@ class OpenAIServingCompletion(OpenAIServing):
         params = request.sampling_params(self.defaults, 1 if request.echo_only else request.max_tokens, request.logprobs)
         self.check_max_tokens(params.max_tokens)
         prompts = await off_loop(self._tokenized, prompts, params, request.add_special_tokens)
-        if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
-            params = params.clone(prompt_logprobs=request.logprobs)
+        if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
+            params = params.clone(prompt_logprobs=request.logprobs)  # the prompt's logprobs come back with it (vLLM's)
         request_id = self.new_id("cmpl", request.request_id)
         # (a beam also stops where the context ends)
         beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)
