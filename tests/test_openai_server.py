@@ -237,16 +237,18 @@ async def test_a_chat_request_for_zero_tokens_is_a_400(http, engine, field):
 
 @pytest.mark.parametrize("extra, named", [
     ({"max_completion_tokens": -1}, "max_completion_tokens must be an int >= 1"),
-    ({"max_completion_tokens": 10**6}, "max_completion_tokens is too large"),
+    ({"max_completion_tokens": 10**6}, "max_completion_tokens=1000000 cannot be greater than max_model_len"),
     ({"logprobs": True, "top_logprobs": -2}, "top_logprobs must be an int >= 0"),
     ({"logprobs": True, "top_logprobs": 10**6}, "top_logprobs=1000000 asks for more than the server's max_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs=-1 asks for more than the server's max_logprobs"),
 ])  # fmt: skip
 async def test_a_bad_chat_request_names_the_field_it_sent(http, engine, extra, named):
     """Not the SamplingParams field its value goes to (max_tokens, logprobs): a chat request's
-    logprobs is a bool, and its max_completion_tokens may be all it sets."""
+    logprobs is a bool, and its max_completion_tokens may be all it sets; also as ``error.param``."""
     r = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], **extra})
-    assert r.status_code == 400 and named in r.json()["error"]["message"], r.text
+    error = r.json()["error"]
+    assert r.status_code == 400 and named in error["message"], r.text
+    assert error["param"] == named.split()[0].split("=")[0], r.text
     await wait_idle(engine)
 
 
@@ -392,34 +394,48 @@ async def test_prompts_are_tokenized_off_the_event_loop_once(http, engine, monke
     await wait_idle(engine)
 
 
-async def test_max_tokens_past_the_context_is_a_400_as_in_vllm(http, engine):
-    """vLLM's server refuses what its offline engine (and ours) cut to the context's end; a
-    prompt truncated by truncate_prompt_tokens counts as truncated."""
+async def test_max_tokens_past_max_model_len_is_a_400_and_past_the_prompt_is_cut_as_in_vllm(http, engine):
+    """vLLM's server (0.32) refuses a max_tokens past max_model_len, naming it (error.param too), and
+    cuts one that fits max_model_len but not after the prompt to what the prompt leaves (it was a 400
+    here, as older vLLM's); a prompt truncated by truncate_prompt_tokens counts as truncated."""
     max_len = engine.engine.max_model_len
     ids = list(range(5, 105))
-    for body in ({"prompt": ids, "max_tokens": max_len - 99},
-                 {"prompt": [ids[:3], ids], "max_tokens": max_len - 99},  # the second prompt is too long for it
-                 {"prompt": "x" * 10, "max_tokens": max_len}):  # fmt: skip
-        r = await http.post("/v1/completions", json=body)
-        assert r.status_code == 400 and "max_tokens is too large" in r.json()["error"]["message"], r.text
     messages = [{"role": "user", "content": "hi"}]
-    for field in ("max_tokens", "max_completion_tokens"):
-        r = await http.post("/v1/chat/completions", json={"messages": messages, field: max_len})
-        assert r.status_code == 400 and f"context length is {max_len} tokens" in r.json()["error"]["message"]
+    for path, body, field in (("/v1/completions", {"prompt": ids, "max_tokens": max_len + 1}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": messages, "max_tokens": max_len + 1}, "max_tokens"),
+                              ("/v1/chat/completions", {"messages": messages, "max_completion_tokens": max_len + 1},
+                               "max_completion_tokens")):  # fmt: skip
+        r = await http.post(path, json=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field, r.text
+        assert error["message"] == (f"{field}={max_len + 1} cannot be greater than max_model_len={max_len}. "
+                                    "Please request fewer output tokens.")  # fmt: skip (vLLM's words)
     await wait_idle(engine)
-    fits = [{"prompt": ids, "max_tokens": max_len - 100},
+    fits = [{"prompt": ids, "max_tokens": max_len - 99},  # (one past what the prompt leaves)
+            {"prompt": [ids[:3], ids], "max_tokens": max_len - 50},  # each prompt its own end
             {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": 10},
             {"prompt": ids, "max_tokens": max_len - 10, "truncate_prompt_tokens": -1}]  # (-1: what max_tokens leaves)
     # (all at once: they decode in the same steps, to the end of the context)
     replies = await asyncio.gather(
         *[http.post("/v1/completions", json={**body, "ignore_eos": True, "temperature": 0}) for body in fits],
+        http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_len, "ignore_eos": True}),
         http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": None, "ignore_eos": True}),
     )  # fmt: skip
-    for r in replies[:-1]:  # (exactly at the end of the context)
+    completions = [[max_len - 100], [max_len - 50, max_len - 100], [max_len - 10], [max_len - 10]]
+    for r, expected in zip(replies, completions):  # (the second prompt of two: exactly at the end of the context)
         assert r.status_code == 200, r.text
+        assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+        assert r.json()["usage"]["completion_tokens"] == sum(expected), r.text
+    for r in replies[-2:]:
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # to the end of the context
         assert r.json()["usage"]["total_tokens"] == max_len
-    r = replies[-1]
-    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"  # to the end of the context
+
+
+async def test_completions_max_tokens_null_is_the_default_16_as_in_vllm(http, engine):
+    """vLLM's server reads a null max_tokens as its default (16), not as "to the end of the context"."""
+    r = await http.post("/v1/completions", json={"prompt": "x", "max_tokens": None, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    await wait_idle(engine)
 
 
 def test_a_bad_chat_template_stops_the_server_before_it_listens(engine, tmp_path):

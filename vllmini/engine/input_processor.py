@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, salted
 from vllmini.engine.sampling_params import SamplingParams
@@ -177,8 +178,9 @@ class InputProcessor:
             ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
             embeds = None if embeds is None else embeds[len(embeds) - len(ids) :]
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)"
+            raise VLLMValidationError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} (it must leave room for output)",
+                parameter="input_tokens", value=len(ids),
             )
         room = self.room(len(ids))
         # as vLLM's offline engine: a request stops at max_model_len ("length"), whatever max_tokens says
@@ -238,7 +240,7 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
         ids = list(ids)
         if not ids:
-            raise ValueError("prompt is empty: at least one token is needed")
+            raise VLLMValidationError("prompt is empty: at least one token is needed", parameter="prompt")
         # (checked in C when all are plain ints in range: a long prompt's ids cost ~10x less)
         if not (all(type(t) is int for t in ids) and min(ids) >= 0 and max(ids) < self.vocab_size):
             bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
@@ -269,12 +271,14 @@ class InputProcessor:
             count = self.vocab_size if asked == -1 else asked
             if count > self.max_logprobs:
                 what = f"{name}=-1 (the whole vocabulary, {count})" if asked == -1 else f"{name}={asked}"
-                raise ValueError(f"{what} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)")
+                raise VLLMValidationError(f"{what} exceeds max_logprobs={self.max_logprobs} (an EngineArgs field)",
+                                          parameter=name, value=count)
             setattr(params, name, count)
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
                           ("logprob_token_ids", params.logprob_token_ids or ())):  # fmt: skip
             if bad := [t for t in ids if t >= self.vocab_size]:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+                raise VLLMValidationError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
+                                          parameter=name, value=bad[:5])
 
     def _check_something_allowed(self, params: SamplingParams, bad_words: list[tuple[int, ...]]) -> None:
         """Refuse allowed_token_ids that the bans leave empty: one-token bad words always, and
@@ -327,7 +331,8 @@ class InputProcessor:
         keeps the special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own
         left truncation does; token ids given by the caller are cut as they are."""
         if keep > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}")
+            raise VLLMValidationError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}",
+                                      parameter="truncate_prompt_tokens", value=keep)
         if len(ids) <= keep:
             return ids
         from_text = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt)

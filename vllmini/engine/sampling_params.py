@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.repetition_detection import RepetitionDetectionParams
 
 DEFAULT_MAX_N_SEQUENCES = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES
@@ -76,8 +77,9 @@ def max_n_sequences() -> int:
 
 
 def bad_value(field: str, accepted: str, value: object) -> ValueError:
-    """The error for a bad option: it names the field, what is accepted and what was given."""
-    return ValueError(f"{field} must be {accepted}, got {value!r}")
+    """The error for a bad option: it names the field (also as its ``parameter``, the server's
+    ``error.param``), what is accepted and what was given."""
+    return VLLMValidationError(f"{field} must be {accepted}, got {value!r}", parameter=field, value=value)
 
 
 def check_truncate_prompt_tokens(value: object) -> None:
@@ -289,8 +291,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad_value("min_tokens", "an int >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            raise VLLMValidationError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}", parameter="min_tokens"
             )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad_value("stop", "a non-empty string or a list of non-empty strings", self.stop)

@@ -87,10 +87,10 @@ class EventStreamResponse(StreamingResponse):
             await self.result.close()
 
 
-def error_response(status: int, message: str) -> Response:
+def error_response(status: int, message: str, param: str | None = None) -> Response:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
             413: "RequestTooLargeError"}.get(status, "InternalServerError")  # fmt: skip
-    return json_response(error_body(message, kind, status), status)
+    return json_response(error_body(message, kind, status, param), status)
 
 
 class RequireApiKey:
@@ -289,9 +289,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | None = None, chat
                     logger.warning("fields of the request ignored (not supported): %s", ", ".join(ignored))
                 result = await _until_disconnect(request, create(body))
             except ModelNotFoundError as exc:
-                return error_response(404, str(exc))
-            except ValueError as exc:
-                return error_response(400, str(exc))
+                return error_response(404, str(exc), getattr(exc, "parameter", None))
+            except ValueError as exc:  # (a VLLMValidationError names the field, as vLLM's error.param)
+                return error_response(400, str(exc), getattr(exc, "parameter", None))
             except EngineDeadError as exc:
                 return error_response(503, str(exc))
             if result is None:  # the client hung up

@@ -8,12 +8,14 @@ vLLM's server does), then ``SamplingParams``' own.
 """
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
 
 from vllmini.engine.beam_search import BeamSearchParams
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
 from vllmini.entrypoints.openai.tool_choice import ToolChoice, resolve_tool_choice
 
@@ -98,9 +100,11 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
     def sampling_params(self, defaults: SamplingParams, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams (streamed as deltas when ``stream``); ValueError names a bad field."""
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options needs stream=true")  # (as vLLM: it would be ignored otherwise)
-        if self.stream and self.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs are not available with stream=true (as in vLLM)")
+            # (as vLLM: it would be ignored otherwise)
+            raise VLLMValidationError("stream_options needs stream=true", parameter="stream_options")
+        if self.stream and self.prompt_logprobs not in (None, 0):  # (0, the prompt's tokens only: vLLM takes it)
+            raise VLLMValidationError("prompt_logprobs are not available with stream=true (as in vLLM)",
+                                      parameter="prompt_logprobs")
         given: dict[str, Any] = {name: getattr(defaults, name) for name in _MODEL_DEFAULTS}
         given.update({name: v for name in _PASSED if (v := getattr(self, name)) is not None})
         if self.use_beam_search:  # (n is the beam width: beam_search_params)
@@ -136,7 +140,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.json_schema is None or fmt.json_schema.schema is None:
-            raise ValueError("response_format.json_schema.schema is required when response_format.type is 'json_schema'")
+            raise VLLMValidationError("response_format.json_schema.schema is required when response_format.type is "
+                                      "'json_schema'", parameter="response_format")
         return StructuredOutputsParams(json=fmt.json_schema.schema)
 
 
@@ -151,6 +156,16 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     best_of: int | None = None  # vLLM's V1 engine keeps only best_of == n
     add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without the tokenizer's BOS/EOS
 
+    def __post_init__(self) -> None:
+        if self.max_tokens is None:  # (vLLM's: null is the default, not the end of the context)
+            self.max_tokens = 16
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's ``echo`` with ``max_tokens=0``: the prompt comes back alone (one token is
+        generated, and counted in usage, but not returned)."""
+        return self.echo and self.max_tokens == 0
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token-id list, or a list of either."""
         p = self.prompt
@@ -160,17 +175,20 @@ class CompletionRequest(SamplingRequest, kw_only=True):
             return [p]
         ok = p and all(isinstance(s, str) for s in p) or p and all(isinstance(s, list) and s and all(map(is_int, s)) for s in p)
         if not ok:
-            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                             "non-empty token-id lists, and not empty")  # fmt: skip
+            raise VLLMValidationError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                                      "non-empty token-id lists, and not empty", parameter="prompt")  # fmt: skip
         return list(p)
 
     def check(self) -> None:
         if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+            raise VLLMValidationError("suffix is not supported", parameter="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n (vLLM's V1 engine has no best_of), got best_of={self.best_of}")
-        if self.echo and self.prompt_logprobs is not None:
-            raise ValueError("echo with prompt_logprobs: use one of them (echo with logprobs returns the prompt's)")
+        if self.logprob_token_ids and self.logprobs is None:
+            raise VLLMValidationError("when using logprob_token_ids, logprobs must be set", parameter="logprob_token_ids")
+        if self.logprob_token_ids and self.echo_only:  # (no output token to give them for)
+            raise VLLMValidationError("logprob_token_ids is not supported with echo=true and max_tokens=0",
+                                      parameter="logprob_token_ids")
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -199,13 +217,16 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     def check(self) -> None:
         self.resolved_tool_choice()
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise VLLMValidationError("top_logprobs needs logprobs=true", parameter="top_logprobs")
+        if self.logprob_token_ids and not self.logprobs:
+            raise VLLMValidationError("logprob_token_ids needs logprobs=true", parameter="logprob_token_ids")
         # checked here by their own names (SamplingParams would name max_tokens and logprobs)
         for name in ("max_tokens", "max_completion_tokens"):
             if (value := getattr(self, name)) is not None and value < 1:
-                raise ValueError(f"{name} must be an int >= 1 or None, got {value}")
+                raise VLLMValidationError(f"{name} must be an int >= 1 or None, got {value}", parameter=name, value=value)
         if self.top_logprobs is not None and self.top_logprobs < -1:
-            raise ValueError(f"top_logprobs must be an int >= 0, -1 (the whole vocabulary) or None, got {self.top_logprobs}")
+            raise VLLMValidationError(f"top_logprobs must be an int >= 0, -1 (the whole vocabulary) or None, got "
+                                      f"{self.top_logprobs}", parameter="top_logprobs", value=self.top_logprobs)
         check_chat_options(self)
 
     @property
@@ -324,7 +345,7 @@ def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
     try:
         return {int(token): value for token, value in bias.items()}
     except ValueError:
-        raise ValueError(f"logit_bias keys must be token ids, got {list(bias)!r}") from None
+        raise VLLMValidationError(f"logit_bias keys must be token ids, got {list(bias)!r}", parameter="logit_bias") from None
 
 
 # numbers past float64's range read as +-inf, as Python's json (vLLM's server) reads them
@@ -341,7 +362,7 @@ def decode_json(body: bytes) -> Any:
         except msgspec.ValidationError:  # (the only one untyped decoding raises: a number out of range)
             return _WIDE_FLOATS.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:  # (RecursionError: nested too deeply, a 500 otherwise)
-        raise ValueError(f"the request body is not valid JSON: {exc}") from None
+        raise VLLMValidationError(f"the request body is not valid JSON: {exc}", parameter="body") from None
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> tuple[Any, list[str]]:
@@ -350,9 +371,20 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> tuple[Any, list[s
     types is a ValueError naming the field."""
     raw = decode_json(body)
     if not isinstance(raw, dict):
-        raise ValueError("the request body must be a JSON object")
+        raise VLLMValidationError("the request body must be a JSON object", parameter="body")
     try:
         request = msgspec.convert(raw, kind)
     except msgspec.ValidationError as exc:
-        raise ValueError(str(exc)) from None
+        raise VLLMValidationError(str(exc), parameter=body_param(str(exc))) from None
     return request, sorted(set(raw) - set(kind.__struct_fields__))
+
+
+def body_param(message: str) -> str:
+    """The field a msgspec error names, as vLLM's server names a pydantic error's ``param``:
+    ``Expected `int`, got `str` - at `$.tools[0].type``` -> ``body.tools.0.type`` (a missing
+    field's name after its object's path)."""
+    path = message.rpartition(" - at `$")[2].rstrip("`") if " - at `$" in message else ""
+    parts = ["body", *re.findall(r"[^.\[\]]+", path)]
+    if missing := re.match(r"Object missing required field `([^`]+)`", message):
+        parts.append(missing[1])
+    return ".".join(parts)

@@ -13,6 +13,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
 from vllmini.engine.chat import message_text, render_chat, resolve_chat_template
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.outputs import CompletionOutput, LogprobsEntry
 from vllmini.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from vllmini.entrypoints.openai.output_parser import ChatOutputParser
@@ -84,7 +85,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens_name = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
         top, vocab = request.num_logprobs, self.engine.engine.input_processor.vocab_size
         if top is not None and (vocab if top == -1 else top) > self.max_logprobs:  # (the engine would name logprobs)
-            raise ValueError(f"top_logprobs={top} asks for more than the server's max_logprobs={self.max_logprobs}")
+            raise VLLMValidationError(f"top_logprobs={top} asks for more than the server's max_logprobs="
+                                      f"{self.max_logprobs}", parameter="top_logprobs", value=top)
         choice = request.resolved_tool_choice()
         if choice.mode == "auto" and not (self.enable_auto_tools and self.tool_parser):
             raise ValueError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
@@ -94,8 +96,8 @@ class OpenAIServingChat(OpenAIServing):
         if max_tokens is None:
             max_tokens = self.model_max_tokens
         params = request.sampling_params(self.defaults, max_tokens, request.num_logprobs)
-        if max_tokens is not None and max_tokens is not self.model_max_tokens:
-            self.check_context(len(prompt["prompt_token_ids"]), params, max_tokens_name)
+        if max_tokens is not self.model_max_tokens:
+            self.check_max_tokens(max_tokens, max_tokens_name)
         params, make = self._parsing(request, choice, prompt["prompt"], params)
         # (a beam also stops where the context ends)
         beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)

@@ -23,13 +23,11 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = request.prompts()
         if self.tokenizer is None:  # skip_tokenizer_init: token ids in and out
             check_completion(request, prompts)
-        params = request.sampling_params(self.defaults, request.max_tokens, request.logprobs)
+        params = request.sampling_params(self.defaults, 1 if request.echo_only else request.max_tokens, request.logprobs)
+        self.check_max_tokens(params.max_tokens)
         prompts = await off_loop(self._tokenized, prompts, params, request.add_special_tokens)
-        if request.max_tokens is not None:
-            for prompt in prompts:
-                self.check_context(len(self.engine.engine.tokenize(prompt)[1]), params)
-        if request.echo and request.logprobs is not None:  # the prompt's logprobs come back with it
-            params = params.clone(prompt_logprobs=request.logprobs)
+        if request.echo and request.logprobs is not None and request.prompt_logprobs is None:
+            params = params.clone(prompt_logprobs=request.logprobs)  # the prompt's logprobs come back with it (vLLM's)
         request_id = self.new_id("cmpl", request.request_id)
         # (a beam also stops where the context ends)
         beam = request.beam_search_params(params.max_tokens or self.max_model_len, self.max_logprobs)
@@ -57,7 +55,7 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in sorted(finals[i].outputs, key=lambda c: c.index):
                 text, logprobs = self._echoed(request, finals[i], c, None, finals[i].prompt_logprobs)
                 choice = self._choice(request, i * request.n + c.index, text, logprobs, c, finals[i], True)
-                if request.prompt_logprobs is not None:
+                if finals[i].prompt_logprobs is not None:  # (asked for, or echo with logprobs: vLLM's)
                     choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
                 choices.append(choice)
         return {**self.header(request_id, "text_completion", request.model), "choices": choices,
@@ -91,7 +89,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 text, logprobs = self._echoed(request, out, c, sent.get(index), prompt_logprobs.get(i))
                 sent[index] = sent.get(index, 0) + len(text)
                 counts = {"usage": usage.choice(i, c.index)} if continuous else {}
-                yield sse({**head, "choices": [self._choice(request, index, text, logprobs, c, out, first)], **counts})
+                choice = self._choice(request, index, text, logprobs, c, out, first)
+                if first and request.echo:  # (vLLM's: the echoed chunk carries the prompt's ids)
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                yield sse({**head, "choices": [choice], **counts})
 
     @staticmethod
     def _choice(
@@ -116,6 +117,8 @@ class OpenAIServingCompletion(OpenAIServing):
         when echoed (in its first chunk: ``offset`` None, else the length of the choice's text
         already sent)."""
         token_ids, entries, text = list(c.token_ids), list(c.logprobs or []), c.text
+        if request.echo_only:  # (its one generated token is not returned)
+            token_ids, entries, text = [], [], ""
         echoed = 0  # prompt positions before the sampled ones
         if request.echo and offset is None:
             prompt = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
@@ -133,8 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
         listed: list[int] | None = None, echoed: int = 0, as_ids: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         """OpenAI's legacy completion logprobs: each token's text and place in the choice's text,
-        its logprob (None for the prompt's first token, which has none) and the ``num`` most
-        likely tokens there (``listed``: a request's ``logprob_token_ids``, at the sampled
+        its logprob (None for the prompt's first token, which has none) and, after the token itself,
+        the ``num`` most likely tokens there (``listed``: a request's ``logprob_token_ids``, at the sampled
         positions, those after the first ``echoed`` prompt positions, which have their top-N); ``as_ids``:
         tokens named "token_id:<id>"."""
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -148,7 +151,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(json_logprob(entry[token]))
-            top = self.top(entry, num, listed if i >= echoed else None)
+            # the token itself first, then the top ones: up to num + 1 (OpenAI's legacy API, vLLM's)
+            top = [(token, json_logprob(entry[token])), *self.top(entry, num, listed if i >= echoed else None)]
             top_logprobs.append({self.token_text(t, entry, as_ids): lp for t, lp in top})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}  # fmt: skip

@@ -15,6 +15,7 @@ import msgspec
 
 from vllmini.engine.async_engine import AsyncLLMEngine
 from vllmini.engine.beam_search import BeamSearchParams
+from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
 from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.protocol import StreamOptions
@@ -38,9 +39,10 @@ def json_logprob(logprob: float) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def error_body(message: str, kind: str, status: int) -> dict[str, Any]:
-    """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...)."""
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}
+def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, which its client raises from (``BadRequestError`` for 400...);
+    ``param``: the request field at fault, where known (vLLM's VLLMValidationError.parameter)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
 def refusal_endpoint(message: str, kind: str, status: int) -> Callable[[Any], Awaitable[Any]]:
@@ -231,18 +233,15 @@ class OpenAIServing:
         own = request.return_tokens_as_token_ids
         return self.return_tokens_as_token_ids if own is None else bool(own)
 
-    def check_context(self, num_prompt_tokens: int, params: SamplingParams, name: str = "max_tokens") -> None:
-        """A request's max_tokens (the request's ``name`` for it) must fit in the context after its
-        prompt (as the engine truncates it): vLLM's server refuses it (a 400), where the offline
-        engines cut it to what is left."""
-        if params.truncate_prompt_tokens is not None:
-            num_prompt_tokens = min(num_prompt_tokens, self.engine.engine.input_processor.keep_tokens(params))
-        if num_prompt_tokens < self.max_model_len < num_prompt_tokens + params.max_tokens:  # (a prompt past it: the engine says so)
-            raise ValueError(
-                f"{name} is too large: {params.max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and the request has {num_prompt_tokens} input tokens "
-                f"({params.max_tokens} > {self.max_model_len} - {num_prompt_tokens})"
-            )
+    def check_max_tokens(self, max_tokens: int | None, name: str = "max_tokens") -> None:
+        """A request's max_tokens (the request's ``name`` for it) past max_model_len is a 400 naming
+        it, as vLLM's server (0.32) refuses it; one that fits max_model_len but not after the prompt
+        is cut to what the prompt leaves (the engine stops it there, "length"), as vLLM's does."""
+        if max_tokens is not None and max_tokens > self.max_model_len:
+            raise VLLMValidationError(
+                f"{name}={max_tokens} cannot be greater than max_model_len={self.max_model_len}. "
+                "Please request fewer output tokens.", parameter=name, value=max_tokens,
+            )  # fmt: skip
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter ``model`` names (None: the base model); ModelNotFoundError (404) for a name not served."""

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,12 @@ RUNTIME_LORA_ENV = "VLLMINI_ALLOW_RUNTIME_LORA_UPDATING"  # (vLLM: VLLM_ALLOW_RU
 
 
 class ModelNotFoundError(LookupError):
-    """The request names a model this server does not serve (404, as in vLLM)."""
+    """The request names a model this server does not serve (404, as in vLLM); ``parameter``:
+    the request field, as vLLM's error.param."""
+
+    def __init__(self, message: str, parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.parameter = parameter
 
 
 def runtime_lora_updating() -> bool:
@@ -85,6 +91,15 @@ def check_lora_modules(modules: list[LoRAModulePath], enable_lora: bool, served_
         seen.add(m.name)
 
 
+def permission() -> dict[str, Any]:
+    """vLLM's ModelPermission of a model card (its fixed values: every model may be sampled, none
+    fine-tuned), which OpenAI's older clients read."""
+    return {"id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": int(time.time()),
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}  # fmt: skip
+
+
 class OpenAIServingModels:
     """The served names and their adapters; ``/v1/models`` and the load/unload routes."""
 
@@ -122,13 +137,13 @@ class OpenAIServingModels:
             return None
         if (request := self.lora_requests.get(model)) is not None:
             return request
-        raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        raise ModelNotFoundError(f"The model `{model}` does not exist. Valid aliases: {self.base_name}.", "model")
 
     def cards(self, max_model_len: int) -> dict[str, Any]:
         """``GET /v1/models``: the base model, then each adapter with its folder and parent."""
         def card(name: str, root: str, parent: str | None, length: int | None) -> dict[str, Any]:
-            return {"id": name, "object": "model", "created": self.created, "owned_by": "vllmini", "root": root,
-                    "parent": parent, "max_model_len": length}  # fmt: skip
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": length, "permission": [permission()]}  # fmt: skip
 
         data = [card(self.base_name, str(self.engine.engine.model_dir), None, max_model_len)]
         data += [card(r.lora_name, r.lora_path, r.base_model_name or self.base_name, None)

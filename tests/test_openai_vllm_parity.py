@@ -1,0 +1,141 @@
+"""Answers as vLLM 0.32's OpenAI server gives them, where a differential run against it (the same
+requests to both, the default model, fp32) found vllmini's different: ``error.param``, the legacy
+completion logprobs (the sampled token among the top ones), ``echo`` with ``max_tokens=0``, the echoed
+stream chunk's prompt ids, ``logprob_token_ids`` without ``logprobs``, ``prompt_logprobs=0`` streamed,
+and the model cards. The expected values are vLLM's, written out: these tests need neither vLLM nor
+the network."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from test_openai_server import events, wait_idle
+from vllmini import AsyncLLMEngine, EngineArgs
+from vllmini.entrypoints.openai.api_server import build_app
+
+NAME = "tiny"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    eng = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(tiny_dir), kv_cache_memory=32 << 20,
+                                                     served_model_name=NAME))  # fmt: skip
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture
+def http(engine):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, NAME)), base_url="http://test")
+
+
+# (route, body, vLLM's error.param); None: vLLM names no field there
+PARAMS = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 5000}, "truncate_prompt_tokens"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 2000}, "input_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "a"}, "body.max_tokens"),  # (vLLM's pydantic loc)
+    ("/v1/completions", {"prompt": "x", "seed": "x"}, "body.seed"),
+    ("/v1/completions", {"prompt": "x", "model": "zz"}, "model"),
+    ("/v1/chat/completions", {"messages": "hi"}, "body.messages"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "logprob_token_ids": [5]}, "logprob_token_ids"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": []}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "bogus",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": {"type": "function", "function": {"name": "g"}},
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "xml"}}, "body.response_format.type"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "model": "zz"}, "model"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "n": 2}, None),
+]
+
+
+@pytest.mark.parametrize("path, body, param", PARAMS, ids=[f"{p[0][4:]}-{p[2]}-{i}" for i, p in enumerate(PARAMS)])
+async def test_an_error_names_its_field_in_param_as_vllm(http, engine, path, body, param):
+    r = await http.post(path, json={"max_tokens": 2, **body})
+    error = r.json()["error"]
+    assert r.status_code == (404 if param == "model" else 400) and error["param"] == param, r.text
+    if param == "model":
+        assert error["message"] == f"The model `zz` does not exist. Valid aliases: {NAME}."
+    await wait_idle(engine)
+
+
+async def test_completion_top_logprobs_hold_the_chosen_token_too_as_vllm(http, engine):
+    """OpenAI's legacy logprobs (vLLM's): the chosen token and the ``logprobs`` most likely, so up to
+    logprobs + 1 entries; with 0 the chosen token alone (it was an empty dict)."""
+    for logprobs in (0, 1, 2):
+        body = {"prompt": "The sky is", "max_tokens": 12, "temperature": 1.5, "seed": 1, "logprobs": logprobs}
+        lp = (await http.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert next(iter(top)) == token and top[token] == pytest.approx(logprob)  # (first, as vLLM's dict)
+            assert logprobs <= len(top) <= logprobs + 1 and (len(top) == logprobs + 1 or logprob == max(top.values()))
+    body = {"prompt": "The sky is", "max_tokens": 2, "temperature": 0, "logprobs": 0, "echo": True}
+    lp = (await http.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None  # (the first prompt token has none)
+    assert all(list(top) == [token] for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
+    await wait_idle(engine)
+
+
+async def test_echo_with_zero_max_tokens_returns_the_prompt_alone_as_vllm(http, engine):
+    """vLLM generates one token (usage counts it) and returns only the prompt, with its logprobs."""
+    prompt = "The capital of France is"
+    ids = (await http.post("/tokenize", json={"prompt": prompt})).json()["tokens"]
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    r = await http.post("/v1/completions", json=body)
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert r.status_code == 200 and choice["text"] == prompt, r.text
+    assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+    assert len(choice["prompt_logprobs"]) == len(ids)  # (echo with logprobs asked for them: vLLM returns them)
+    stream = await http.post("/v1/completions", json={**body, "stream": True})
+    chunks = events(stream.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == prompt
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids  # (vLLM's echoed chunk carries them)
+    for bad in ({"max_tokens": 0}, {"max_tokens": 0, "echo": True, "logprobs": 1, "logprob_token_ids": [5]}):
+        r = await http.post("/v1/completions", json={"prompt": prompt, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("max_tokens", "logprob_token_ids"), r.text
+    await wait_idle(engine)
+
+
+async def test_prompt_logprobs_zero_may_be_streamed_as_vllm(http, engine):
+    """vLLM refuses only prompt_logprobs > 0 (or -1) with stream=true; 0 streams as usual."""
+    for path, extra in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        r = await http.post(path, json={**extra, "max_tokens": 2, "stream": True, "prompt_logprobs": 0})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+    await wait_idle(engine)
+
+
+async def test_model_cards_are_vllms(http):
+    card = (await http.get("/v1/models")).json()["data"][0]
+    assert card["owned_by"] == "vllm" and card["id"] == NAME
+    (permission,) = card["permission"]
+    assert permission["id"].startswith("modelperm-") and permission["object"] == "model_permission"
+    assert {k: v for k, v in permission.items() if k not in ("id", "created")} == {
+        "object": "model_permission", "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+        "group": None, "is_blocking": False}  # fmt: skip
+
+
+async def test_echo_takes_prompt_logprobs_too_as_vllm(http, engine):
+    """vLLM takes both (it was a 400 here): the choice's prompt_logprobs are the request's."""
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "echo": True, "prompt_logprobs": 1}
+    r = await http.post("/v1/completions", json=body)
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["text"].startswith(body["prompt"]) and choice["logprobs"] is None, r.text
+    assert choice["prompt_logprobs"][0] is None and all(1 <= len(p) <= 2 for p in choice["prompt_logprobs"][1:])
+    await wait_idle(engine)
