@@ -181,6 +181,7 @@ def small_llm(tiny_qwen3):
         ({"prompt_token_ids": [i % 500 for i in range(600)]}, SamplingParams(max_tokens=4), "max_model_len"),
         ({"prompt_token_ids": [1, 2, 999]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
         ({"prompt_token_ids": [1, -2]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
+        ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[5, 999]), r"stop_token_ids has token ids outside the vocabulary \[0, \d+\): \[999\]"),
         ({"prompt_token_ids": None}, SamplingParams(max_tokens=4), "prompt_token_ids must be a list"),
         ({"prompt_token_ids": list(range(300))}, SamplingParams(max_tokens=100), "whole KV cache"),
         ({"prompt_token_ids": [1, 2]}, "greedy", "SamplingParams"),
