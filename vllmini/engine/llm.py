@@ -296,9 +296,10 @@ class LLM:
         parts ("auto" is "string" here: the supported models' templates take strings)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-        # as vLLM: the template kwargs may override the named options
-        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template, "tools": tools, **(chat_template_kwargs or {})}  # fmt: skip
+        # as vLLM 0.32 (its merge_kwargs): the named options win over chat_template_kwargs, unless left None
+        named = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                 "chat_template": chat_template, "tools": tools}  # fmt: skip
+        options = {**(chat_template_kwargs or {}), **{k: v for k, v in named.items() if v is not None}}
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         if not isinstance(messages, (list, tuple)):
