@@ -95,23 +95,30 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
-        progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one per
-        prompt (lower first), with ``scheduling_policy="priority"``. ``lora_request``: one
-        adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
+        progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one for
+        every prompt or one per prompt (lower first), with ``scheduling_policy="priority"``.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt (needs
+        ``enable_lora``). ``tokenization_kwargs``: vLLM 0.32's, of which vllmini takes
+        ``truncate_prompt_tokens`` (as SamplingParams' field, for every prompt)."""
         if self.llm_engine.runner_type != "generate":
             raise ValueError("LLM.generate() is only supported for generative models: this LLM runs the pooling "
                              "runner (use embed / encode, or runner='generate' to generate)")  # fmt: skip
         prompts = as_prompt_list(prompts)
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        priority = 0 if priority is None else priority
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)  # (a bool: refused later)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
         params_list = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
         # generate() returns whole completions, whatever output_kind asks for streaming
-        params_list = [msgspec.structs.replace(p, output_kind="final") if isinstance(p, SamplingParams) else p
+        changes = {"output_kind": "final", **_tokenization_changes(tokenization_kwargs)}
+        if len(changes) > 1:  # (the defaults, truncated too)
+            params_list = [self.get_default_sampling_params() if p is None else p for p in params_list]
+        params_list = [msgspec.structs.replace(p, **changes) if isinstance(p, SamplingParams) else p
                        for p in params_list]  # fmt: skip
         return self._run(prompts, params_list, priorities, lora_request, use_tqdm)
 
@@ -280,16 +287,19 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-        chat_template_content_format: str = "auto",
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``: Jinja text or a file's path)
-        to each conversation, then generate. As in vLLM: ``continue_final_message`` leaves the last
+        to each conversation, then generate (``priority``, ``tokenization_kwargs``: as ``generate``
+        takes them); vLLM 0.32's argument order. As in vLLM: ``continue_final_message`` leaves the last
         (assistant) message open for the model to continue, ``tools`` and ``chat_template_kwargs``
         reach the template (e.g. Qwen3's ``enable_thinking``), an empty list is an empty batch, and
         ``chat_template_content_format="openai"`` hands the template content as a list of text
@@ -312,7 +322,20 @@ class LLM:
                 prompts.append(render_chat(tok, conv, content_format=chat_template_content_format, **options))
             except ValueError as exc:  # which conversation of a batch is at fault
                 raise ValueError(f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)) from exc
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request, priority=priority,
+                             tokenization_kwargs=tokenization_kwargs)  # fmt: skip
+
+
+def _tokenization_changes(tokenization_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM 0.32's ``tokenization_kwargs`` as SamplingParams changes: ``truncate_prompt_tokens``
+    (its way to truncate offline prompts); the rest of vLLM's (a tokenizer's options) are refused."""
+    if tokenization_kwargs is None:
+        return {}
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict or None, got {type(tokenization_kwargs).__name__}")
+    if other := sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"}):
+        raise ValueError(f"tokenization_kwargs: {other} not supported (vllmini takes truncate_prompt_tokens)")
+    return dict(tokenization_kwargs)
 
 
 def _per_prompt(params: Any, kind: type, name: str, num_prompts: int) -> list[Any]:
