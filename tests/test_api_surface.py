@@ -131,3 +131,16 @@ async def test_async_engine_health_properties_as_vllm(tiny_dir):
     assert isinstance(eng.dead_error, EngineDeadError)
     with pytest.raises(EngineDeadError):
         await eng.check_health()
+
+
+def test_vllm_inputs_prompt_types(engine):
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` ports as vllmini.inputs: plain dicts
+    with vLLM's keys, required and optional as vLLM's TypedDicts have them."""
+    from vllmini.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
+
+    assert TokensPrompt(prompt_token_ids=[1, 2, 3]) == {"prompt_token_ids": [1, 2, 3]}
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and "prompt" in TokensPrompt.__optional_keys__
+    assert TextPrompt.__required_keys__ == {"prompt"} and TextPrompt.__optional_keys__ == {"cache_salt"}
+    assert EmbedsPrompt.__required_keys__ == {"prompt_embeds"}
+    engine.add_request("t", TokensPrompt(prompt_token_ids=[1, 2, 3], cache_salt="s"), SamplingParams(max_tokens=2))
+    assert run(engine)["t"].prompt_token_ids == [1, 2, 3]
