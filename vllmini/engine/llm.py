@@ -33,6 +33,7 @@ class LLM:
             raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(EngineArgs.field_names())}")
         kwargs.setdefault("disable_log_stats", True)  # (vLLM's default offline: get_metrics() needs False)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._enqueued: list[str] = []  # (enqueue's requests, until wait_for_completion)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -108,6 +109,14 @@ class LLM:
         if self.llm_engine.runner_type != "generate":
             raise ValueError("LLM.generate() is only supported for generative models: this LLM runs the pooling "
                              "runner (use embed / encode, or runner='generate' to generate)")  # fmt: skip
+        return self._run(*self._generate_requests(prompts, sampling_params, priority, tokenization_kwargs),
+                         lora_request, use_tqdm)  # fmt: skip
+
+    def _generate_requests(
+        self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: int | Sequence[int] | None, tokenization_kwargs: dict[str, Any] | None,
+    ) -> tuple[list[PromptType], list[SamplingParams | None], list[int]]:  # fmt: skip
+        """generate's arguments as one (prompt, params, priority) per request."""
         prompts = as_prompt_list(prompts)
         priority = 0 if priority is None else priority
         priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)  # (a bool: refused later)
@@ -120,7 +129,7 @@ class LLM:
             params_list = [self.get_default_sampling_params() if p is None else p for p in params_list]
         params_list = [msgspec.structs.replace(p, **changes) if isinstance(p, SamplingParams) else p
                        for p in params_list]  # fmt: skip
-        return self._run(prompts, params_list, priorities, lora_request, use_tqdm)
+        return prompts, params_list, priorities
 
     def encode(
         self,
@@ -238,8 +247,17 @@ class LLM:
         self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool | Callable[..., tqdm],
     ) -> list[Any]:  # fmt: skip
-        """Add every request (none stays queued if one is refused), then step the engine until all
-        are finished; their final outputs in input order."""
+        """Add every request, then step the engine until all are finished; their final outputs in
+        input order."""
+        ids = self._add(prompts, params_list, priorities, lora_request)
+        finals = self._wait(ids, use_tqdm)
+        return [finals[i] for i in ids]
+
+    def _add(
+        self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[str]:  # fmt: skip
+        """Add every request (none stays queued if one is refused); their ids."""
         loras = per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         if engine.is_sleeping():
@@ -252,7 +270,12 @@ class LLM:
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise
-        finals: dict[str, Any] = {}
+        return ids
+
+    def _wait(self, ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> dict[str, Any]:
+        """Step the engine until no request is left: the final output of each that finished, by id
+        (a failure, or Ctrl-C, aborts ``ids``)."""
+        engine, finals = self.llm_engine, {}
         bar_args: dict[str, Any] = {"total": len(ids), "desc": "Processed prompts"}
         with use_tqdm(**bar_args) if callable(use_tqdm) else tqdm(**bar_args, disable=not use_tqdm) as bar:
             try:
@@ -267,7 +290,29 @@ class LLM:
             except BaseException:  # a failed step or request, or Ctrl-C: free everything of this call
                 engine.abort_request(ids)
                 raise
-        return [finals[i] for i in ids]
+        return finals
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """vLLM 0.32's: add the prompts' requests (checked as ``generate`` checks them) without
+        running them; their ids. ``wait_for_completion`` runs them (a ``generate`` call before it
+        runs them too, and keeps only its own outputs)."""
+        ids = self._add(*self._generate_requests(prompts, sampling_params, priority, tokenization_kwargs), lora_request)
+        self._enqueued += ids
+        return ids
+
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool | Callable[..., tqdm] = True) -> list[Any]:
+        """vLLM 0.32's: step until every request is finished; the final outputs, in request id order
+        (``output_type`` is taken for vLLM's signature)."""
+        ids, self._enqueued = self._enqueued, []
+        return sorted(self._wait(ids, use_tqdm).values(), key=lambda out: int(out.request_id))
 
     def beam_search(
         self,
