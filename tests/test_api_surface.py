@@ -131,3 +131,36 @@ async def test_async_engine_health_properties_as_vllm(tiny_dir):
     assert isinstance(eng.dead_error, EngineDeadError)
     with pytest.raises(EngineDeadError):
         await eng.check_health()
+
+
+def test_vllm_inputs_prompt_types(engine):
+    """``from vllm.inputs import TokensPrompt, TextPrompt`` ports as vllmini.inputs: plain dicts
+    with vLLM's keys, required and optional as vLLM's TypedDicts have them."""
+    from vllmini.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
+
+    assert TokensPrompt(prompt_token_ids=[1, 2, 3]) == {"prompt_token_ids": [1, 2, 3]}
+    assert TokensPrompt.__required_keys__ == {"prompt_token_ids"} and "prompt" in TokensPrompt.__optional_keys__
+    assert TextPrompt.__required_keys__ == {"prompt"} and TextPrompt.__optional_keys__ == {"cache_salt"}
+    assert EmbedsPrompt.__required_keys__ == {"prompt_embeds"}
+    engine.add_request("t", TokensPrompt(prompt_token_ids=[1, 2, 3], cache_salt="s"), SamplingParams(max_tokens=2))
+    assert run(engine)["t"].prompt_token_ids == [1, 2, 3]
+
+
+def test_enqueue_then_wait_for_completion(tiny_dir):
+    """vLLM 0.32's LLM.enqueue (requests added, checked, not run) and wait_for_completion (run
+    them all; the outputs in request id order): the same outputs as generate's."""
+    from vllmini import LLM
+
+    llm = LLM(model=str(tiny_dir), kv_cache_memory=KV)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9]}]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+    want = llm.generate(prompts, params, use_tqdm=False)
+    ids = llm.enqueue(prompts, params, use_tqdm=False) + llm.enqueue(prompts[0], params[0], priority=0)
+    assert llm.llm_engine.get_num_unfinished_requests() == 3 and not llm.llm_engine.scheduler.running
+    with pytest.raises(ValueError, match="sampling_params has 1 entries"):
+        llm.enqueue(prompts, params[:1])
+    assert llm.llm_engine.get_num_unfinished_requests() == 3  # (a refused call adds nothing)
+    outs = llm.wait_for_completion(use_tqdm=False)
+    assert [o.request_id for o in outs] == ids and all(o.finished for o in outs)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want + want[:1]]
+    assert llm.wait_for_completion(use_tqdm=False) == [] and not llm.llm_engine.has_unfinished_requests()

@@ -129,12 +129,12 @@ def test_eos_beam_is_completed_and_ranked(eos_case, length_penalty):
     assert stopped, "the beam that emitted EOS should rank among the best"
     tok = llm.get_tokenizer()
     for s in stopped:
-        assert s.tokens[-1] == eos == s.stop_reason and s.text == tok.decode(s.tokens[:-1])
+        assert s.tokens[-1] == eos == s.stop_reason and s.text == tok.decode(s.tokens[:-1], skip_special_tokens=True)
     if length_penalty == 1.0:  # the completed beam after 1 token is the first token's 2nd choice
         assert any(s.tokens == prompt + [eos] for s in stopped)
     (with_stop,) = llm.beam_search([prompt], BeamSearchParams(k, n, length_penalty=length_penalty,
                                                               include_stop_str_in_output=True))  # fmt: skip
-    assert [s.text for s in with_stop.sequences] == [tok.decode(s.tokens) for s in out.sequences]
+    assert [s.text for s in with_stop.sequences] == [tok.decode(s.tokens, skip_special_tokens=True) for s in out.sequences]
     assert_no_leaks(llm)
 
 
@@ -175,7 +175,7 @@ def test_ignore_eos_keeps_eos_beams_going(eos_case):
     "field, value",
     [("beam_width", 0), ("beam_width", 2.0), ("beam_width", True), ("max_tokens", 0), ("max_tokens", None),
      ("ignore_eos", 1), ("temperature", -0.5), ("temperature", math.nan), ("length_penalty", math.inf),
-     ("length_penalty", "1"), ("include_stop_str_in_output", "no")],
+     ("length_penalty", "1"), ("include_stop_str_in_output", "no"), ("skip_special_tokens", None)],
 )  # fmt: skip
 def test_bad_params_name_the_field(field, value):
     kwargs = {"beam_width": 2, "max_tokens": 4, field: value}
@@ -222,13 +222,26 @@ def test_several_prompts_one_generate_call_per_step(llm, monkeypatch):
     assert all(isinstance(o, BeamSearchOutput) and len(o.sequences) == 3 for o in together)
     assert [[s.tokens for s in o.sequences] for o in together] == [[s.tokens for s in o.sequences] for o in alone]
     assert together[0].sequences[0].tokens[:len(tok("a b c d").input_ids)] == tok("a b c d").input_ids
-    assert together[0].sequences[0].text == tok.decode(together[0].sequences[0].tokens)  # prompt + output, as vLLM
+    assert together[0].sequences[0].text == tok.decode(together[0].sequences[0].tokens, skip_special_tokens=True)  # as vLLM
     calls.clear()
     limited = llm.beam_search(prompts, params, concurrency_limit=3)  # prompts 0-2, then 3
     assert calls == [3] + [9] * 5 + [1] + [3] * 5
     assert [[s.tokens for s in o.sequences] for o in limited] == [[s.tokens for s in o.sequences] for o in alone]
     assert llm.beam_search("a b c d", params)[0].sequences[0].tokens == together[0].sequences[0].tokens
     assert_no_leaks(llm)
+
+
+def test_text_skips_special_tokens_unless_asked(llm):
+    """vLLM 0.32's offline text: prompt + output decoded with ``skip_special_tokens`` (default
+    True), so a chat prompt's markers are left out, as vLLM's ``LLM.beam_search`` leaves them."""
+    tok = llm.get_tokenizer()
+    prompt = [1, 9, 10, 11, 2, 198, 1, 12]  # <|im_start|> ... <|im_end|>\n<|im_start|> ...
+    (out,) = llm.beam_search([prompt], BeamSearchParams(2, 4, ignore_eos=True))
+    (kept,) = llm.beam_search([prompt], BeamSearchParams(2, 4, ignore_eos=True, skip_special_tokens=False))
+    for s, k in zip(out.sequences, kept.sequences):
+        assert s.tokens == k.tokens and s.tokens[: len(prompt)] == prompt
+        assert s.text == tok.decode(s.tokens, skip_special_tokens=True) and "<|im_start|>" not in s.text
+        assert k.text == tok.decode(k.tokens) and k.text.startswith("<|im_start|>")
 
 
 def test_temperature_adds_the_sampled_token_to_the_candidates(llm):

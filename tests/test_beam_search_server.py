@@ -44,7 +44,7 @@ async def test_the_async_search_is_the_offline_one(eos_case, served):  # noqa: F
     assert [(c.finish_reason, c.stop_reason) for c in got] == [(s.finish_reason, s.stop_reason) for s in want]
     tok = llm.get_tokenizer()
     stopped = [c for c in got if c.finish_reason == "stop"]
-    assert stopped and all(c.token_ids[-1] == eos and c.text == tok.decode(c.token_ids[:-1]) for c in stopped)
+    assert stopped and all(c.token_ids[-1] == eos and c.text == tok.decode(c.token_ids[:-1], skip_special_tokens=True) for c in stopped)
     assert all(len(c.logprobs) == len(c.token_ids) and c.token_ids[-1] in c.logprobs[-1] for c in got)
     assert not engine.engine.has_unfinished_requests()
 
@@ -82,7 +82,7 @@ async def test_chat_uses_beam_search(tiny_dir):
     prompt = out["prompt_token_ids"]
     want = beams(LLM(str(tiny_dir)), prompt, 2, 6)
     assert [c["token_ids"] for c in out["choices"]] == [s.tokens[len(prompt) :] for s in want]
-    assert [c["message"]["content"] for c in out["choices"]] == [s.text[len(engine.engine.tokenizer.decode(prompt)):] for s in want]
+    assert [c["message"]["content"] for c in out["choices"]] == [s.text[len(engine.engine.tokenizer.decode(prompt, skip_special_tokens=True)):] for s in want]
 
 
 async def test_a_search_given_up_is_aborted(eos_case, served):  # noqa: F811

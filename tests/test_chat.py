@@ -124,3 +124,27 @@ def test_llm_chat_takes_vllms_options(llm):
 
     outs = llm.chat([[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], PARAMS, use_tqdm=factory)
     assert len(outs) == 2 and [(b.total, b.n) for b in bars] == [(2, 2)]
+
+
+def test_vllm_032_call_shapes(llm):
+    """vLLM 0.32's LLM.chat order (messages, sampling_params, use_tqdm, lora_request, priority, ...),
+    an int priority for every prompt, and tokenization_kwargs={"truncate_prompt_tokens": k}, its
+    way to truncate a prompt offline (the last k tokens, as vLLM keeps them)."""
+    hi = [{"role": "user", "content": "hi"}]
+    (positional,) = llm.chat(hi, PARAMS, False, None)  # (lora_request None: the generation prompt stays)
+    assert positional.prompt.endswith("<|im_start|>assistant\n")
+    (full,) = llm.chat(hi, PARAMS, use_tqdm=False, priority=0)
+    (cut,) = llm.chat(hi, PARAMS, use_tqdm=False, tokenization_kwargs={"truncate_prompt_tokens": 4})
+    assert positional.prompt_token_ids == full.prompt_token_ids and cut.prompt_token_ids == full.prompt_token_ids[-4:]
+    ids = llm.get_tokenizer().encode("The capital of France is")
+    outs = llm.generate(["The capital of France is", {"prompt_token_ids": ids}], None, use_tqdm=False, priority=0,
+                        tokenization_kwargs={"truncate_prompt_tokens": 2})  # fmt: skip
+    assert [o.prompt_token_ids for o in outs] == [ids[-2:]] * 2
+    assert len(outs[0].outputs[0].token_ids) == llm.get_default_sampling_params().max_tokens
+    for kwargs, message in (({"add_special_tokens": False}, r"tokenization_kwargs: \['add_special_tokens'\] not supported"),
+                            ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be"),
+                            ([("truncate_prompt_tokens", 2)], "tokenization_kwargs must be a dict")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            llm.generate("hi", PARAMS, use_tqdm=False, tokenization_kwargs=kwargs)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        llm.generate("hi", PARAMS, use_tqdm=False, priority=True)

@@ -181,6 +181,7 @@ def small_llm(tiny_qwen3):
         ({"prompt_token_ids": [i % 500 for i in range(600)]}, SamplingParams(max_tokens=4), "max_model_len"),
         ({"prompt_token_ids": [1, 2, 999]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
         ({"prompt_token_ids": [1, -2]}, SamplingParams(max_tokens=4), "outside the vocabulary"),
+        ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[5, 999]), r"stop_token_ids has token ids outside the vocabulary \[0, \d+\): \[999\]"),
         ({"prompt_token_ids": None}, SamplingParams(max_tokens=4), "prompt_token_ids must be a list"),
         ({"prompt_token_ids": list(range(300))}, SamplingParams(max_tokens=100), "whole KV cache"),
         ({"prompt_token_ids": [1, 2]}, "greedy", "SamplingParams"),
@@ -314,8 +315,11 @@ def test_chat_template_options(small_llm, monkeypatch):
     assert prompt_text(one=True, chat_template_kwargs={"mood": "glad"}) == "[user|glad] hi\n[assistant] "
     continued = prompt_text(add_generation_prompt=False, continue_final_message=True)
     assert continued == "[user] hi\n[assistant] Hello, I am"  # no end of turn: the model continues it
-    # as vLLM, chat_template_kwargs may override the named options
-    assert prompt_text(one=True, chat_template_kwargs={"add_generation_prompt": False}) == "[user] hi"
+    # as vLLM 0.32, the named options win over chat_template_kwargs (its own only fill what is left None)
+    assert prompt_text(one=True, chat_template_kwargs={"add_generation_prompt": False}) == "[user] hi\n[assistant] "
+    assert prompt_text(one=True, add_generation_prompt=False, chat_template_kwargs={"add_generation_prompt": True}) == "[user] hi"
+    assert tok.decode(small_llm.chat(msgs[:1], greedy, use_tqdm=False, chat_template_kwargs={"chat_template": template})[0]
+                      .prompt_token_ids) == "[user] hi\n[assistant] "  # fmt: skip
     with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt"):
         small_llm.chat(msgs, greedy, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs"):

@@ -24,7 +24,7 @@ def test_listed_tokens_get_the_whole_vocabularys_logprobs_and_ranks(llm):
     logprobs that the whole-vocabulary logprobs give them and their true ranks; greedy and sampled rows,
     and rows asking for the top-N or nothing, share the batch."""
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprob_token_ids=IDS),
-              SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprob_token_ids=IDS[:2], logprobs=3),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprob_token_ids=IDS[:2], logprobs=2),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)]  # fmt: skip
     got = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     full_params = [p.clone(logprob_token_ids=None, logprobs=-1, detokenize=False) for p in params[:2]]
@@ -33,7 +33,7 @@ def test_listed_tokens_get_the_whole_vocabularys_logprobs_and_ranks(llm):
         assert out.token_ids == ref.token_ids
         assert out.cumulative_logprob == pytest.approx(ref.cumulative_logprob, abs=1e-4)
         for token, entry, whole in zip(out.token_ids, out.logprobs, ref.logprobs):
-            assert list(entry) == list(dict.fromkeys([token, *listed]))  # the ids win over logprobs=3
+            assert list(entry) == list(dict.fromkeys([token, *listed]))  # (logprobs=2 names their count)
             values = sorted((v.logprob for v in whole.values()), reverse=True)
             for t, lp in entry.items():  # rank: how many tokens are at least as likely (ties count)
                 assert lp.logprob == pytest.approx(whole[t].logprob, abs=1e-5)
@@ -52,6 +52,14 @@ def test_listed_tokens_get_the_whole_vocabularys_logprobs_and_ranks(llm):
 def test_bad_lists_are_refused_naming_the_field(ids, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(logprob_token_ids=ids)
+
+
+def test_logprobs_given_too_must_count_the_ids():
+    """vLLM 0.32 refuses logprobs that differ from len(logprob_token_ids) (it once let the ids win)."""
+    for logprobs in (0, 1, 3, -1):
+        with pytest.raises(ValueError, match=f"logprob_token_ids: .*must equal len\\(logprob_token_ids\\)=2, got logprobs={logprobs}"):
+            SamplingParams(logprob_token_ids=[5, 6], logprobs=logprobs)
+    assert SamplingParams(logprob_token_ids=[5, 6], logprobs=2).logprobs == 2
 
 
 def test_ids_outside_the_vocabulary_are_refused_and_others_go_on(llm):
@@ -73,10 +81,12 @@ async def test_server_lists_them_as_top_logprobs(tiny_dir, llm):
                     "logprob_token_ids": IDS[:2]}  # fmt: skip
             out = (await http.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
             assert [{t: round(v, 4) for t, v in top.items()} for top in out["top_logprobs"]] == text
-            echo = (await http.post("/v1/completions", json={**body, "echo": True, "logprobs": 1})).json()
-            tops = echo["choices"][0]["logprobs"]["top_logprobs"]  # echoed prompt positions: their top-1
+            echo = (await http.post("/v1/completions", json={**body, "echo": True, "logprobs": 2})).json()
+            tops = echo["choices"][0]["logprobs"]["top_logprobs"]  # echoed prompt positions: their top-2
             n = len(PROMPTS[0]["prompt_token_ids"])
-            assert tops[0] is None and all(len(t) == 1 for t in tops[1:n]) and tops[n:] == out["top_logprobs"]
+            assert tops[0] is None and all(len(t) == 2 for t in tops[1:n]) and tops[n:] == out["top_logprobs"]
+            other = await http.post("/v1/completions", json={**body, "logprobs": 1})  # (vLLM 0.32: must be 2)
+            assert other.status_code == 400 and "logprob_token_ids" in other.json()["error"]["message"]
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
                     "logprob_token_ids": IDS[:2]}  # fmt: skip
             content = (await http.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]["content"]

@@ -41,10 +41,10 @@ async def _run(engine: AsyncLLMEngine, search: BeamSearch, prompt: PromptType, r
                                       for i, (p, lora) in enumerate(requests)))  # fmt: skip
         search.advance(list(outs))
     (best,) = search.best(decode=False)  # (the outputs' text is theirs alone, decoded here)
-    tokenizer, outputs = engine.engine.tokenizer, []
+    outputs = []
     for i, beam in enumerate(best.sequences):
         tokens = beam.tokens[len(prompt_ids) :]
-        text = tokenizer.decode(search.shown(tokens, beam))
+        text = search.text(tokens, beam)
         outputs.append(CompletionOutput(i, text, tokens, beam.cum_logprob, beam.logprobs, beam.finish_reason,
                                         beam.stop_reason))  # fmt: skip
     text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None

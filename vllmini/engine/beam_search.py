@@ -41,12 +41,13 @@ class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # (vLLM 0.32's: the text leaves out special tokens, the prompt's too)
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
             if not is_int(value := getattr(self, name)) or value < 1:
                 raise bad_value(name, "an int >= 1", value)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(value := getattr(self, name), bool):
                 raise bad_value(name, "a bool", value)
         self.temperature = raised_temperature(real_value("temperature", self.temperature, ">= 0", lambda v: v >= 0))
@@ -160,23 +161,24 @@ class BeamSearch:
 
     def best(self, decode: bool = True) -> list[BeamSearchOutput]:
         """Per prompt, completed and live beams ranked together, the best ``beam_width``; with
-        ``decode``, each one's ``text`` is its ``shown`` tokens decoded (prompt + output)."""
-        params, tokenizer, outputs = self.params, self.engine.tokenizer, []
+        ``decode``, each one's ``text`` is its tokens' (prompt + output)."""
+        params, outputs = self.params, []
         for search in self.searches:
             ranked = sorted(search.done + search.live, key=lambda b: beam_score(b, params.length_penalty), reverse=True)
             best = ranked[: params.beam_width]
             for beam in best:
                 beam.finish_reason = beam.finish_reason or "length"
                 if decode:
-                    beam.text = tokenizer.decode(self.shown(beam.tokens, beam))
+                    beam.text = self.text(beam.tokens, beam)
             outputs.append(BeamSearchOutput(best))
         return outputs
 
-    def shown(self, tokens: list[int], beam: BeamSearchSequence) -> list[int]:
-        """``tokens`` (the end of ``beam``'s) as its text shows them: a final EOS only with
-        include_stop_str_in_output."""
+    def text(self, tokens: list[int], beam: BeamSearchSequence) -> str:
+        """``tokens`` (the end of ``beam``'s) decoded: a final EOS only with
+        include_stop_str_in_output, special tokens only without skip_special_tokens."""
         hide_eos = beam.finish_reason == "stop" and not self.params.include_stop_str_in_output
-        return tokens[:-1] if hide_eos else tokens
+        return self.engine.tokenizer.decode(tokens[:-1] if hide_eos else tokens,
+                                            skip_special_tokens=self.params.skip_special_tokens)  # fmt: skip
 
 
 def beam_search(

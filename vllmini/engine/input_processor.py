@@ -262,7 +262,8 @@ class InputProcessor:
         return {"prompt": text, "prompt_token_ids": ids, **salt}
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary.
+        """What SamplingParams cannot check alone: the logprobs cap and token ids in the vocabulary
+        (a stop id the model can never sample is a mistake, refused as vLLM refuses it).
         A logprobs count of -1 (the whole vocabulary) becomes the vocabulary size in ``params``,
         the request's own copy."""
         for name in ("logprobs", "prompt_logprobs"):
@@ -275,7 +276,8 @@ class InputProcessor:
                                           parameter=name, value=count)
             setattr(params, name, count)
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
-                          ("logprob_token_ids", params.logprob_token_ids or ())):  # fmt: skip
+                          ("logprob_token_ids", params.logprob_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids or ())):  # fmt: skip
             if bad := [t for t in ids if t >= self.vocab_size]:
                 raise VLLMValidationError(f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}",
                                           parameter=name, value=bad[:5])

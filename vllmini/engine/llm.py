@@ -33,6 +33,7 @@ class LLM:
             raise TypeError(f"unknown engine argument(s) {sorted(unknown)}; accepted: {sorted(EngineArgs.field_names())}")
         kwargs.setdefault("disable_log_stats", True)  # (vLLM's default offline: get_metrics() needs False)
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._enqueued: list[str] = []  # (enqueue's requests, until wait_for_completion)
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
@@ -95,25 +96,40 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order. ``use_tqdm``: show a
-        progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one per
-        prompt (lower first), with ``scheduling_policy="priority"``. ``lora_request``: one
-        adapter for every prompt, or one (or None) per prompt (needs ``enable_lora``)."""
+        progress bar, or (as vLLM) the tqdm-like factory that makes it. ``priority``: one for
+        every prompt or one per prompt (lower first), with ``scheduling_policy="priority"``.
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt (needs
+        ``enable_lora``). ``tokenization_kwargs``: vLLM 0.32's, of which vllmini takes
+        ``truncate_prompt_tokens`` (as SamplingParams' field, for every prompt)."""
         if self.llm_engine.runner_type != "generate":
             raise ValueError("LLM.generate() is only supported for generative models: this LLM runs the pooling "
                              "runner (use embed / encode, or runner='generate' to generate)")  # fmt: skip
+        return self._run(*self._generate_requests(prompts, sampling_params, priority, tokenization_kwargs),
+                         lora_request, use_tqdm)  # fmt: skip
+
+    def _generate_requests(
+        self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: int | Sequence[int] | None, tokenization_kwargs: dict[str, Any] | None,
+    ) -> tuple[list[PromptType], list[SamplingParams | None], list[int]]:  # fmt: skip
+        """generate's arguments as one (prompt, params, priority) per request."""
         prompts = as_prompt_list(prompts)
-        priorities = [0] * len(prompts) if priority is None else list(priority)
+        priority = 0 if priority is None else priority
+        priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)  # (a bool: refused later)
         if len(priorities) != len(prompts):
             raise ValueError(f"priority has {len(priorities)} entries but there are {len(prompts)} prompts")
         params_list = _per_prompt(sampling_params, SamplingParams, "sampling_params", len(prompts))
         # generate() returns whole completions, whatever output_kind asks for streaming
-        params_list = [msgspec.structs.replace(p, output_kind="final") if isinstance(p, SamplingParams) else p
+        changes = {"output_kind": "final", **_tokenization_changes(tokenization_kwargs)}
+        if len(changes) > 1:  # (the defaults, truncated too)
+            params_list = [self.get_default_sampling_params() if p is None else p for p in params_list]
+        params_list = [msgspec.structs.replace(p, **changes) if isinstance(p, SamplingParams) else p
                        for p in params_list]  # fmt: skip
-        return self._run(prompts, params_list, priorities, lora_request, use_tqdm)
+        return prompts, params_list, priorities
 
     def encode(
         self,
@@ -231,8 +247,17 @@ class LLM:
         self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None, use_tqdm: bool | Callable[..., tqdm],
     ) -> list[Any]:  # fmt: skip
-        """Add every request (none stays queued if one is refused), then step the engine until all
-        are finished; their final outputs in input order."""
+        """Add every request, then step the engine until all are finished; their final outputs in
+        input order."""
+        ids = self._add(prompts, params_list, priorities, lora_request)
+        finals = self._wait(ids, use_tqdm)
+        return [finals[i] for i in ids]
+
+    def _add(
+        self, prompts: list[PromptType], params_list: list[Any], priorities: list[int],
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+    ) -> list[str]:  # fmt: skip
+        """Add every request (none stays queued if one is refused); their ids."""
         loras = per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         if engine.is_sleeping():
@@ -245,7 +270,12 @@ class LLM:
         except Exception:
             engine.abort_request(ids)  # nothing half-submitted stays queued
             raise
-        finals: dict[str, Any] = {}
+        return ids
+
+    def _wait(self, ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> dict[str, Any]:
+        """Step the engine until no request is left: the final output of each that finished, by id
+        (a failure, or Ctrl-C, aborts ``ids``)."""
+        engine, finals = self.llm_engine, {}
         bar_args: dict[str, Any] = {"total": len(ids), "desc": "Processed prompts"}
         with use_tqdm(**bar_args) if callable(use_tqdm) else tqdm(**bar_args, disable=not use_tqdm) as bar:
             try:
@@ -260,7 +290,29 @@ class LLM:
             except BaseException:  # a failed step or request, or Ctrl-C: free everything of this call
                 engine.abort_request(ids)
                 raise
-        return [finals[i] for i in ids]
+        return finals
+
+    def enqueue(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+        tokenization_kwargs: dict[str, Any] | None = None,
+    ) -> list[str]:
+        """vLLM 0.32's: add the prompts' requests (checked as ``generate`` checks them) without
+        running them; their ids. ``wait_for_completion`` runs them (a ``generate`` call before it
+        runs them too, and keeps only its own outputs)."""
+        ids = self._add(*self._generate_requests(prompts, sampling_params, priority, tokenization_kwargs), lora_request)
+        self._enqueued += ids
+        return ids
+
+    def wait_for_completion(self, output_type: Any = None, *, use_tqdm: bool | Callable[..., tqdm] = True) -> list[Any]:
+        """vLLM 0.32's: step until every request is finished; the final outputs, in request id order
+        (``output_type`` is taken for vLLM's signature)."""
+        ids, self._enqueued = self._enqueued, []
+        return sorted(self._wait(ids, use_tqdm).values(), key=lambda out: int(out.request_id))
 
     def beam_search(
         self,
@@ -280,25 +332,29 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: int | Sequence[int] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template: str | None = None,
-        chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
-        chat_template_content_format: str = "auto",
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tokenization_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``: Jinja text or a file's path)
-        to each conversation, then generate. As in vLLM: ``continue_final_message`` leaves the last
+        to each conversation, then generate (``priority``, ``tokenization_kwargs``: as ``generate``
+        takes them); vLLM 0.32's argument order. As in vLLM: ``continue_final_message`` leaves the last
         (assistant) message open for the model to continue, ``tools`` and ``chat_template_kwargs``
         reach the template (e.g. Qwen3's ``enable_thinking``), an empty list is an empty batch, and
         ``chat_template_content_format="openai"`` hands the template content as a list of text
         parts ("auto" is "string" here: the supported models' templates take strings)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise ValueError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-        # as vLLM: the template kwargs may override the named options
-        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
-                   "chat_template": chat_template, "tools": tools, **(chat_template_kwargs or {})}  # fmt: skip
+        # as vLLM 0.32 (its merge_kwargs): the named options win over chat_template_kwargs, unless left None
+        named = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+                 "chat_template": chat_template, "tools": tools}  # fmt: skip
+        options = {**(chat_template_kwargs or {}), **{k: v for k, v in named.items() if v is not None}}
         if options["continue_final_message"] and options["add_generation_prompt"]:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
         if not isinstance(messages, (list, tuple)):
@@ -311,7 +367,20 @@ class LLM:
                 prompts.append(render_chat(tok, conv, content_format=chat_template_content_format, **options))
             except ValueError as exc:  # which conversation of a batch is at fault
                 raise ValueError(f"conversation {i}: {exc}" if len(conversations) > 1 else str(exc)) from exc
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request, priority=priority,
+                             tokenization_kwargs=tokenization_kwargs)  # fmt: skip
+
+
+def _tokenization_changes(tokenization_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM 0.32's ``tokenization_kwargs`` as SamplingParams changes: ``truncate_prompt_tokens``
+    (its way to truncate offline prompts); the rest of vLLM's (a tokenizer's options) are refused."""
+    if tokenization_kwargs is None:
+        return {}
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict or None, got {type(tokenization_kwargs).__name__}")
+    if other := sorted(set(tokenization_kwargs) - {"truncate_prompt_tokens"}):
+        raise ValueError(f"tokenization_kwargs: {other} not supported (vllmini takes truncate_prompt_tokens)")
+    return dict(tokenization_kwargs)
 
 
 def _per_prompt(params: Any, kind: type, name: str, num_prompts: int) -> list[Any]:
