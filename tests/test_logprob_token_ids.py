@@ -78,17 +78,18 @@ async def test_server_lists_them_as_top_logprobs(tiny_dir, llm):
     try:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine)), base_url="http://t") as http:
             body = {"model": "tiny", "prompt": PROMPTS[0]["prompt_token_ids"], "max_tokens": 3, "temperature": 0,
-                    "logprob_token_ids": IDS[:2]}  # fmt: skip
+                    "logprob_token_ids": IDS[:2], "logprobs": 1}  # (vLLM 0.32's server: logprobs set, any count)  # fmt: skip
             out = (await http.post("/v1/completions", json=body)).json()["choices"][0]["logprobs"]
-            assert [{t: round(v, 4) for t, v in top.items()} for top in out["top_logprobs"]] == text
-            echo = (await http.post("/v1/completions", json={**body, "echo": True, "logprobs": 2})).json()
-            tops = echo["choices"][0]["logprobs"]["top_logprobs"]  # echoed prompt positions: their top-2
+            for top, ids, token in zip(out["top_logprobs"], text, out["tokens"]):  # the ids', and the chosen token's
+                assert {t: round(v, 4) for t, v in top.items() if t in ids} == ids and token in top and len(top) <= 3
+            bad = await http.post("/v1/completions", json={**body, "logprobs": None})  # (vLLM's 400)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_token_ids", bad.json()
+            echo = (await http.post("/v1/completions", json={**body, "echo": True})).json()
+            tops = echo["choices"][0]["logprobs"]["top_logprobs"]  # echoed prompt positions: their own token + top 1
             n = len(PROMPTS[0]["prompt_token_ids"])
-            assert tops[0] is None and all(len(t) == 2 for t in tops[1:n]) and tops[n:] == out["top_logprobs"]
-            other = await http.post("/v1/completions", json={**body, "logprobs": 1})  # (vLLM 0.32: must be 2)
-            assert other.status_code == 400 and "logprob_token_ids" in other.json()["error"]["message"]
+            assert tops[0] is None and all(len(t) in (1, 2) for t in tops[1:n]) and tops[n:] == out["top_logprobs"]
             chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
-                    "logprob_token_ids": IDS[:2]}  # fmt: skip
+                    "logprob_token_ids": IDS[:2], "logprobs": True}  # fmt: skip
             content = (await http.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]["content"]
             assert len(content) == 2 and all(len(c["top_logprobs"]) == 2 for c in content)
             bad = await http.post("/v1/completions", json={**body, "logprob_token_ids": [99999]})

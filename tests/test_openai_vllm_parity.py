@@ -139,3 +139,15 @@ async def test_echo_takes_prompt_logprobs_too_as_vllm(http, engine):
     assert r.status_code == 200 and choice["text"].startswith(body["prompt"]) and choice["logprobs"] is None, r.text
     assert choice["prompt_logprobs"][0] is None and all(1 <= len(p) <= 2 for p in choice["prompt_logprobs"][1:])
     await wait_idle(engine)
+
+
+async def test_named_template_switches_win_over_chat_template_kwargs(http, engine):
+    """vLLM 0.32's server merges chat_template_kwargs under add_generation_prompt / continue_final_message
+    (merge_kwargs), as LLM.chat does: the kwargs' copy of a switch is overridden by the request's field."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = (await http.post("/tokenize", json={"messages": messages})).json()["tokens"]
+    for body in ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                 {"add_generation_prompt": True, "chat_template_kwargs": {"add_generation_prompt": False}}):  # fmt: skip
+        r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(plain), body
+    await wait_idle(engine)

@@ -315,8 +315,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if not isinstance(ids, (list, tuple)) or not 0 < len(ids) <= MAX_LOGPROB_TOKEN_IDS or not all(is_int(t) and t >= 0 for t in ids):
                 raise bad_value("logprob_token_ids", f"a list of 1 to {MAX_LOGPROB_TOKEN_IDS} ints >= 0, or None", ids)
             if self.logprobs is not None and self.logprobs != len(ids):  # (vLLM 0.32's rule: no silent choice)
-                raise ValueError(f"logprob_token_ids: when logprobs is also set it must equal len(logprob_token_ids)="
-                                 f"{len(ids)}, got logprobs={self.logprobs}")  # fmt: skip
+                raise VLLMValidationError(f"logprob_token_ids: when logprobs is also set it must equal "
+                                          f"len(logprob_token_ids)={len(ids)}, got logprobs={self.logprobs}",
+                                          parameter="logprob_token_ids", value=self.logprobs)  # fmt: skip
             self.logprob_token_ids = list(dict.fromkeys(ids))  # (one entry per token in the output's dict)
         if self.stream_interval is not None and (not is_int(self.stream_interval) or self.stream_interval < 1):
             raise bad_value("stream_interval", "an int >= 1 or None", self.stream_interval)

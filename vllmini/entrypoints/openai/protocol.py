@@ -112,6 +112,8 @@ class SamplingRequest(msgspec.Struct, kw_only=True):
         if self.logit_bias is not None:
             given["logit_bias"] = _token_id_keys(self.logit_bias)
         structured = self._structured_outputs()
+        if self.logprob_token_ids:  # (vLLM's server: the ids alone name the entries; logprobs only switches them on)
+            logprobs = None
         return SamplingParams(
             **given, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured,
             output_kind="delta" if self.stream else "final", extra_args=self.vllm_xargs,

@@ -186,10 +186,11 @@ class OpenAIServingChat(OpenAIServing):
             # render_chat would read it as a path: a client must not make the server open its files
             raise ValueError("chat_template: a request's template must be Jinja text or the name of one of the "
                              "tokenizer's templates, not a file path")  # fmt: skip
-        options = {"add_generation_prompt": request.add_generation_prompt, "tools": request.tools,
-                   "continue_final_message": request.continue_final_message,
-                   "chat_template": request.chat_template or self.chat_template,
-                   **(request.chat_template_kwargs or {})}  # fmt: skip
+        # (the template's own switches win over chat_template_kwargs' same keys, as vLLM 0.32's merge_kwargs;
+        # a chat_template or tools in chat_template_kwargs still replaces the request's, as there)
+        options = {"tools": request.tools, "chat_template": request.chat_template or self.chat_template,
+                   **(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt,
+                   "continue_final_message": request.continue_final_message}  # fmt: skip
         for name in ("documents", "reasoning_effort"):  # (chat requests' template variables, vLLM's)
             if (value := getattr(request, name, None)) is not None:
                 options[name] = value
