@@ -1,0 +1,104 @@
+"""Reading a model folder's tensors: its safetensors files (an index's shards, or every file), one
+tensor at a time, each checked (checkpoint_checks.py); a quantized checkpoint's tensors dequantized on
+the way (FP8, GPTQ/AWQ, MXFP4). Pickle checkpoints are refused: loading one can run code."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from vllmini.files import foreign_file_hint
+from vllmini.models import checkpoint_checks
+from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
+from vllmini.models.gptq_awq import dequantize_wna16_weights, wna16_format
+from vllmini.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files to read, all checked to exist before any tensor is loaded."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = list(dict.fromkeys(weight_map.values()))  # unique, in order
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a valid safetensors index: {exc}") from exc
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name:
+                raise ValueError(f"{index} lists shard {name!r}, which is not a plain file name")
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard file(s) missing from {model_dir}: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    if (model_dir / "model.safetensors").is_file():
+        return [model_dir / "model.safetensors"]
+    others = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
+    if others:
+        return others
+    pickles = sorted(p.name for p in model_dir.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        raise ValueError(
+            f"{model_dir} holds only pickle checkpoints ({', '.join(pickles)}); vllmini refuses them because "
+            "loading a pickle can execute arbitrary code. Only safetensors (or GGUF) weights are accepted: convert "
+            "it once in a trusted environment, e.g. transformers' model.save_pretrained(dir, safe_serialization=True)"
+        )
+    raise FileNotFoundError(f"{model_dir} has no *.safetensors weights (a model folder holds them in one file, or in "
+                            f"shards listed by {INDEX_FILE})")  # fmt: skip
+
+
+def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's (HF name, tensor) pairs as the model loads them, float tensors all: FP8 and
+    MXFP4, GPTQ and AWQ ones dequantized (models/fp8.py, models/mxfp4.py, models/gptq_awq.py). ``config``: the folder's
+    config (read from its config.json when None; a folder without one, a trainer's, holds float weights)."""
+    if config is None and (Path(model_dir) / "config.json").is_file():
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    if config is None:
+        return iter_weights(model_dir)
+    if is_mxfp4(config):
+        return dequantize_mxfp4_weights(iter_weights(model_dir, "mxfp4"))
+    if (fp8 := fp8_format(config)) is not None:
+        return dequantize_fp8_weights(iter_weights(model_dir, "fp8"), fp8)
+    if (wna16 := wna16_format(config)) is not None:
+        return dequantize_wna16_weights(iter_weights(model_dir, "wna16"), wna16)
+    return iter_weights(model_dir)
+
+
+def iter_weights(model_dir: Path, quant: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
+
+    Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
+    per tensor (~0.3 ms each) so that pages already copied into the model are unmapped
+    as soon as the caller drops the tensor, instead of staying resident until the whole
+    file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
+    new ones) is refused: which one the checkpoint means is unknown; so is a non-float one (but
+    a quantized checkpoint's packed tensors, with ``quant``: checkpoint_checks.check_tensor).
+    """
+    from safetensors import SafetensorError, safe_open
+
+    seen: dict[str, Path] = {}
+    for path in _weight_files(Path(model_dir)):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+            for name in names:
+                if name in seen:
+                    raise ValueError(f"{path} and {seen[name]} both hold tensor {name!r}; a checkpoint holds each "
+                                     "tensor once (a stale shard left beside new ones?)")  # fmt: skip
+                seen[name] = path
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    tensor = f.get_tensor(name)
+                checkpoint_checks.check_tensor(path, name, tensor, quant)
+                yield name, tensor
+                del tensor
+        except SafetensorError as exc:
+            with open(path, "rb") as f:
+                hint = foreign_file_hint(f.read(512)) or "corrupted header or data?"
+            raise ValueError(f"{path} is not a valid safetensors file ({hint}): {exc}") from exc
