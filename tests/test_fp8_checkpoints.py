@@ -178,7 +178,9 @@ def test_broken_fp8_checkpoints_are_refused_by_name(tmp_path, default_model_dir)
         load_model(no_weight, torch.float32, CPU)
     config = json.loads((dense / "config.json").read_text())
     for quant, field in [({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
-                         ({**_compressed("channel"), "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "config_groups.g.weights"),
+                         ({**_compressed("channel"), "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}}}}, "format 'float-quantized'"),
+                         ({**_compressed("channel"), "config_groups": {"g": {"weights": {"type": "int", "num_bits": 4}},
+                                                                       "f": {"weights": {"type": "float", "num_bits": 8}}}}, "config_groups.g.weights"),
                          ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'")]:  # fmt: skip
         (dense / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
         with pytest.raises(ValueError, match=field):

@@ -30,9 +30,9 @@ def _words(values: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.from_numpy((v << shifts).sum(-1).astype(np.uint32).view(np.int32))
 
 
-def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor | None):
-    """``w [N, K]`` -> (q [K, N], zeros [G, N], scales [G, N], group of each input column): asymmetric
-    min/max by group, scales rounded to fp16 as the exporters store them."""
+def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor | None, symmetric: bool = False):
+    """``w [N, K]`` -> (q [K, N], zeros [G, N], scales [G, N], group of each input column): min/max by
+    group (symmetric: the zero is 2**(bits - 1)), scales rounded to fp16 as the exporters store them."""
     n, k = w.shape
     group_of = g_idx if g_idx is not None else torch.arange(k) // (k if group == -1 else group)
     groups = int(group_of.max()) + 1
@@ -41,6 +41,10 @@ def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor | None
     for g in range(groups):
         rows = wt[group_of == g]
         lo, hi = rows.min(0).values.clamp(max=0), rows.max(0).values.clamp(min=0)
+        if symmetric:
+            scales[g] = (torch.maximum(-lo, hi) / ((1 << (bits - 1)) - 1)).clamp(min=1e-4).half().float()
+            zeros[g] = 1 << (bits - 1)
+            continue
         scales[g] = ((hi - lo) / top).clamp(min=1e-4).half().float()
         zeros[g] = (-lo / scales[g]).round().clamp(0, top).long()
     q = (wt / scales[group_of]).round().long().add(zeros[group_of]).clamp(0, top)
@@ -49,6 +53,8 @@ def _quantize(w: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor | None
 
 def _pack(w: torch.Tensor, fmt: dict, g_idx=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One linear's tensors as the format stores them, and the dense weight ``[N, K]`` they stand for."""
+    if fmt["quant_method"] == "compressed-tensors":
+        return _pack_compressed_tensors(w, fmt["config_groups"]["group_0"]["weights"], g_idx)
     bits, group = fmt.get("bits", 4), fmt.get("group_size", 128)
     q, zeros, scales, group_of = _quantize(w, bits, group, g_idx)
     dense = ((q - zeros[group_of]).float() * scales[group_of]).t().contiguous()
@@ -64,6 +70,23 @@ def _pack(w: torch.Tensor, fmt: dict, g_idx=None) -> tuple[dict[str, torch.Tenso
     return {"qweight": qweight, "qzeros": qzeros, "scales": scales.half(), "g_idx": group_of.to(torch.int32)}, dense
 
 
+def _pack_compressed_tensors(w: torch.Tensor, scheme: dict, g_idx=None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' pack-quantized layout: values (signed, stored plus 2**(bits - 1): so the
+    unsigned q) packed along the inputs, zero points along the outputs, scales ``[N, groups]``."""
+    bits, n, k = scheme["num_bits"], *w.shape
+    group = scheme.get("group_size") or -1 if scheme["strategy"] == "group" else -1
+    q, zeros, scales, group_of = _quantize(w, bits, group, g_idx, symmetric=scheme["symmetric"])
+    dense = ((q - zeros[group_of]).float() * scales[group_of]).t().contiguous()
+    per = 32 // bits
+    parts = {"weight_packed": _words(q.t().reshape(n, k // per, per), bits), "weight_scale": scales.t().contiguous().half(),
+             "weight_shape": torch.tensor([n, k])}  # fmt: skip
+    if not scheme["symmetric"]:
+        parts["weight_zero_point"] = _words(zeros.t().reshape(n // per, per, -1).permute(0, 2, 1), bits)
+    if g_idx is not None:
+        parts["weight_g_idx"] = group_of.to(torch.int32)
+    return parts, dense
+
+
 def _write(dense_dir: Path, out: Path, fmt: dict, act_order: bool = False, skip=("mlp.gate.",)) -> dict[str, torch.Tensor]:
     """``dense_dir``'s checkpoint with every projection quantized; returns the dense weights it stands for."""
     g = torch.Generator().manual_seed(1)
@@ -73,7 +96,7 @@ def _write(dense_dir: Path, out: Path, fmt: dict, act_order: bool = False, skip=
             tensors[name] = want[name] = w
             continue
         module = name.removesuffix(".weight")
-        k, group = w.shape[1], fmt.get("group_size", 128)
+        k, group = w.shape[1], fmt.get("group_size") or fmt.get("config_groups", {}).get("group_0", {}).get("weights", {}).get("group_size") or 128
         g_idx = torch.randperm(k, generator=g) // group if act_order else None  # (act-order: groups out of order)
         parts, want[name] = _pack(w.float(), fmt, g_idx)
         tensors.update({f"{module}.{part}": t for part, t in parts.items()})
@@ -98,6 +121,13 @@ def _gptq(bits=4, group=32, desc_act=False, fmt="gptq") -> dict:
             "checkpoint_format": fmt}  # fmt: skip
 
 
+def _compressed(bits=4, group: int | None = 32, symmetric=True, actorder=None) -> dict:
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group" if group else "channel",
+               "group_size": group, "actorder": actorder}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+
+
 def _awq(group=32) -> dict:
     return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
 
@@ -105,12 +135,14 @@ def _awq(group=32) -> dict:
 @pytest.mark.parametrize("name,fmt,act_order", [
     ("gptq-4bit", _gptq(), False), ("gptq-v2", _gptq(fmt="gptq_v2"), False), ("gptq-act-order", _gptq(group=16, desc_act=True), True),
     ("gptq-8bit-one-group", _gptq(bits=8, group=-1), False), ("gptq-2bit", _gptq(bits=2, group=32), False),
-    ("awq", _awq(), False), ("awq-group-64", _awq(64), False)])  # fmt: skip
+    ("awq", _awq(), False), ("awq-group-64", _awq(64), False),
+    ("ct-w4a16", _compressed(), False), ("ct-w4a16-asym", _compressed(symmetric=False), False),
+    ("ct-w8a16-channel", _compressed(bits=8, group=None), False), ("ct-actorder", _compressed(group=16, actorder="group"), True)])  # fmt: skip
 def test_quantized_linears_load_as_their_dense_weights(tmp_path, default_model_dir, name, fmt, act_order):
     dense = _dense(tmp_path, default_model_dir, tiny_llama_config())
     want = checkpoint_like(dense, tmp_path / "want", _write(dense, tmp_path / "q", fmt, act_order))
     _assert_loads_as(tmp_path / "q", want)
-    if name in ("gptq-act-order", "awq"):  # (through the engine: greedy tokens and logprobs as transformers')
+    if name in ("gptq-act-order", "awq", "ct-w4a16-asym"):  # (through the engine: greedy tokens and logprobs as transformers')
         llm = LLM(model=str(tmp_path / "q"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
         assert_engine_matches_transformers(llm, AutoModelForCausalLM.from_pretrained(want, dtype=torch.float32), PROMPTS, name)
 

@@ -25,7 +25,7 @@ _SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_
 # sizes whose transformers default is a fixed number (Llama 2 7B's), not derived from the others
 _DEFAULTED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "num_hidden_layers", "vocab_size")  # fmt: skip
-WNA16_INT_PARTS = (".qweight", ".qzeros", ".g_idx")
+WNA16_INT_PARTS = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_g_idx", ".weight_shape")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -70,7 +70,7 @@ def check_tensor(path: Path, name: str, tensor: torch.Tensor, quant: str | None 
     (float8 tensors, models/fp8.py), "wna16" (GPTQ / AWQ int32 words, models/gptq_awq.py)."""
     if ((quant == "mxfp4" and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES))
             or (quant == "fp8" and tensor.dtype in FP8_DTYPES)
-            or (quant == "wna16" and tensor.dtype == torch.int32 and name.endswith(WNA16_INT_PARTS))):  # fmt: skip
+            or (quant == "wna16" and tensor.dtype in (torch.int32, torch.int64) and name.endswith(WNA16_INT_PARTS))):  # fmt: skip
         return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "

@@ -52,12 +52,15 @@ def fp8_format(config: Any) -> Fp8Format | None:
     if method != "compressed-tensors":
         return None
     groups = quant.get("config_groups") or {}
+    if groups and all(((g or {}).get("weights") or {}).get("type") == "int" for g in groups.values()):
+        return None  # (int weights: models/gptq_awq.py)
     blocks = set()
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}
         if weights.get("type") != "float" or weights.get("num_bits") != 8:
             raise ValueError(f"quantization_config.config_groups.{name}.weights is {weights.get('type')!r} with "
-                             f"{weights.get('num_bits')!r} bits; vllmini reads compressed-tensors' float8 weights only")  # fmt: skip
+                             f"{weights.get('num_bits')!r} bits; vllmini reads compressed-tensors' float8 and (packed) int weights, one kind "
+                             "per checkpoint")  # fmt: skip
         if weights.get("strategy") == "block":
             blocks.add(_block(weights.get("block_structure"), f"config_groups.{name}.weights.block_structure"))
     if not groups or len(blocks) > 1:

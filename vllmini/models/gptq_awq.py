@@ -13,6 +13,11 @@ Each linear ``<m>`` comes as ``<m>.qweight`` (int32, 32 / bits values per word, 
   outputs, the eight values of a word in AWQ's order (columns 0, 2, 4, 6, 1, 3, 5, 7 from the lowest
   bits up); groups are consecutive runs of ``group_size`` inputs.
 
+- compressed-tensors' ``pack-quantized`` int weights (llm-compressor's ``-quantized.w4a16`` / ``w8a16``
+  exports): ``<m>.weight_packed [N, ceil(K * bits / 32)]`` packed along the inputs, each value stored
+  plus ``2**(bits - 1)`` (signed), ``weight_scale [N, groups]`` (one group: per channel),
+  ``weight_zero_point`` (asymmetric: packed along the outputs), ``weight_g_idx`` (act-order), ``weight_shape``.
+
 The model then holds dense weights: the memory of a bf16 (or fp32) model and no integer kernel; what
 it computes is the quantized model's weights exactly (each ``(q - zero) * scale`` is one float32
 multiply of small integers by the scale, then rounded once to the engine's dtype).
@@ -25,6 +30,8 @@ from typing import Any, Iterator
 import torch
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
+CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
+            "weight_g_idx": "g_idx", "weight_shape": "shape"}  # (compressed-tensors' names)
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a packed word is the word's value number AWQ_COLUMNS[c]
 
 
@@ -39,6 +46,11 @@ class WNA16Format:
     zero_point: bool  # False: symmetric, the zero is 2**(bits - 1) (AWQ without zero points)
     desc_act: bool  # GPTQ's act-order: each input column's group comes from g_idx
 
+    @property
+    def parts(self) -> dict[str, str]:
+        """Checkpoint leaf name -> the part it is."""
+        return CT_PARTS if self.method == "compressed-tensors" else {p: p for p in PARTS}
+
 
 def wna16_format(config: Any) -> WNA16Format | None:
     """The GPTQ/AWQ format of a model's config (transformers' object or config.json as a dict); None for
@@ -46,7 +58,11 @@ def wna16_format(config: Any) -> WNA16Format | None:
     quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
     if hasattr(quant, "to_dict"):
         quant = quant.to_dict()
-    if not isinstance(quant, dict) or quant.get("quant_method") not in ("gptq", "awq"):
+    if not isinstance(quant, dict):
+        return None
+    if quant.get("quant_method") == "compressed-tensors":
+        return _compressed_tensors_format(quant)
+    if quant.get("quant_method") not in ("gptq", "awq"):
         return None
     method = quant["quant_method"]
     bits = quant.get("bits", quant.get("w_bit"))
@@ -68,6 +84,32 @@ def wna16_format(config: Any) -> WNA16Format | None:
                        desc_act=method == "gptq" and bool(quant.get("desc_act", False)))  # fmt: skip
 
 
+def _compressed_tensors_format(quant: dict) -> WNA16Format | None:
+    """compressed-tensors' int weights (None: its float8 ones, models/fp8.py): one scheme for every group."""
+    groups = quant.get("config_groups") or {}
+    weights = [(name, (group or {}).get("weights") or {}) for name, group in groups.items()]
+    if not weights or any(w.get("type") != "int" for _, w in weights):
+        return None
+    schemes = {(w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True), w.get("actorder"))
+               for _, w in weights}  # fmt: skip
+    name, first = weights[0]
+    field = f"quantization_config.config_groups.{name}.weights"
+    fmt = quant.get("format")
+    if len(schemes) > 1 or fmt != "pack-quantized":
+        raise ValueError(f"quantization_config: compressed-tensors int weights are read in one scheme, format "
+                         f"'pack-quantized' (got format {fmt!r}, {len(schemes)} schemes)")  # fmt: skip
+    bits, strategy = first.get("num_bits"), first.get("strategy")
+    if bits not in (2, 4, 8):
+        raise ValueError(f"{field}.num_bits is {bits!r}; vllmini reads packed int weights of 2, 4 or 8 bits")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"{field}.strategy is {strategy!r}; vllmini reads 'group' and 'channel' int weights")
+    group = first.get("group_size") if strategy == "group" else -1
+    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or group > 0):
+        raise ValueError(f"{field}.group_size must be a positive integer, got {group!r}")
+    return WNA16Format("compressed-tensors", bits, group, zero_offset=0, zero_point=not first.get("symmetric", True),
+                       desc_act=first.get("actorder") == "group")  # fmt: skip
+
+
 def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words -> their 32 / bits values (the lowest bits first), spread along ``dim``."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int32)
@@ -78,6 +120,8 @@ def _unpack(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def dequantize_wna16(parts: dict[str, torch.Tensor], fmt: WNA16Format, name: str = "weight") -> torch.Tensor:
     """One linear's ``qweight`` / ``qzeros`` / ``scales`` (/ ``g_idx``) -> its float32 weight ``[N, K]``."""
+    if fmt.method == "compressed-tensors":
+        return _dequantize_packed(parts, fmt, name)
     qweight, scales = parts["qweight"], parts["scales"].to(torch.float32)
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise ValueError(f"{name}.qweight must be a 2-D int32 tensor, got {qweight.dtype} {tuple(qweight.shape)}")
@@ -110,6 +154,28 @@ def dequantize_wna16(parts: dict[str, torch.Tensor], fmt: WNA16Format, name: str
     return dense.t().contiguous()
 
 
+def _dequantize_packed(parts: dict[str, torch.Tensor], fmt: WNA16Format, name: str) -> torch.Tensor:
+    """compressed-tensors' ``pack-quantized`` linear -> its float32 weight ``[N, K]``."""
+    packed, scales, offset = parts["qweight"], parts["scales"].to(torch.float32), 1 << (fmt.bits - 1)
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"{name}.weight_packed must be a 2-D int32 tensor, got {packed.dtype} {tuple(packed.shape)}")
+    n, k = (int(v) for v in parts["shape"].tolist()) if "shape" in parts else (packed.shape[0], packed.shape[1] * 32 // fmt.bits)
+    q = _unpack(packed, fmt.bits, dim=1)[:, :k].to(torch.float32).sub_(offset)  # [N, K], signed
+    groups = 1 if fmt.group_size == -1 else -(-k // fmt.group_size)
+    if q.shape != (n, k) or tuple(scales.shape) != (n, groups):
+        raise ValueError(f"{name}: weight_packed {tuple(packed.shape)} and weight_scale {tuple(scales.shape)} do not "
+                         f"make a [{n} x {k}] weight in groups of {fmt.group_size} (scales ({n}, {groups}))")  # fmt: skip
+    zeros = None
+    if fmt.zero_point:
+        zeros = _unpack(parts["qzeros"], fmt.bits, dim=0)[:n].to(torch.float32).sub_(offset)  # [N, groups]
+        if tuple(zeros.shape) != (n, groups):
+            raise ValueError(f"{name}.weight_zero_point holds {tuple(zeros.shape)} zeros; the scales are ({n}, {groups})")
+    group_of = _groups(parts.get("g_idx"), k, groups, fmt, name)
+    if zeros is not None:
+        q.sub_(zeros[:, group_of])
+    return q.mul_(scales[:, group_of])
+
+
 def _groups(g_idx: torch.Tensor | None, k: int, groups: int, fmt: WNA16Format, name: str) -> torch.Tensor:
     """Each input column's group: ``g_idx`` (GPTQ's, needed with act-order), else runs of ``group_size``."""
     if g_idx is None:
@@ -124,11 +190,15 @@ def dequantize_wna16_weights(weights: Iterator[tuple[str, torch.Tensor]], fmt: W
     """The checkpoint's (name, tensor) pairs with each quantized linear's parts gathered (in any order,
     from any shard) and given as one dense ``<m>.weight``; other tensors pass as they come."""
     needed = {"qweight", "scales"} | ({"qzeros"} if fmt.zero_point else set()) | ({"g_idx"} if fmt.desc_act else set())
+    if fmt.method == "compressed-tensors":
+        needed.add("shape")
+    names = fmt.parts
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: set[str] = set()
     for name, tensor in weights:
-        module, _, part = name.rpartition(".")
-        if part not in PARTS:
+        module, _, leaf = name.rpartition(".")
+        part = names.get(leaf)
+        if part is None:
             yield name, tensor
             continue
         if module in done:  # (a part not needed, after the weight was made: g_idx without act-order)
