@@ -57,7 +57,7 @@ class Worker:
     def reload_weights(self, weights_path: str | None = None) -> set[str]:
         """vLLM's: read the weights again from the model's folder, or from ``weights_path`` (an HF
         folder of safetensors files: a trainer's checkpoint), into the live model."""
-        from vllmini.models.weight_loader import checkpoint_weights
+        from vllmini.models.checkpoint_reader import checkpoint_weights
 
         if weights_path is not None and not isinstance(weights_path, (str, Path)):
             raise ValueError(f"reload_weights: weights_path must be a folder's path, got {type(weights_path).__name__}")

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from vllmini.models.fp8 import FP8_DTYPES, fp8_format
-from vllmini.models.gptq_awq import wna16_format
+from vllmini.models.gptq_awq import INTEGER_PART_SUFFIXES, wna16_format
 from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
+from vllmini.models.quant_config import quantization_config
 from vllmini.vllm_args import QUANTIZATION_ALIASES
 
 MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
@@ -25,7 +26,6 @@ _SIZE_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_
 # sizes whose transformers default is a fixed number (Llama 2 7B's), not derived from the others
 _DEFAULTED_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                    "num_hidden_layers", "vocab_size")  # fmt: skip
-WNA16_INT_PARTS = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_point", ".weight_g_idx", ".weight_shape")
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -54,8 +54,7 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
 def check_quantization(requested: str | None, config: Any, model_dir: Path) -> None:
     """vLLM's ``quantization`` names the checkpoint's own method, if given (vllmini reads that from
     config.json and does not quantize an unquantized checkpoint online)."""
-    quant = getattr(config, "quantization_config", None)
-    found = (quant.to_dict() if hasattr(quant, "to_dict") else quant or {}).get("quant_method")
+    found = (quantization_config(config) or {}).get("quant_method")
     if requested is not None and QUANTIZATION_ALIASES.get(requested, requested) != found:
         raise ValueError(f"quantization={requested!r}, but {model_dir / 'config.json'} says "
                          f"{'quant_method ' + repr(found) if found else 'the weights are not quantized'}; vllmini "
@@ -70,7 +69,7 @@ def check_tensor(path: Path, name: str, tensor: torch.Tensor, quant: str | None 
     (float8 tensors, models/fp8.py), "wna16" (GPTQ / AWQ int32 words, models/gptq_awq.py)."""
     if ((quant == "mxfp4" and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES))
             or (quant == "fp8" and tensor.dtype in FP8_DTYPES)
-            or (quant == "wna16" and tensor.dtype in (torch.int32, torch.int64) and name.endswith(WNA16_INT_PARTS))):  # fmt: skip
+            or (quant == "wna16" and tensor.dtype in (torch.int32, torch.int64) and name.endswith(INTEGER_PART_SUFFIXES))):  # fmt: skip
         return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "

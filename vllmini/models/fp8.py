@@ -23,6 +23,8 @@ from typing import Any, Iterator
 
 import torch
 
+from vllmini.models.quant_config import quantization_config
+
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -41,10 +43,8 @@ class Fp8Format:
 def fp8_format(config: Any) -> Fp8Format | None:
     """The FP8 format of a model's config (transformers' object or config.json as a dict); None when
     its weights are not FP8. A quantization this module cannot read raises, naming it."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
-    if hasattr(quant, "to_dict"):
-        quant = quant.to_dict()
-    if not isinstance(quant, dict):
+    quant = quantization_config(config)
+    if quant is None:
         return None
     method = quant.get("quant_method")
     if method == "fp8":

@@ -11,8 +11,7 @@ Each linear ``<m>`` comes as ``<m>.qweight`` (int32, 32 / bits values per word, 
   one, ``gptq_v2``'s as they are; ``desc_act`` checkpoints order the groups by ``g_idx``;
 - AWQ (``quant_method: "awq"``, AutoAWQ's ``gemm`` version): ``qweight [K, N / 8]`` packed along the
   outputs, the eight values of a word in AWQ's order (columns 0, 2, 4, 6, 1, 3, 5, 7 from the lowest
-  bits up); groups are consecutive runs of ``group_size`` inputs.
-
+  bits up); groups are consecutive runs of ``group_size`` inputs;
 - compressed-tensors' ``pack-quantized`` int weights (llm-compressor's ``-quantized.w4a16`` / ``w8a16``
   exports): ``<m>.weight_packed [N, ceil(K * bits / 32)]`` packed along the inputs, each value stored
   plus ``2**(bits - 1)`` (signed), ``weight_scale [N, groups]`` (one group: per channel),
@@ -29,9 +28,13 @@ from typing import Any, Iterator
 
 import torch
 
+from vllmini.models.quant_config import quantization_config
+
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
             "weight_g_idx": "g_idx", "weight_shape": "shape"}  # (compressed-tensors' names)
+# the parts stored as integers (words, zeros, group indices, shape), as the name suffixes checkpoint_checks lets through
+INTEGER_PART_SUFFIXES = tuple(f".{leaf}" for leaf, part in [*zip(PARTS, PARTS), *CT_PARTS.items()] if part != "scales")
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a packed word is the word's value number AWQ_COLUMNS[c]
 
 
@@ -55,10 +58,8 @@ class WNA16Format:
 def wna16_format(config: Any) -> WNA16Format | None:
     """The GPTQ/AWQ format of a model's config (transformers' object or config.json as a dict); None for
     another. A setting this module cannot read raises, naming the field."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
-    if hasattr(quant, "to_dict"):
-        quant = quant.to_dict()
-    if not isinstance(quant, dict):
+    quant = quantization_config(config)
+    if quant is None:
         return None
     if quant.get("quant_method") == "compressed-tensors":
         return _compressed_tensors_format(quant)

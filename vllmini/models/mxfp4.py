@@ -15,6 +15,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from vllmini.models.quant_config import quantization_config
+
 MXFP4_SUFFIXES = ("_blocks", "_scales")
 # the 16 E2M1 codes' values: sign bit 3, then exponent and mantissa
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -26,8 +28,7 @@ CHUNK_GROUPS = 2**20
 
 def is_mxfp4(config: Any) -> bool:
     """Whether a model's config (transformers' object, or config.json as a dict) says its weights are MXFP4."""
-    quant = config.get("quantization_config") if isinstance(config, dict) else getattr(config, "quantization_config", None)
-    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+    return (quantization_config(config) or {}).get("quant_method") == "mxfp4"
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
