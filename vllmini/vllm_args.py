@@ -19,9 +19,9 @@ FIXED = {
     "pipeline_parallel_size": ((1,), "vllmini runs a model on one device"),
     "data_parallel_size": ((1,), "an engine is one process on one device (run several servers behind a load balancer)"),
     "enable_chunked_prefill": ((True,), "vllmini always splits a prompt longer than max_num_batched_tokens into chunks"),
-    "quantization": ((None, "fp8", "compressed-tensors", "mxfp4", "gptq", "awq", *QUANTIZATION_ALIASES),
-                     "nothing is quantized online: a checkpoint's own FP8, GPTQ, AWQ or MXFP4 weights (and a GGUF "
-                     "file's) are dequantized to the engine's dtype while loading"),
+    "quantization": ((None, "fp8", "compressed-tensors", "modelopt", "modelopt_fp4", "mxfp4", "gptq", "awq", *QUANTIZATION_ALIASES),
+                     "nothing is quantized online: a checkpoint's own FP8, GPTQ, AWQ, int8, NVFP4 or MXFP4 weights (and "
+                     "a GGUF file's) are dequantized to the engine's dtype while loading"),
     "calculate_kv_scales": ((False,), "K/V are cached unscaled (scale 1.0, vLLM's default), saturated at fp8's range"),
     "tokenizer_mode": (("auto", "hf"), "tokenizers are transformers' (AutoTokenizer)"),
     "load_format": (("auto", "safetensors", "gguf"), "weights load from safetensors or GGUF files only"),

@@ -14,8 +14,10 @@ import torch
 
 from vllmini.models.fp8 import FP8_DTYPES, fp8_format
 from vllmini.models.gptq_awq import INTEGER_PART_SUFFIXES, wna16_format
+from vllmini.models.int8 import int_format, is_int_part
 from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
-from vllmini.models.quant_config import quantization_config
+from vllmini.models.nvfp4 import MODELOPT_NVFP4_ALGOS, is_nvfp4_part, nvfp4_format
+from vllmini.models.quant_config import HF_QUANT_CONFIG, modelopt_settings, quantization_config, with_quantization_config
 from vllmini.vllm_args import QUANTIZATION_ALIASES
 
 MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
@@ -33,18 +35,22 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
     """``config`` (transformers' reading of ``path``, whose JSON is ``raw``) describes a model of
     float weights with positive sizes."""
     quant = raw.get("quantization_config")
+    with_file = with_quantization_config(raw, path.parent) if quant is None else raw  # (ModelOpt's hf_quant_config.json)
+    if with_file is not None and quant is None:
+        quant, path = with_file["quantization_config"], path.parent / HF_QUANT_CONFIG
     if is_mxfp4(raw) and MXFP4_ARCHITECTURE in (raw.get("architectures") or []):
         pass  # (gpt-oss's experts: dequantized while loading, models/mxfp4.py)
     elif quant is not None:
-        try:  # (FP8, GPTQ and AWQ weights: dequantized while loading, models/fp8.py, models/gptq_awq.py)
-            readable = fp8_format(raw) or wna16_format(raw)
+        try:  # (FP8, GPTQ, AWQ, int8 and NVFP4 weights: dequantized while loading, models/fp8.py, gptq_awq.py, int8.py, nvfp4.py)
+            readable = nvfp4_format(with_file) or fp8_format(with_file) or wna16_format(with_file) or int_format(with_file)
         except ValueError as exc:
             raise ValueError(f"{path}: {exc}") from None
         if readable is None:
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
             raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
-                             "loads float weights, FP8 ones ('fp8', compressed-tensors' float8), GPTQ, AWQ and gpt-oss's "
-                             "MXFP4 experts: use the model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
+                             "loads float weights, FP8 ones ('fp8', compressed-tensors' float8, ModelOpt's), GPTQ, AWQ, "
+                             "compressed-tensors' int and NVFP4, ModelOpt's NVFP4 and gpt-oss's MXFP4 experts: use the "
+                             "model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
     for key in _SIZE_KEYS:
         value = getattr(config, key, None)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -54,11 +60,18 @@ def check_config(config: Any, raw: dict, path: Path) -> None:
 def check_quantization(requested: str | None, config: Any, model_dir: Path) -> None:
     """vLLM's ``quantization`` names the checkpoint's own method, if given (vllmini reads that from
     config.json and does not quantize an unquantized checkpoint online)."""
-    found = (quantization_config(config) or {}).get("quant_method")
-    if requested is not None and QUANTIZATION_ALIASES.get(requested, requested) != found:
-        raise ValueError(f"quantization={requested!r}, but {model_dir / 'config.json'} says "
-                         f"{'quant_method ' + repr(found) if found else 'the weights are not quantized'}; vllmini "
-                         "does not quantize online: leave quantization unset (a checkpoint's own method is read from it)")  # fmt: skip
+    quant = quantization_config(config, model_dir) or {}
+    found = quant.get("quant_method")
+    says = f"quant_method {found!r}" if found else "the weights are not quantized"
+    names = {found}
+    if found == "modelopt":  # (vLLM resolves ModelOpt's NVFP4 to "modelopt_fp4"; its FP8 stays "modelopt")
+        algo = modelopt_settings(quant)[0]
+        says += f" with quant_algo {algo!r}"
+        names |= {"modelopt_fp4"} if algo in MODELOPT_NVFP4_ALGOS else set()
+    if requested is not None and QUANTIZATION_ALIASES.get(requested, requested) not in names:
+        where = model_dir / ("config.json" if quantization_config(config) is not None or not quant else HF_QUANT_CONFIG)
+        raise ValueError(f"quantization={requested!r}, but {where} says {says}; vllmini does not quantize online: "
+                         "leave quantization unset (a checkpoint's own method is read from it)")  # fmt: skip
 
 
 def check_tensor(path: Path, name: str, tensor: torch.Tensor, quant: str | None = None) -> None:
@@ -66,10 +79,13 @@ def check_tensor(path: Path, name: str, tensor: torch.Tensor, quant: str | None 
     tensor copied into a float parameter loads silently, and wrongly: a quantized checkpoint's
     packed weights, or a broken export). ``quant``: the checkpoint's quantization whose packed tensors
     are dequantized while loading: "mxfp4" (gpt-oss's ``*_blocks`` / ``*_scales`` bytes), "fp8"
-    (float8 tensors, models/fp8.py), "wna16" (GPTQ / AWQ int32 words, models/gptq_awq.py)."""
+    (float8 tensors, models/fp8.py), "wna16" (GPTQ / AWQ int32 words, models/gptq_awq.py), "int8"
+    (compressed-tensors' int8 weights and zero points, models/int8.py), "nvfp4" (packed uint8 weights and
+    float8 group scales, models/nvfp4.py)."""
     if ((quant == "mxfp4" and tensor.dtype == torch.uint8 and name.endswith(MXFP4_SUFFIXES))
             or (quant == "fp8" and tensor.dtype in FP8_DTYPES)
-            or (quant == "wna16" and tensor.dtype in (torch.int32, torch.int64) and name.endswith(INTEGER_PART_SUFFIXES))):  # fmt: skip
+            or (quant == "wna16" and tensor.dtype in (torch.int32, torch.int64) and name.endswith(INTEGER_PART_SUFFIXES))
+            or (quant == "int8" and is_int_part(name, tensor)) or (quant == "nvfp4" and is_nvfp4_part(name, tensor))):  # fmt: skip
         return
     if tensor.dtype not in WEIGHT_DTYPES:
         raise ValueError(f"{path}: tensor {name!r} holds {str(tensor.dtype).removeprefix('torch.')} values; vllmini "

@@ -1,6 +1,6 @@
 """Reading a model folder's tensors: its safetensors files (an index's shards, or every file), one
 tensor at a time, each checked (checkpoint_checks.py); a quantized checkpoint's tensors dequantized on
-the way (FP8, GPTQ/AWQ, MXFP4). Pickle checkpoints are refused: loading one can run code."""
+the way (FP8, GPTQ/AWQ, compressed-tensors int and NVFP4, ModelOpt FP8 and NVFP4, MXFP4). Pickle checkpoints are refused: loading one can run code."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,10 @@ from vllmini.files import foreign_file_hint
 from vllmini.models import checkpoint_checks
 from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
 from vllmini.models.gptq_awq import dequantize_wna16_weights, wna16_format
+from vllmini.models.int8 import dequantize_int_weights, int_format
 from vllmini.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4
+from vllmini.models.nvfp4 import dequantize_nvfp4_weights, nvfp4_format
+from vllmini.models.quant_config import with_quantization_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -56,18 +59,25 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's (HF name, tensor) pairs as the model loads them, float tensors all: FP8 and
-    MXFP4, GPTQ and AWQ ones dequantized (models/fp8.py, models/mxfp4.py, models/gptq_awq.py). ``config``: the folder's
-    config (read from its config.json when None; a folder without one, a trainer's, holds float weights)."""
+    MXFP4, GPTQ and AWQ, int8 and NVFP4 ones dequantized (models/fp8.py, models/mxfp4.py, models/gptq_awq.py,
+    models/int8.py, models/nvfp4.py). ``config``: the folder's config (read from its config.json when None;
+    a folder without one, a trainer's, holds float weights); its quantization_config, else the folder's
+    hf_quant_config.json (ModelOpt's), says how the weights are stored."""
     if config is None and (Path(model_dir) / "config.json").is_file():
         config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = with_quantization_config(config or {}, model_dir)
     if config is None:
         return iter_weights(model_dir)
     if is_mxfp4(config):
         return dequantize_mxfp4_weights(iter_weights(model_dir, "mxfp4"))
+    if (nvfp4 := nvfp4_format(config)) is not None:
+        return dequantize_nvfp4_weights(iter_weights(model_dir, "nvfp4"), nvfp4)
     if (fp8 := fp8_format(config)) is not None:
         return dequantize_fp8_weights(iter_weights(model_dir, "fp8"), fp8)
     if (wna16 := wna16_format(config)) is not None:
         return dequantize_wna16_weights(iter_weights(model_dir, "wna16"), wna16)
+    if (int8 := int_format(config)) is not None:
+        return dequantize_int_weights(iter_weights(model_dir, "int8"), int8)
     return iter_weights(model_dir)
 
 

@@ -7,7 +7,10 @@ Two formats, as vLLM reads them (the checkpoint's ``quantization_config``):
   (``[ceil(N / bn), ceil(K / bk)]``, multiplied in despite its name); without it, one
   ``<name>_scale`` per tensor;
 - ``quant_method: "compressed-tensors"`` with float8 weights (``-FP8-dynamic`` / ``-FP8`` exports of
-  llm-compressor): ``<name>_scale`` per tensor (``[1]``), per output channel (``[N, 1]``) or per block.
+  llm-compressor): ``<name>_scale`` per tensor (``[1]``), per output channel (``[N, 1]``) or per block;
+- NVIDIA ModelOpt's (``quant_method: "modelopt"``, or hf_quant_config.json: quant_config.py) ``quant_algo``
+  "FP8" (one ``weight_scale`` per tensor), "FP8_PER_CHANNEL_PER_TOKEN" (one per row) and "FP8_PB_WO"
+  (128 x 128 tiles, as vLLM 0.32's modelopt.py reads them).
 
 The dense weight is ``fp8 value * scale`` in float32, which is transformers' dequantization
 (``FineGrainedFP8Config(dequantize=True)``). Activation scales (``input_scale``) and KV scales are
@@ -23,20 +26,23 @@ from typing import Any, Iterator
 
 import torch
 
-from vllmini.models.quant_config import quantization_config
+from vllmini.models.quant_config import modelopt_settings, quantization_config
 
 logger = logging.getLogger(__name__)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # (the longer first: "_scale" ends "_scale_inv"'s stem)
 DROPPED_SUFFIXES = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "prob_scale")
+# ModelOpt's FP8 quant_algo -> its weights' scale tiles (None: per tensor or per row); "FP8_BLOCK_SCALES":
+# early exports' name for "FP8_PB_WO" (vLLM keeps it as an alias)
+MODELOPT_FP8_ALGOS = {"FP8": None, "FP8_PER_CHANNEL_PER_TOKEN": None, "FP8_PB_WO": (128, 128), "FP8_BLOCK_SCALES": (128, 128)}
 
 
 @dataclass(frozen=True)
 class Fp8Format:
     """What a checkpoint's ``quantization_config`` says of its FP8 weights."""
 
-    method: str  # "fp8" or "compressed-tensors"
+    method: str  # "fp8", "compressed-tensors" or "modelopt"
     block: tuple[int, int] | None  # a scale tile's [rows, columns]; None: per-tensor or per-channel scales
 
 
@@ -49,11 +55,16 @@ def fp8_format(config: Any) -> Fp8Format | None:
     method = quant.get("quant_method")
     if method == "fp8":
         return Fp8Format("fp8", _block(quant.get("weight_block_size"), "weight_block_size"))
+    if method == "modelopt":
+        algo = modelopt_settings(quant)[0]
+        return Fp8Format("modelopt", MODELOPT_FP8_ALGOS[algo]) if algo in MODELOPT_FP8_ALGOS else None
     if method != "compressed-tensors":
         return None
     groups = quant.get("config_groups") or {}
-    if groups and all(((g or {}).get("weights") or {}).get("type") == "int" for g in groups.values()):
-        return None  # (int weights: models/gptq_awq.py)
+    weights = [((g or {}).get("weights") or {}) for g in groups.values()]
+    if weights and (all(w.get("type") == "int" for w in weights) or quant.get("format") == "nvfp4-pack-quantized"
+                    or all(w.get("type") == "float" and w.get("num_bits") == 4 for w in weights)):  # fmt: skip
+        return None  # (int weights: models/gptq_awq.py, models/int8.py; FP4 ones: models/nvfp4.py)
     blocks = set()
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}

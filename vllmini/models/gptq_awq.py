@@ -35,6 +35,7 @@ CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_s
             "weight_g_idx": "g_idx", "weight_shape": "shape"}  # (compressed-tensors' names)
 # the parts stored as integers (words, zeros, group indices, shape), as the name suffixes checkpoint_checks lets through
 INTEGER_PART_SUFFIXES = tuple(f".{leaf}" for leaf, part in [*zip(PARTS, PARTS), *CT_PARTS.items()] if part != "scales")
+UNPACKED_INT_FORMATS = ("int-quantized", "naive-quantized")  # compressed-tensors' formats of int8-stored values
 AWQ_COLUMNS = (0, 4, 1, 5, 2, 6, 3, 7)  # column c of a packed word is the word's value number AWQ_COLUMNS[c]
 
 
@@ -96,6 +97,8 @@ def _compressed_tensors_format(quant: dict) -> WNA16Format | None:
     name, first = weights[0]
     field = f"quantization_config.config_groups.{name}.weights"
     fmt = quant.get("format")
+    if fmt in UNPACKED_INT_FORMATS:
+        return None  # (one int8 per value: models/int8.py)
     if len(schemes) > 1 or fmt != "pack-quantized":
         raise ValueError(f"quantization_config: compressed-tensors int weights are read in one scheme, format "
                          f"'pack-quantized' (got format {fmt!r}, {len(schemes)} schemes)")  # fmt: skip
