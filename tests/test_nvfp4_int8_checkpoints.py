@@ -41,7 +41,12 @@ def _int_quantize(w: torch.Tensor, scheme: dict) -> tuple[dict[str, torch.Tensor
     n, k = w.shape
     strategy, group, block, bits = scheme["strategy"], scheme.get("group_size"), scheme.get("block_structure"), scheme["num_bits"]
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    if strategy == "tensor":
+    g_idx = None
+    if scheme.get("actorder") == "group":  # (act-order: each input column's group given, out of order)
+        g_idx = torch.randperm(k, generator=torch.Generator().manual_seed(k)) // group
+        lo = torch.stack([w[:, g_idx == g].amin(1) for g in range(-(-k // group))], 1)
+        hi = torch.stack([w[:, g_idx == g].amax(1) for g in range(-(-k // group))], 1)
+    elif strategy == "tensor":
         lo, hi = w.min().reshape(1), w.max().reshape(1)
     elif strategy == "channel":
         lo, hi = w.min(1, keepdim=True).values, w.max(1, keepdim=True).values
@@ -58,10 +63,15 @@ def _int_quantize(w: torch.Tensor, scheme: dict) -> tuple[dict[str, torch.Tensor
     else:
         scale = ((hi - lo) / (qmax - qmin)).clamp(min=1e-4).bfloat16()
         zero = (qmin - lo / scale.float()).round().clamp(qmin, qmax).to(torch.int8)
-    s = _expand(scale.float(), n, k, strategy, group, block)
-    z = torch.zeros(n, k) if zero is None else _expand(zero.float(), n, k, strategy, group, block)
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t[:, g_idx] if g_idx is not None else _expand(t, n, k, strategy, group, block)
+
+    s = expand(scale.float())
+    z = torch.zeros(n, k) if zero is None else expand(zero.float())
     q = (w / s).round().add(z).clamp(qmin, qmax)
     parts = {"weight": q.to(torch.int8), "weight_scale": scale}
+    if g_idx is not None:
+        parts["weight_g_idx"] = g_idx.to(torch.int32)
     if zero is not None:
         parts["weight_zero_point"] = zero
     return parts, (q - z) * s
@@ -129,9 +139,10 @@ def _write(dense_dir: Path, out: Path, kind: str, quant: dict, ignore=("mlp.gate
     return want
 
 
-def _ct_int(strategy="channel", bits=8, group=None, block=None, symmetric=True, fmt="int-quantized", activations=True) -> dict:
+def _ct_int(strategy="channel", bits=8, group=None, block=None, symmetric=True, fmt="int-quantized", activations=True,
+            actorder=None) -> dict:  # fmt: skip
     weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy, "group_size": group,
-               "block_structure": list(block) if block else None, "dynamic": False, "actorder": None}  # fmt: skip
+               "block_structure": list(block) if block else None, "dynamic": False, "actorder": actorder}  # fmt: skip
     group_0 = {"targets": ["Linear"], "weights": weights, "input_activations": None}
     if activations:  # (W8A8: dynamic per-token int8 activations, not applied here)
         group_0["input_activations"] = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
@@ -175,6 +186,7 @@ CASES = {  # name -> (quantizer kind, quantization_config, as hf_quant_config.js
     "ct-w8a16-group-asym": ("int", _ct_int("group", group=32, symmetric=False, fmt="naive-quantized", activations=False), False, True),
     "ct-w4-group-naive": ("int", _ct_int("group", bits=4, group=16, fmt="naive-quantized", activations=False), False, False),
     "ct-int8-block": ("int", _ct_int("block", block=(32, 48)), False, False),
+    "ct-w8a16-actorder": ("int", _ct_int("group", group=16, symmetric=False, activations=False, actorder="group"), False, True),
     "ct-nvfp4": ("compressed-tensors", _ct_nvfp4(), False, True),
     "ct-nvfp4a16": ("compressed-tensors", _ct_nvfp4(activations=False), False, False),
     "modelopt-nvfp4": ("modelopt", _modelopt("NVFP4"), False, True),
@@ -258,7 +270,8 @@ def test_broken_and_unreadable_checkpoints_are_refused_by_name(tmp_path, default
              ("modelopt", _modelopt("NVFP4"), lambda t: t.update({f"{q}.weight_scale_2": torch.ones(3)}), rf"{q}.weight_scale_2 has shape \(3,\)"),
              ("int", _ct_int(symmetric=False), lambda t: t.pop(f"{q}.weight_zero_point"), rf"int-quantized checkpoint: {q} \(weight_zero_point missing\)"),
              ("int", _ct_int("group", group=32), lambda t: t.update({f"{q}.weight_scale": t[f"{q}.weight_scale"][:, :1].contiguous()}),
-              rf"{q}.weight_scale has shape \(64, 1\); a \[64 x 64\] weight quantized by group needs \(64, 2\)")]  # fmt: skip
+              rf"{q}.weight_scale has shape \(64, 1\); a \[64 x 64\] weight quantized by group needs \(64, 2\)"),
+             ("int", _ct_int("group", group=48), lambda t: None, r"model.layers.0.mlp.down_proj.weight has 160 inputs, no multiple of group_size 48")]  # fmt: skip
     for i, (kind, quant, edit, message) in enumerate(cases):
         with pytest.raises(ValueError, match=message):
             load_model(_broken(tmp_path, dense, f"b{i}", kind, quant, edit), torch.float32, CPU)

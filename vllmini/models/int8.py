@@ -77,18 +77,17 @@ def is_int_part(name: str, tensor: torch.Tensor) -> bool:
 
 
 def _per_value(t: torch.Tensor, n: int, k: int, fmt: IntFormat, g_idx: torch.Tensor | None, what: str) -> torch.Tensor:
-    """A scale or zero point ``t`` (float32) spread over the ``[n, k]`` weight (broadcastable to it)."""
+    """A scale or zero point ``t`` (float32) spread over the ``[n, k]`` weight (broadcastable to it; by
+    group without ``g_idx``: to its ``[n, groups, group_size]`` view, no gathered copy)."""
     if fmt.strategy == "tensor" and t.numel() == 1:
         return t.reshape(())
     if fmt.strategy == "channel" and tuple(t.shape) in ((n, 1), (n,)):
         return t.reshape(n, 1)
-    if fmt.strategy == "group" and tuple(t.shape) == (n, -(-k // fmt.group_size)):
-        if g_idx is not None:
-            return t[:, g_idx]
-        return t.repeat_interleave(fmt.group_size, dim=1)[:, :k]
+    if fmt.strategy == "group" and tuple(t.shape) == (n, k // fmt.group_size):
+        return t[:, g_idx] if g_idx is not None else t.unsqueeze(-1)  # (else: to the weight's [n, groups, size] view)
     if fmt.strategy == "block" and tuple(t.shape) == (-(-n // fmt.block[0]), -(-k // fmt.block[1])):
         return t.repeat_interleave(fmt.block[0], dim=0)[:n].repeat_interleave(fmt.block[1], dim=1)[:, :k]
-    want = {"tensor": "one value", "channel": f"({n}, 1)", "group": f"({n}, {-(-k // (fmt.group_size or 1))})",
+    want = {"tensor": "one value", "channel": f"({n}, 1)", "group": f"({n}, {k // (fmt.group_size or 1)})",
             "block": f"({-(-n // fmt.block[0])}, {-(-k // fmt.block[1])})" if fmt.block else ""}[fmt.strategy]  # fmt: skip
     raise ValueError(f"{what} has shape {tuple(t.shape)}; a [{n} x {k}] weight quantized by {fmt.strategy} needs {want}")
 
@@ -99,16 +98,22 @@ def dequantize_int(parts: dict[str, torch.Tensor], fmt: IntFormat, name: str = "
     if q.dtype != torch.int8 or q.dim() != 2:
         raise ValueError(f"{name}.weight must be a 2-D int8 tensor, got {q.dtype} {tuple(q.shape)}")
     n, k = q.shape
+    if fmt.strategy == "group" and k % fmt.group_size:
+        raise ValueError(f"{name}.weight has {k} inputs, no multiple of group_size {fmt.group_size} (compressed-tensors "
+                         "itself refuses such a weight)")  # fmt: skip
     g_idx = None
     if fmt.actorder:
         g_idx = parts["g_idx"].to(torch.int64)
-        groups = -(-k // fmt.group_size)
+        groups = k // fmt.group_size
         if tuple(g_idx.shape) != (k,) or (k and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups)):
             raise ValueError(f"{name}.weight_g_idx must give each of the {k} input columns a group in [0, {groups})")
     dense = q.to(torch.float32)
+    grouped = fmt.strategy == "group" and g_idx is None  # (runs of inputs: broadcast over a view, ~3x a gathered copy)
+    view = dense.view(n, k // fmt.group_size, fmt.group_size) if grouped else dense
     if not fmt.symmetric:
-        dense.sub_(_per_value(parts["zero"].to(torch.float32), n, k, fmt, g_idx, f"{name}.weight_zero_point"))
-    return dense.mul_(_per_value(parts["scale"].to(torch.float32), n, k, fmt, g_idx, f"{name}.weight_scale"))
+        view.sub_(_per_value(parts["zero"].to(torch.float32), n, k, fmt, g_idx, f"{name}.weight_zero_point"))
+    view.mul_(_per_value(parts["scale"].to(torch.float32), n, k, fmt, g_idx, f"{name}.weight_scale"))
+    return dense
 
 
 def dequantize_int_weights(weights: Iterator[tuple[str, torch.Tensor]], fmt: IntFormat) -> Iterator[tuple[str, torch.Tensor]]:
