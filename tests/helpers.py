@@ -375,3 +375,22 @@ def register_rounded_kv_attention(kv_cache_dtype: str, eager=None) -> str:
     AttentionInterface.register(name, rounded)
     AttentionMaskInterface.register(name, eager_mask if eager else sdpa_mask)
     return name
+
+
+def save_tiny_dense(tmp_path: Path, tokenizer_dir: Path, config, name: str = "dense") -> Path:
+    """A tiny random float32 model of ``config`` (seed 0) saved by transformers under ``tmp_path / name``:
+    the float twin a quantized-checkpoint test quantizes."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return save_tiny_model(AutoModelForCausalLM.from_config(config).float(), tmp_path / name, tokenizer_dir)
+
+
+def assert_loads_as(got_dir: Path, want_dir: Path) -> None:
+    """Every parameter vllmini loads from ``got_dir`` (a quantized checkpoint) equals ``want_dir``'s (its dense values)."""
+    from vllmini.models.weight_loader import load_model
+
+    got, _ = load_model(got_dir, torch.float32, torch.device("cpu"))
+    want = dict(load_model(want_dir, torch.float32, torch.device("cpu"))[0].named_parameters())
+    for name, p in got.named_parameters():
+        assert torch.equal(p, want[name]), name

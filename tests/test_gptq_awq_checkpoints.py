@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from helpers import assert_engine_matches_transformers, checkpoint_like, save_tiny_model, tiny_llama_config, tiny_qwen3_moe_config
+from helpers import (assert_engine_matches_transformers, assert_loads_as, checkpoint_like, save_tiny_dense, tiny_llama_config,
+                     tiny_qwen3_moe_config)  # fmt: skip
 from vllmini import LLM
 from vllmini.models.weight_loader import load_model
 
@@ -105,15 +106,7 @@ def _write(dense_dir: Path, out: Path, fmt: dict, act_order: bool = False, skip=
 
 
 def _dense(tmp_path: Path, default_model_dir: Path, config) -> Path:
-    torch.manual_seed(0)
-    return save_tiny_model(AutoModelForCausalLM.from_config(config).float(), tmp_path / "dense", default_model_dir)
-
-
-def _assert_loads_as(got_dir: Path, want_dir: Path) -> None:
-    got, _ = load_model(got_dir, torch.float32, CPU)
-    want = dict(load_model(want_dir, torch.float32, CPU)[0].named_parameters())
-    for name, p in got.named_parameters():
-        assert torch.equal(p, want[name]), name
+    return save_tiny_dense(tmp_path, default_model_dir, config)
 
 
 def _gptq(bits=4, group=32, desc_act=False, fmt="gptq") -> dict:
@@ -141,7 +134,7 @@ def _awq(group=32) -> dict:
 def test_quantized_linears_load_as_their_dense_weights(tmp_path, default_model_dir, name, fmt, act_order):
     dense = _dense(tmp_path, default_model_dir, tiny_llama_config())
     want = checkpoint_like(dense, tmp_path / "want", _write(dense, tmp_path / "q", fmt, act_order))
-    _assert_loads_as(tmp_path / "q", want)
+    assert_loads_as(tmp_path / "q", want)
     if name in ("gptq-act-order", "awq", "ct-w4a16-asym"):  # (through the engine: greedy tokens and logprobs as transformers')
         llm = LLM(model=str(tmp_path / "q"), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16)
         assert_engine_matches_transformers(llm, AutoModelForCausalLM.from_pretrained(want, dtype=torch.float32), PROMPTS, name)
@@ -151,7 +144,7 @@ def test_quantized_experts(tmp_path, default_model_dir):
     """GPTQ experts of a Qwen3-MoE (one quantized linear per expert and projection, the router left float)."""
     dense = _dense(tmp_path, default_model_dir, tiny_qwen3_moe_config())
     want = checkpoint_like(dense, tmp_path / "want", _write(dense, tmp_path / "q", _gptq(group=16)))
-    _assert_loads_as(tmp_path / "q", want)
+    assert_loads_as(tmp_path / "q", want)
 
 
 def test_broken_and_unreadable_checkpoints_are_refused_by_name(tmp_path, default_model_dir):

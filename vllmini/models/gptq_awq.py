@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import torch
 
-from vllmini.models.quant_config import quantization_config
+from vllmini.models.quant_config import gather_parts, quantization_config
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx")
 CT_PARTS = {"weight_packed": "qweight", "weight_zero_point": "qzeros", "weight_scale": "scales",
@@ -196,23 +196,4 @@ def dequantize_wna16_weights(weights: Iterator[tuple[str, torch.Tensor]], fmt: W
     needed = {"qweight", "scales"} | ({"qzeros"} if fmt.zero_point else set()) | ({"g_idx"} if fmt.desc_act else set())
     if fmt.method == "compressed-tensors":
         needed.add("shape")
-    names = fmt.parts
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    done: set[str] = set()
-    for name, tensor in weights:
-        module, _, leaf = name.rpartition(".")
-        part = names.get(leaf)
-        if part is None:
-            yield name, tensor
-            continue
-        if module in done:  # (a part not needed, after the weight was made: g_idx without act-order)
-            continue
-        parts = pending.setdefault(module, {})
-        parts[part] = tensor
-        if needed <= parts.keys():
-            del pending[module]
-            done.add(module)
-            yield f"{module}.weight", dequantize_wna16(parts, fmt, module)
-    lone = sorted(f"{m} ({', '.join(sorted(needed - parts.keys()))} missing)" for m, parts in pending.items())
-    if lone:
-        raise ValueError(f"{fmt.method.upper()} checkpoint: {', '.join(lone[:5])}" + (f", ... ({len(lone)} in all)" if len(lone) > 5 else ""))
+    return gather_parts(weights, fmt.parts, needed, lambda module, parts: dequantize_wna16(parts, fmt, module), fmt.method.upper())
