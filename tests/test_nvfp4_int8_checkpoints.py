@@ -296,3 +296,24 @@ def test_quantization_argument_takes_vllms_names(tmp_path, default_model_dir):
                                ("int", "modelopt", r"config.json says quant_method 'compressed-tensors'")]:  # fmt: skip
         with pytest.raises(ValueError, match=rf"quantization='{name}'.*{says}"):
             LLM(model=str(tmp_path / folder), dtype="float32", quantization=name)
+
+
+def test_format_readers_and_stacked_experts():
+    """The config readers on the layouts the engine tests do not write (ModelOpt's FP8 variants, a lower-case
+    algo, W4A16_NVFP4), and NVFP4 experts stacked ``[E, N, K / 2]`` with one global scale per expert."""
+    from vllmini.models.fp8 import fp8_format
+    from vllmini.models.int8 import int_format
+    from vllmini.models.nvfp4 import NvFp4Format, dequantize_nvfp4, nvfp4_format
+
+    assert fp8_format({"quantization_config": _modelopt("FP8_PB_WO")}).block == (128, 128)
+    assert fp8_format({"quantization_config": _modelopt("FP8_PER_CHANNEL_PER_TOKEN")}).block is None
+    assert fp8_format({"quantization_config": _modelopt("NVFP4")}) is None
+    assert nvfp4_format({"quantization_config": _modelopt("nvfp4", legacy=True)}) == NvFp4Format("modelopt", 16)
+    assert nvfp4_format({"quantization_config": _modelopt("W4A16_NVFP4")}) == NvFp4Format("modelopt", 16)
+    assert nvfp4_format({"quantization_config": _ct_int()}) is None and int_format({"quantization_config": _ct_nvfp4()}) is None
+    assert int_format({"quantization_config": {**_ct_int(bits=4, group=32, strategy="group"), "format": "pack-quantized"}}) is None
+    torch.manual_seed(0)
+    experts = [_nvfp4_quantize(torch.randn(32, 64) * (e + 1), "modelopt") for e in range(3)]
+    stacked = dequantize_nvfp4(torch.stack([p["weight"] for p, _ in experts]), torch.stack([p["weight_scale"] for p, _ in experts]),
+                               torch.stack([p["weight_scale_2"] for p, _ in experts]), NvFp4Format("modelopt", 16))  # fmt: skip
+    assert torch.equal(stacked, torch.stack([dense for _, dense in experts]))

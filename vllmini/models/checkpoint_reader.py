@@ -65,7 +65,7 @@ def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None =
     hf_quant_config.json (ModelOpt's), says how the weights are stored."""
     if config is None and (Path(model_dir) / "config.json").is_file():
         config = json.loads((Path(model_dir) / "config.json").read_text())
-    config = with_quantization_config(config or {}, model_dir)
+    config = with_quantization_config(config if config is not None else {}, model_dir)
     if config is None:
         return iter_weights(model_dir)
     if is_mxfp4(config):
