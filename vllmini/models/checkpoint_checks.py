@@ -17,7 +17,7 @@ from vllmini.models.gptq_awq import INTEGER_PART_SUFFIXES, wna16_format
 from vllmini.models.int8 import int_format, is_int_part
 from vllmini.models.mxfp4 import MXFP4_SUFFIXES, is_mxfp4
 from vllmini.models.nvfp4 import MODELOPT_NVFP4_ALGOS, is_nvfp4_part, nvfp4_format
-from vllmini.models.quant_config import HF_QUANT_CONFIG, modelopt_settings, quantization_config, with_quantization_config
+from vllmini.models.quant_config import HF_QUANT_CONFIG, modelopt_settings, quantization_config
 from vllmini.vllm_args import QUANTIZATION_ALIASES
 
 MXFP4_ARCHITECTURE = "GptOssForCausalLM"  # the one architecture whose MXFP4 checkpoints are read
@@ -34,20 +34,20 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 def check_config(config: Any, raw: dict, path: Path) -> None:
     """``config`` (transformers' reading of ``path``, whose JSON is ``raw``) describes a model of
     float weights with positive sizes."""
-    quant = raw.get("quantization_config")
-    with_file = with_quantization_config(raw, path.parent) if quant is None else raw  # (ModelOpt's hf_quant_config.json)
-    if with_file is not None and quant is None:
-        quant, path = with_file["quantization_config"], path.parent / HF_QUANT_CONFIG
+    quant, where = raw.get("quantization_config"), path
+    if quant is None and (path.parent / HF_QUANT_CONFIG).is_file():  # (ModelOpt's older exports: quant_config.py)
+        quant, where = quantization_config(raw, path.parent), path.parent / HF_QUANT_CONFIG
+    described = {"quantization_config": quant}
     if is_mxfp4(raw) and MXFP4_ARCHITECTURE in (raw.get("architectures") or []):
         pass  # (gpt-oss's experts: dequantized while loading, models/mxfp4.py)
     elif quant is not None:
         try:  # (FP8, GPTQ, AWQ, int8 and NVFP4 weights: dequantized while loading, models/fp8.py, gptq_awq.py, int8.py, nvfp4.py)
-            readable = nvfp4_format(with_file) or fp8_format(with_file) or wna16_format(with_file) or int_format(with_file)
+            readable = nvfp4_format(described) or fp8_format(described) or wna16_format(described) or int_format(described)
         except ValueError as exc:
-            raise ValueError(f"{path}: {exc}") from None
+            raise ValueError(f"{where}: {exc}") from None
         if readable is None:
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-            raise ValueError(f"{path}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
+            raise ValueError(f"{where}: a quantized checkpoint (quantization_config with quant_method {method!r}); vllmini "
                              "loads float weights, FP8 ones ('fp8', compressed-tensors' float8, ModelOpt's), GPTQ, AWQ, "
                              "compressed-tensors' int and NVFP4, ModelOpt's NVFP4 and gpt-oss's MXFP4 experts: use the "
                              "model's unquantized checkpoint, or a GGUF file of it")  # fmt: skip
