@@ -115,6 +115,25 @@ class FusedMoE(nn.Module):
         return F.silu(gate) * up
 
 
+def grouped_topk(scores: torch.Tensor, top_k: int, num_group: int, topk_group: int,
+                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[T, top_k]`` experts chosen from fp32 ``scores [T, E]`` when only the ``topk_group`` best
+    of ``num_group`` equal groups of experts may be picked (DeepSeek's group_limited_greedy and
+    noaux_tc; vLLM's ``grouped_topk``). A group's score is its best expert's, or with
+    ``correction_bias`` (DeepSeek-V3: added for choosing only) the sum of its best two biased scores."""
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    tokens, num_experts = choice.shape
+    if num_group > 1:
+        grouped = choice.view(tokens, num_group, num_experts // num_group)
+        group_scores = grouped.max(-1).values if correction_bias is None else grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        hidden = (keep == 0)[:, :, None].expand_as(grouped).reshape(tokens, num_experts)
+        # (transformers' V2 fills 0, its V3 -inf: the same choice, scores being positive, unless fewer than
+        # top_k experts score above 0 in the kept groups)
+        choice = choice.masked_fill(hidden, float("-inf") if correction_bias is not None else 0.0)
+    return choice.topk(top_k, dim=-1).indices
+
+
 def expert_loop(xs: torch.Tensor, rows: list[int], matmul: Callable[[torch.Tensor, int], torch.Tensor],
                 out_features: int) -> torch.Tensor:  # fmt: skip
     """``xs`` rows sorted by expert, ``rows[e]`` of them for expert ``e``, each expert's through
