@@ -7,20 +7,21 @@ import shutil
 
 import pytest
 import torch
+from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
-
-from helpers import hf_greedy, assert_greedy_matches, prompt_forward, save_tiny_model
 from test_architectures import assert_engine_greedy
 from test_engine import assert_no_leaks
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
 from vllmini import LLM, SamplingParams
 from vllmini.models.deepseek import DeepseekV3ForCausalLM
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
                num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-               max_position_embeddings=512, initializer_range=0.2, n_shared_experts=1, num_experts_per_tok=2)  # fmt: skip
-_YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8, "original_max_position_embeddings": 64,
-         "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}  # fmt: skip
+               max_position_embeddings=512, initializer_range=0.2, n_shared_experts=1,
+               num_experts_per_tok=2)  # fmt: skip
+_YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+         "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
 LATENT = _COMMON["kv_lora_rank"] + _COMMON["qk_rope_head_dim"]  # values a token caches per layer
 
 
@@ -140,7 +141,8 @@ def test_mtp_layer_is_skipped(tiny_deepseek, tmp_path):
     model_dir, hf = tiny_deepseek("v3")
     out = shutil.copytree(model_dir, tmp_path / "mtp")
     tensors = load_file(out / "model.safetensors")
-    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+                    "model.layers.3.enorm.weight": torch.ones(64),
                     "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(LATENT, 64)})  # fmt: skip
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     model = LLM(model=str(out)).llm_engine.model

@@ -16,14 +16,13 @@ DeepSeek-V3's multi-token-prediction layer (``model.layers.<num_hidden_layers>.*
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllmini.models.attention import KVCache
-from vllmini.models.base import AttentionMetadata
 from vllmini.models.layers import GatedMLP, RMSNorm
 from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM, _copy
 from vllmini.models.mla import MLAAttention
@@ -59,8 +58,9 @@ class DeepseekMoE(FusedMoE):
 
     def __init__(self, config: Any, scoring_func: str, topk_method: str) -> None:
         num_experts = int(config.n_routed_experts)
+        renormalize, act = bool(getattr(config, "norm_topk_prob", False)), getattr(config, "hidden_act", "silu")
         super().__init__(config.hidden_size, config.moe_intermediate_size, num_experts, config.num_experts_per_tok,
-                         bool(getattr(config, "norm_topk_prob", False)), getattr(config, "hidden_act", "silu"))  # fmt: skip
+                         renormalize, act)  # fmt: skip
         if scoring_func not in SCORING_FUNCS:
             raise ValueError(f"scoring_func {scoring_func!r} is not supported; supported: {', '.join(SCORING_FUNCS)}")
         if topk_method not in TOPK_METHODS:
@@ -93,7 +93,7 @@ class DeepseekMoE(FusedMoE):
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-    """Llama's pre-norm layer around MLA (``variant.rope_interleaved``: the rope's pair layout)."""
+    """Llama's pre-norm layer (its forward) around MLA (``variant.rope_interleaved``: the rope's pair layout)."""
 
     def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
                  window: int | None = None) -> None:  # fmt: skip
@@ -102,12 +102,6 @@ class DeepseekDecoderLayer(DecoderLayer):
         self.self_attn = MLAAttention(config, variant.rope_interleaved, window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
-
-    def forward(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache: KVCache | None
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -121,12 +115,13 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.variant = DecoderVariant(rope_interleaved=self.interleaved_rope(config))
         for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(config, key, None)
-            if key != "q_lora_rank" or value is not None:
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{key} is {value!r}; it must be a positive integer")
+            positive = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            if not positive and not (key == "q_lora_rank" and value is None):  # (null q_lora_rank: V2-Lite's q_proj)
+                raise ValueError(f"{key} is {value!r}; it must be a positive integer")
         super().__init__(config)
         # (DecoderModel sizes its rope by config.head_dim, which transformers sets to qk_rope_head_dim)
-        self.model.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config), self.variant.rope_interleaved)
+        interleaved = self.variant.rope_interleaved
+        self.model.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config), interleaved)
 
     @staticmethod
     def interleaved_rope(config: Any) -> bool:
