@@ -7,12 +7,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
 from safetensors.torch import load_file, save_file
-from test_architectures import assert_engine_greedy
-from test_engine import assert_no_leaks
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
+from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
+from test_architectures import assert_engine_greedy
+from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 from vllmini.models.deepseek import DeepseekV3ForCausalLM
 
