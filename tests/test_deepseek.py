@@ -162,6 +162,12 @@ def test_unbuilt_routing_is_refused_by_name(tiny_deepseek, tmp_path, field, valu
         LLM(model=str(out))
 
 
+def test_lora_is_refused_by_name(tiny_deepseek):
+    model_dir, _ = tiny_deepseek("v2lite")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepseekV2ForCausalLM"):
+        LLM(model=model_dir, enable_lora=True)
+
+
 def test_router_stays_float32_in_bfloat16():
     """transformers keeps the router's weight and correction bias in float32 (a bfloat16 bias would
     move expert choices); so does the model after ``.to(bfloat16)``, its experts in bfloat16."""
