@@ -10,6 +10,8 @@ CPU with oneDNN the experts are prepacked after load (models/packed_experts.py) 
 after another, each a prepacked matmul: faster there than the grouped matmul.
 Routing follows transformers: softmax in fp32 over the router logits, top-k, then the k
 weights renormalised to sum to one where the model says so (``norm_topk_prob``; Mixtral always).
+DeepSeek's routers (models/deepseek.py) override ``FusedMoE.route``: softmax or sigmoid scores, and
+``grouped_topk`` below where experts are chosen within the best groups.
 """
 from __future__ import annotations
 
