@@ -68,6 +68,23 @@ def gpt_oss_small_config(**overrides) -> PretrainedConfig:
     return GptOssConfig(**kw)
 
 
+def deepseek_v2_lite_small_config(**overrides) -> PretrainedConfig:
+    """DeepSeek-V2-Lite's layout (MLA without q_lora: a 512 + 64 latent cached per token, 16 heads of 128 + 64 /
+    128; 64 experts of which 6 per token plus 2 shared, the first layer dense) at a size a CPU benchmark loads
+    twice: 8 layers, hidden 1024, about 0.45B parameters."""
+    from transformers import DeepseekV2Config
+
+    kw = dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+        topk_method="greedy", max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.02,
+        tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, architectures=["DeepseekV2ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return DeepseekV2Config(**kw)
+
+
 def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -99,7 +116,7 @@ def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtyp
 
 
 CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config,
-           "gpt-oss-small": gpt_oss_small_config}
+           "gpt-oss-small": gpt_oss_small_config, "deepseek-v2-lite-small": deepseek_v2_lite_small_config}
 
 if __name__ == "__main__":  # python -m bench.random_model qwen3-moe-small OUT_DIR [--dtype float32]
     import argparse

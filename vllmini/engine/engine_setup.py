@@ -80,7 +80,8 @@ def build_runtime(
         attention_backend, block_size, dtype, cache_dtype, "on" if use_graphs else "off",
     )  # fmt: skip
     cache_layers = hf_config.num_hidden_layers if layout is None else layout.group_size  # layers a block id holds
-    spec = KVCacheSpec(cache_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype)
+    spec = KVCacheSpec(cache_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype,
+                       getattr(model, "use_mla", False))  # fmt: skip
     max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
     budget = kv_cache_budget(model, spec, args, max_model_len, device, use_graphs, max_prompt_rows,
                              pooling=pooler is not None)  # fmt: skip
@@ -96,7 +97,7 @@ def build_runtime(
             raise ValueError(f"the draft model (speculative_config.model): {exc}") from exc
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
-                                 block_size, cache_dtype)  # fmt: skip
+                                 block_size, cache_dtype, getattr(draft_model, "use_mla", False))  # fmt: skip
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     if args.num_gpu_blocks_override is not None:  # (vLLM's: the budget is measured, then overridden)
         logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",

@@ -1,6 +1,7 @@
 """KV cache tensors and their sizing.
 
-Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]``: a block
+Per layer, K and V are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (one shared tensor for
+multi-head latent attention, ``KVCacheSpec.use_mla``): a block
 is a page of ``block_size`` consecutive token slots, so slot = block * block_size + offset.
 The number of blocks always comes from a memory budget, never a constant.
 """
@@ -26,11 +27,14 @@ class KVCacheSpec:
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    # multi-head latent attention (models/mla.py): a layer's K and V are one tensor (the latent), not two
+    use_mla: bool = False
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        tensors = 1 if self.use_mla else 2
+        return tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 def block_id_bytes(spec: KVCacheSpec, draft: KVCacheSpec | None = None) -> int:
@@ -101,8 +105,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (K, V); with ``spec.use_mla`` both are the one latent tensor (backends see MQA whose
+    values are its keys: models/mla.py)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    caches = [(zeros(shape, spec.dtype, device), zeros(shape, spec.dtype, device)) for _ in range(spec.num_layers)]
+    caches = []
+    for _ in range(spec.num_layers):
+        k = zeros(shape, spec.dtype, device)
+        caches.append((k, k if spec.use_mla else zeros(shape, spec.dtype, device)))
     logger.info(
         "KV cache: %d blocks x %d tokens = %d token slots of %d layers, %.1f MiB (%s, %s)",
         num_blocks, spec.block_size, num_blocks * spec.block_size, spec.num_layers,

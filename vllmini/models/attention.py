@@ -142,8 +142,10 @@ def gather_blocks(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype)
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (one indexed copy per tensor), in the cache's
     dtype (``Attention.forward`` has cast them to it already: then ``.to`` is no copy); fp8 is
-    copied as its bytes (``indexable``)."""
-    for new, cache in zip((k, v), kv_cache):
+    copied as its bytes (``indexable``). One cache tensor for both (MLA's latent, whose values
+    are its keys: models/mla.py) is written once, with ``k``."""
+    pairs = ((k, kv_cache[0]),) if kv_cache[1] is kv_cache[0] else tuple(zip((k, v), kv_cache))
+    for new, cache in pairs:
         indexable(cache).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, indexable(new.to(cache.dtype)))
 
 
@@ -183,8 +185,8 @@ def torch_attention(
         else:  # one gather per group: [Bd, L, Hkv, D], read by SDPA as [Bd, Hkv, L, D]
             mask, hidden = _hidden_positions(group, window)
             keys = gather_blocks(k_cache, group.block_tables, q.dtype)
-            vals = gather_blocks(v_cache, group.block_tables, q.dtype)
-            for gathered in (keys, vals):  # fresh gathers: zeroed in place (see _zero_masked)
+            vals = keys if v_cache is k_cache else gather_blocks(v_cache, group.block_tables, q.dtype)  # (MLA: one)
+            for gathered in (keys,) if vals is keys else (keys, vals):  # fresh gathers: zeroed in place (_zero_masked)
                 gathered.view(-1, num_kv_heads * head_dim).index_fill_(0, hidden, 0.0)
             od = attend(qd, keys.transpose(1, 2), vals.transpose(1, 2), scale, softcap, sinks, attn_mask=mask)
         out.index_copy_(0, group.rows, od.reshape(bd, num_heads, head_dim))
@@ -199,7 +201,10 @@ def torch_attention(
                 first = max(0, seq_len - q_len - window + 1) // block_size * block_size
             blocks = meta.block_tables[i, first // block_size : -(-seq_len // block_size)].long()
             keys = gather_blocks(kv_cache[0], blocks[None], q.dtype)[0, : seq_len - first]
-            vals = gather_blocks(kv_cache[1], blocks[None], q.dtype)[0, : seq_len - first]
+            if kv_cache[1] is kv_cache[0]:  # (MLA's latent: its keys are its values)
+                vals = keys
+            else:
+                vals = gather_blocks(kv_cache[1], blocks[None], q.dtype)[0, : seq_len - first]
         # [1, H, L, D] (4-D: SDPA's fused CPU kernel); query j sits at absolute position seq_len - q_len + j
         qi = q[start : start + q_len].transpose(0, 1)[None]
         keys, vals = keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]

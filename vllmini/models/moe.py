@@ -10,6 +10,8 @@ CPU with oneDNN the experts are prepacked after load (models/packed_experts.py) 
 after another, each a prepacked matmul: faster there than the grouped matmul.
 Routing follows transformers: softmax in fp32 over the router logits, top-k, then the k
 weights renormalised to sum to one where the model says so (``norm_topk_prob``; Mixtral always).
+DeepSeek's routers (models/deepseek.py) override ``FusedMoE.route``: softmax or sigmoid scores, and
+``grouped_topk`` below where experts are chosen within the best groups.
 """
 from __future__ import annotations
 
@@ -113,6 +115,25 @@ class FusedMoE(nn.Module):
         """The gated activation of the experts' fused gate/up output (SwiGLU)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def grouped_topk(scores: torch.Tensor, top_k: int, num_group: int, topk_group: int,
+                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``[T, top_k]`` experts chosen from fp32 ``scores [T, E]`` when only the ``topk_group`` best
+    of ``num_group`` equal groups of experts may be picked (DeepSeek's group_limited_greedy and
+    noaux_tc; vLLM's ``grouped_topk``). A group's score is its best expert's, or with
+    ``correction_bias`` (DeepSeek-V3: added for choosing only) the sum of its best two biased scores."""
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    tokens, num_experts = choice.shape
+    if num_group > 1:
+        grouped = choice.view(tokens, num_group, num_experts // num_group)
+        group_scores = grouped.max(-1).values if correction_bias is None else grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group, dim=-1).indices, 1.0)
+        hidden = (keep == 0)[:, :, None].expand_as(grouped).reshape(tokens, num_experts)
+        # (transformers' V2 fills 0, its V3 -inf: the same choice, scores being positive, unless fewer than
+        # top_k experts score above 0 in the kept groups)
+        choice = choice.masked_fill(hidden, float("-inf") if correction_bias is not None else 0.0)
+    return choice.topk(top_k, dim=-1).indices
 
 
 def expert_loop(xs: torch.Tensor, rows: list[int], matmul: Callable[[torch.Tensor, int], torch.Tensor],

@@ -25,6 +25,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("vllmini.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("vllmini.models.olmo2", "Olmo3ForCausalLM"),
     "GptOssForCausalLM": ("vllmini.models.gpt_oss", "GptOssForCausalLM"),
+    "DeepseekV2ForCausalLM": ("vllmini.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("vllmini.models.deepseek", "DeepseekV3ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

@@ -1,0 +1,178 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention over a latent KV cache, DeepSeek's MoE routing)
+through the whole engine, equal to transformers on tiny random checkpoints it saved."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
+
+from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
+from test_architectures import assert_engine_greedy
+from test_engine import assert_no_leaks
+from vllmini import LLM, SamplingParams
+from vllmini.models.deepseek import DeepseekV3ForCausalLM
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+               num_attention_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+               max_position_embeddings=512, initializer_range=0.2, n_shared_experts=1,
+               num_experts_per_tok=2)  # fmt: skip
+_YARN = {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1,
+         "original_max_position_embeddings": 64, "rope_theta": 10000.0}  # fmt: skip
+LATENT = _COMMON["kv_lora_rank"] + _COMMON["qk_rope_head_dim"]  # values a token caches per layer
+
+
+def tiny_config(kind: str, **overrides):
+    """``v2lite``: no q_lora, greedy routing, a dense first layer; ``v2group``: q_lora, group_limited_greedy
+    with a routed scale; ``v3``: q_lora, noaux_tc over 4 groups, renormalised, a dense first layer, YaRN
+    with mscale_all_dim; ``v3_halves``: V3 with rope_interleave false."""
+    if kind == "v2lite":
+        features = dict(q_lora_rank=None, n_routed_experts=6, first_k_dense_replace=1, topk_method="greedy")
+        return DeepseekV2Config(**_COMMON, **features, architectures=["DeepseekV2ForCausalLM"], **overrides)
+    if kind == "v2group":
+        features = dict(q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                        topk_method="group_limited_greedy")  # fmt: skip
+        return DeepseekV2Config(**_COMMON, **features, architectures=["DeepseekV2ForCausalLM"], **overrides)
+    features = dict(q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1, norm_topk_prob=True, rope_parameters=dict(_YARN),
+                    rope_interleave=kind != "v3_halves")  # fmt: skip
+    return DeepseekV3Config(**_COMMON, **features, architectures=["DeepseekV3ForCausalLM"], **overrides)
+
+
+def build(kind: str, out_dir, tokenizer_dir):
+    """(folder, transformers model): random weights, norms and V3's correction bias randomised too
+    (transformers starts them at 1 and 0, which would let one never loaded pass)."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if "norm" in name:
+                tensor.normal_(1.0, 0.3)
+            elif "e_score_correction_bias" in name:
+                tensor.normal_(0.0, 0.3)
+    return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory, default_model_dir):
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build(kind, tmp_path_factory.mktemp(kind), default_model_dir)
+        return built[kind]
+
+    return get
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("v2lite", "cpu"), ("v2group", "cpu"), ("v3", "cpu"), ("v3", "torch")])
+def test_greedy_and_logits_match_transformers(tiny_deepseek, kind, backend):
+    """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
+    prefilled in chunks of 16 beside decode rows, equal to transformers'."""
+    model_dir, hf = tiny_deepseek(kind)
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
+    model = llm.llm_engine.model
+    assert type(model).__name__ == hf.config.architectures[0]
+    prompts = _prompts(1, 9, 37, 20, 3)
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(prompt_forward(model, prompts), want, atol=1e-4, rtol=0)
+    assert_engine_greedy(llm, hf, prompts, 10, kind)
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_rope_on_halves_matches_transformers(tiny_deepseek):
+    """DeepSeek-V3 with rope_interleave false rotates the two halves of the rope dims, not pairs."""
+    model_dir, hf = tiny_deepseek("v3_halves")
+    model = LLM(model=model_dir).llm_engine.model
+    prompts = _prompts(30, 7)
+    with torch.no_grad():
+        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(prompt_forward(model, prompts), want, atol=1e-4, rtol=0)
+
+
+def test_kv_cache_holds_one_latent_per_token(tiny_deepseek):
+    """A token costs (kv_lora_rank + qk_rope_head_dim) values per layer, in one tensor that is the
+    layer's K and V alike: the budget buys blocks at that price."""
+    model_dir, _ = tiny_deepseek("v3")
+    per_block = 3 * 16 * LATENT * 4  # layers x block_size x latent x float32
+    llm = LLM(model=model_dir, kv_cache_memory=50 * per_block + per_block // 2)
+    engine = llm.llm_engine
+    assert engine.num_blocks == 50
+    for k, v in engine.runner.kv_caches:
+        assert k is v and tuple(k.shape) == (50, 16, 1, LATENT)
+
+
+def test_prefix_cache_and_preemption_keep_tokens(tiny_deepseek):
+    """A prefix-cache hit skips the shared blocks and changes no token; sequences preempted for
+    want of blocks are recomputed to transformers' tokens."""
+    model_dir, hf = tiny_deepseek("v3")
+    prefix, tails = _prompts(48)[0], _prompts(11, 20)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(model=model_dir, enable_prefix_caching=True)
+    first, second = (llm.generate({"prompt_token_ids": prefix + t}, params, use_tqdm=False)[0] for t in tails)
+    assert (first.metrics.num_cached_tokens, second.metrics.num_cached_tokens) == (0, 48)
+    for tail, out in zip(tails, (first, second)):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prefix + tail, 8), "prefix cache")
+    assert_no_leaks(llm)
+
+    per_block = 3 * 4 * LATENT * 4
+    llm = LLM(model=model_dir, block_size=4, kv_cache_memory=16 * per_block, max_num_seqs=4)
+    prompts = _prompts(5, 7)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    for p, out in zip(prompts, outs):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 30), "preempted")
+    assert_no_leaks(llm)
+
+
+def test_mtp_layer_is_skipped(tiny_deepseek, tmp_path):
+    """DeepSeek-V3 checkpoints carry a multi-token-prediction layer after the last one
+    (``model.layers.<num_hidden_layers>``): it loads without it, as transformers does."""
+    model_dir, hf = tiny_deepseek("v3")
+    out = shutil.copytree(model_dir, tmp_path / "mtp")
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128),
+                    "model.layers.3.enorm.weight": torch.ones(64),
+                    "model.layers.3.self_attn.kv_a_proj_with_mqa.weight": torch.zeros(LATENT, 64)})  # fmt: skip
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    model = LLM(model=str(out)).llm_engine.model
+    prompts = _prompts(12)
+    with torch.no_grad():
+        want = hf(torch.tensor(prompts)).logits[:, -1]
+    torch.testing.assert_close(prompt_forward(model, prompts), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("field", "value"), [("topk_method", "random"), ("scoring_func", "tanh")])
+def test_unbuilt_routing_is_refused_by_name(tiny_deepseek, tmp_path, field, value):
+    model_dir, _ = tiny_deepseek("v3")
+    out = shutil.copytree(model_dir, tmp_path / "bad")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"{field} {value!r} is not supported"):
+        LLM(model=str(out))
+
+
+def test_lora_is_refused_by_name(tiny_deepseek):
+    model_dir, _ = tiny_deepseek("v2lite")
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for DeepseekV2ForCausalLM"):
+        LLM(model=model_dir, enable_lora=True)
+
+
+def test_router_stays_float32_in_bfloat16():
+    """transformers keeps the router's weight and correction bias in float32 (a bfloat16 bias would
+    move expert choices); so does the model after ``.to(bfloat16)``, its experts in bfloat16."""
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(tiny_config("v3")).to(torch.bfloat16)
+    moe = model.model.layers[1].mlp
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts.w13.dtype == model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
