@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
-from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
+from helpers import assert_engine_matches_transformers, assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
 from test_architectures import assert_engine_greedy
 from test_engine import assert_no_leaks
+from test_fp8_checkpoints import _assert_same_parameters, _block_fp8, _dense_copy, _write_fp8
 from vllmini import LLM, SamplingParams
 from vllmini.models.deepseek import DeepseekV3ForCausalLM
 
@@ -176,3 +177,22 @@ def test_router_stays_float32_in_bfloat16():
     moe = model.model.layers[1].mlp
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
     assert moe.experts.w13.dtype == model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+
+
+def test_v3_block_fp8_checkpoint_loads_as_its_dense_values(tiny_deepseek, tmp_path):
+    """DeepSeek-V3 / R1 ship block-FP8 weights (``weight_scale_inv`` per 128 x 128 tile; here 16 x 16, the
+    latent projections' 40 rows ending in a partial tile): every projection, the absorbed ``kv_b_proj``
+    and the experts included, loads as its dense value; the router (``mlp.gate``) and its bias stay as
+    they are; greedy tokens and logprobs equal transformers' on the dense twin."""
+    model_dir, _ = tiny_deepseek("v3")
+    weights = _write_fp8(shutil.copytree(model_dir, tmp_path / "dense"), tmp_path / "fp8", _block_fp8((16, 16)),
+                         "block", (16, 16))  # fmt: skip
+    fp8 = load_file(tmp_path / "fp8" / "model.safetensors")
+    assert fp8["model.layers.1.self_attn.kv_b_proj.weight"].dtype == torch.float8_e4m3fn
+    assert fp8["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert any(k.startswith("model.layers.1.mlp.experts.") and v.dtype == torch.float8_e4m3fn for k, v in fp8.items())
+    want = _dense_copy(tmp_path / "dense", weights, tmp_path / "want")
+    _assert_same_parameters(tmp_path / "fp8", want)
+    hf = AutoModelForCausalLM.from_pretrained(want, dtype=torch.float32)
+    llm = LLM(model=str(tmp_path / "fp8"), max_num_seqs=4, max_num_batched_tokens=16)
+    assert_engine_matches_transformers(llm, hf, _prompts(6, 23), "deepseek-v3 fp8")
