@@ -144,13 +144,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         """The Llama loader, but ``self_attn.q_proj`` (V2-Lite's unfused query) is copied as it is, and
         DeepSeek-V3's MTP layers (index >= num_hidden_layers) are skipped."""
         params, direct = dict(self.named_parameters()), set()
-        layers = self.config.num_hidden_layers
 
         def rest() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                parts = name.split(".")
-                if name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= layers:
-                    continue  # (multi-token prediction: vllmini proposes no tokens with it)
+            for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
                 if ".self_attn.q_proj." in name:
                     _copy(self._param(params, name, name).data, tensor, name)
                     direct.add(name)
@@ -158,6 +154,16 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 yield name, tensor
 
         return super().load_weights(rest()) | direct
+
+
+def without_mtp_layers(weights: Iterable[tuple[str, torch.Tensor]],
+                       num_layers: int) -> Iterable[tuple[str, torch.Tensor]]:  # fmt: skip
+    """``weights`` less the multi-token-prediction layers stored after the last decoder layer
+    (``model.layers.<num_layers + i>.*``: DeepSeek-V3, GLM-4.5): vllmini proposes no tokens with them."""
+    for name, tensor in weights:
+        parts = name.split(".")
+        if not (name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) >= num_layers):
+            yield name, tensor
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

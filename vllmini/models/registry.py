@@ -27,6 +27,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GptOssForCausalLM": ("vllmini.models.gpt_oss", "GptOssForCausalLM"),
     "DeepseekV2ForCausalLM": ("vllmini.models.deepseek", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("vllmini.models.deepseek", "DeepseekV3ForCausalLM"),
+    "Glm4ForCausalLM": ("vllmini.models.glm4", "Glm4ForCausalLM"),
+    "Glm4MoeForCausalLM": ("vllmini.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

@@ -1,0 +1,150 @@
+"""GLM-4.5 / 4.6 (``Glm4MoeForCausalLM``) and GLM-4-0414 / GLM-Z1 (``Glm4ForCausalLM``) through the
+whole engine, equal to transformers on tiny random checkpoints it saved."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Glm4Config, Glm4MoeConfig
+
+from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
+from test_architectures import assert_engine_greedy
+from test_engine import assert_no_leaks
+from vllmini import LLM, SamplingParams
+
+_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, pad_token_id=0, eos_token_id=2)  # fmt: skip
+
+
+def tiny_config(kind: str, **overrides):
+    """``moe``: GLM-4.5's shape: q/k/v biases, per-head q/k norm, rope on half of each 24-wide head,
+    a dense first layer, then 8 experts in 4 groups (top 2 of the best 2 groups), a shared expert,
+    renormalised and scaled by 2.5, one MTP layer declared; ``dense``: GLM-4-0414's, heads 16 wide."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if kind == "moe":
+        features = dict(head_dim=24, attention_bias=True, use_qk_norm=True, moe_intermediate_size=32,
+                        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, n_shared_experts=1,
+                        first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                        num_nextn_predict_layers=1)  # fmt: skip
+        return Glm4MoeConfig(**_SHAPE, **features, rope_parameters=rope, architectures=["Glm4MoeForCausalLM"],
+                             **overrides)  # fmt: skip
+    return Glm4Config(**_SHAPE, head_dim=16, attention_bias=True, rope_parameters=rope,
+                      architectures=["Glm4ForCausalLM"], **overrides)  # fmt: skip
+
+
+def build(kind: str, out_dir, tokenizer_dir):
+    """(folder, transformers model): random weights; norms, biases and the router's correction bias
+    randomised too (transformers starts them at 1 and 0, which would let one never loaded pass)."""
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
+    with torch.no_grad():
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if "norm" in name:
+                tensor.normal_(1.0, 0.3)
+            elif name.endswith(".bias") or "e_score_correction_bias" in name:
+                tensor.normal_(0.0, 0.3)
+    return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
+
+
+@pytest.fixture(scope="module")
+def tiny_glm(tmp_path_factory, default_model_dir):
+    built = {}
+
+    def get(kind: str):
+        if kind not in built:
+            built[kind] = build(kind, tmp_path_factory.mktemp(kind), default_model_dir)
+        return built[kind]
+
+    return get
+
+
+def _prompts(*lengths: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_last_logits(hf, prompts: list[list[int]]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("moe", "cpu"), ("moe", "torch"), ("dense", "cpu")])
+def test_greedy_and_logits_match_transformers(tiny_glm, kind, backend):
+    """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
+    prefilled in chunks of 16 beside decode rows, equal to transformers'."""
+    model_dir, hf = tiny_glm(kind)
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
+    model = llm.llm_engine.model
+    assert type(model).__name__ == hf.config.architectures[0]
+    prompts = _prompts(1, 9, 37, 20, 3)
+    torch.testing.assert_close(prompt_forward(model, prompts), _hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
+    assert_engine_greedy(llm, hf, prompts, 10, f"glm {kind}")
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_prefix_cache_hit_keeps_tokens(tiny_glm):
+    """A prefix-cache hit skips the shared blocks and changes no token."""
+    model_dir, hf = tiny_glm("moe")
+    prefix, tails = _prompts(48)[0], _prompts(11, 20)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(model=model_dir, enable_prefix_caching=True)
+    first, second = (llm.generate({"prompt_token_ids": prefix + t}, params, use_tqdm=False)[0] for t in tails)
+    assert (first.metrics.num_cached_tokens, second.metrics.num_cached_tokens) == (0, 48)
+    for tail, out in zip(tails, (first, second)):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prefix + tail, 8), "prefix cache")
+    assert_no_leaks(llm)
+
+
+def test_mtp_layer_is_skipped(tiny_glm, tmp_path):
+    """GLM-4.5 checkpoints carry ``num_nextn_predict_layers`` MTP layers after the last one
+    (``model.layers.<num_hidden_layers>``: its projections, norms and a whole MoE layer): the model
+    loads without them, as transformers does."""
+    model_dir, hf = tiny_glm("moe")
+    out = shutil.copytree(model_dir, tmp_path / "mtp")
+    tensors = load_file(out / "model.safetensors")
+    mtp = {name.replace("model.layers.1.", "model.layers.3."): t.clone() for name, t in tensors.items()
+           if name.startswith("model.layers.1.")}  # fmt: skip
+    mtp.update({"model.layers.3.eh_proj.weight": torch.zeros(64, 128), "model.layers.3.enorm.weight": torch.ones(64),
+                "model.layers.3.hnorm.weight": torch.ones(64), "model.layers.3.shared_head.norm.weight": torch.ones(64),
+                "model.layers.3.shared_head.head.weight": torch.zeros(512, 64)})  # fmt: skip
+    assert "model.layers.3.mlp.gate.e_score_correction_bias" in mtp
+    save_file({**tensors, **mtp}, out / "model.safetensors", metadata={"format": "pt"})
+    model = LLM(model=str(out)).llm_engine.model
+    prompts = _prompts(12)
+    torch.testing.assert_close(prompt_forward(model, prompts), _hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
+
+
+def test_dense_checkpoint_names_fused_mlp(tiny_glm, tmp_path):
+    """GLM-4-0414 checkpoints hold ``mlp.gate_up_proj`` fused: one missing is named so, not as gate/up halves."""
+    model_dir, _ = tiny_glm("dense")
+    out = shutil.copytree(model_dir, tmp_path / "partial")
+    tensors = load_file(out / "model.safetensors")
+    assert "model.layers.0.mlp.gate_up_proj.weight" in tensors and "model.layers.0.mlp.gate_proj.weight" not in tensors
+    del tensors["model.layers.2.mlp.gate_up_proj.weight"]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.2.mlp.gate_up_proj.weight"):
+        LLM(model=str(out))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("hidden_act", "gelu_pytorch_tanh", "hidden_act 'gelu_pytorch_tanh' is not supported"),
+    ("n_group", 3, "n_group=3 must divide n_routed_experts=8"),
+])  # fmt: skip
+def test_unbuilt_config_is_refused_by_name(tiny_glm, tmp_path, field, value, message):
+    model_dir, _ = tiny_glm("moe")
+    out = shutil.copytree(model_dir, tmp_path / "bad")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=message):
+        LLM(model=str(out))
+
+
+def test_mtp_speculation_is_refused_by_name(tiny_glm):
+    """The MTP layers are skipped, not run: speculating with them is refused by the method's name."""
+    model_dir, _ = tiny_glm("moe")
+    with pytest.raises(ValueError, match="speculative_config.method must be one of"):
+        LLM(model=model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
