@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4Config, Glm4MoeConfig
 
-from helpers import assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
+from helpers import assert_greedy_matches, hf_greedy, hf_greedy_logprobs, prompt_forward, save_tiny_model
 from test_architectures import assert_engine_greedy
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
@@ -148,3 +148,28 @@ def test_mtp_speculation_is_refused_by_name(tiny_glm):
     model_dir, _ = tiny_glm("moe")
     with pytest.raises(ValueError, match="speculative_config.method must be one of"):
         LLM(model=model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+
+
+def test_lora_adapter_on_fused_gate_up_matches_peft(tiny_glm, tmp_path):
+    """A PEFT adapter of GLM-4-0414 targets the checkpoint's fused ``mlp.gate_up_proj`` (and q/v/o):
+    greedy tokens and logprobs equal transformers + PEFT's."""
+    peft = pytest.importorskip("peft")
+    from helpers import save_tiny_lora
+    from vllmini import LoRARequest
+
+    model_dir, _ = tiny_glm("dense")
+    adapter = save_tiny_lora(model_dir, tmp_path / "a1", 1, r=4, target_modules=["q_proj", "v_proj", "o_proj",
+                                                                                  "gate_up_proj", "down_proj"])  # fmt: skip
+    oracle = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), adapter).eval()
+    llm = LLM(model=model_dir, enable_lora=True, max_lora_rank=8)
+    prompts = _prompts(9, 21)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                        lora_request=LoRARequest("a1", 1, adapter))  # fmt: skip
+    for p, out in zip(prompts, outs):
+        want = hf_greedy_logprobs(oracle, p, 8)
+        got = out.outputs[0]
+        assert got.token_ids == want[0]
+        ours = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids)]
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(want[1]), atol=2e-4, rtol=0)
+    assert_no_leaks(llm)
