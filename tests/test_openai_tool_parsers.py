@@ -272,7 +272,7 @@ def test_any_output_is_read_without_error_and_calls_read_whole_stream_alike(piec
 
 
 def test_unknown_parser_names_the_new_choices():
-    with pytest.raises(ValueError, match="ernie45, granite, hermes, llama3_json, llama4_json, mistral, openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml"):
+    with pytest.raises(ValueError, match="ernie45, glm45, granite, hermes, llama3_json, llama4_json, mistral, openai, phi4_mini_json, pythonic, qwen3_coder, qwen3_xml"):
         get_tool_parser("granite-20b-fc")
 
 

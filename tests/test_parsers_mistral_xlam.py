@@ -82,8 +82,8 @@ def test_mistral_keeps_its_special_tokens_in_the_text_and_is_named_in_errors():
     params = SamplingParams(max_tokens=4)
     assert get_reasoning_parser("mistral").adjust_request(params).skip_special_tokens is False
     assert get_reasoning_parser("qwen3").adjust_request(params) is params
-    assert list(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "exaone4", "granite", "mistral", "olmo3", "openai_gptoss", "qwen3"]
-    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, granite, mistral, olmo3, openai_gptoss, qwen3"):
+    assert list(REASONING_PARSERS) == ["deepseek_r1", "ernie45", "exaone4", "glm45", "granite", "mistral", "olmo3", "openai_gptoss", "qwen3"]
+    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, glm45, granite, mistral, olmo3, openai_gptoss, qwen3"):
         get_reasoning_parser("magistral")
 
 

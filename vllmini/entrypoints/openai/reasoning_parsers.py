@@ -8,7 +8,7 @@
   left a ``<think>`` open (newer Qwen templates write it); with ``enable_thinking=False`` (a
   ``chat_template_kwargs``) Qwen3's template closes an empty think block in the prompt, so the
   whole output is content.
-- ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` as ``qwen3`` (see their classes); ``granite``:
+- ``olmo3`` reads as ``deepseek_r1``, ``exaone4`` and ``glm45`` as ``qwen3`` (see their classes); ``granite``:
   Granite 3.2's plain-text markers, "Here is my thought process:" ... "Here is my response:".
 - ``ernie45`` (ERNIE 4.5 Thinking) reads as ``deepseek_r1``; its content may be wrapped in
   ``<response>`` ... ``</response>`` (see its class).
@@ -146,6 +146,13 @@ class Exaone4ReasoningParser(Qwen3ReasoningParser):
     """EXAONE 4.0: read as qwen3: reasoning when the prompt leaves ``<think>`` open (its template
     with ``enable_thinking=True``) or the output opens one; else content (vLLM's: all content
     when thinking is off, even an output that writes ``<think>``)."""
+
+
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5 / 4.6: read as qwen3: the model opens ``<think>`` itself; with ``enable_thinking=False``
+    its template closes an empty ``<think></think>`` in the prompt, so the output is content. (vLLM's
+    whole reading makes an output without ``</think>`` all content, its streamed one reasoning after
+    ``<think>``; this one, whole and streamed, reasoning.)"""
 
 
 class GraniteReasoningParser(ReasoningParser):
@@ -342,6 +349,7 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser,
     "ernie45": Ernie45ReasoningParser,
     "exaone4": Exaone4ReasoningParser,
+    "glm45": Glm45ReasoningParser,
     "granite": GraniteReasoningParser,
     "mistral": MistralReasoningParser,
     "olmo3": Olmo3ReasoningParser,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolParser
 from vllmini.entrypoints.openai.tool_parsers.ernie45_tool_parser import Ernie45ToolParser
+from vllmini.entrypoints.openai.tool_parsers.glm4_moe_tool_parser import Glm45ToolParser
 from vllmini.entrypoints.openai.tool_parsers.granite_tool_parser import GraniteToolParser
 from vllmini.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from vllmini.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
@@ -15,6 +16,7 @@ from vllmini.entrypoints.openai.tool_parsers.xlam_tool_parser import XLAMToolPar
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "ernie45": Ernie45ToolParser,
+    "glm45": Glm45ToolParser,
     "granite": GraniteToolParser,
     "hermes": Hermes2ProToolParser,
     "llama3_json": Llama3JsonToolParser,
@@ -36,5 +38,5 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     return TOOL_PARSERS[name]
 
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "Ernie45ToolParser", "GraniteToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser", "OpenAIToolParser",
+__all__ = ["TOOL_PARSERS", "ToolParser", "Ernie45ToolParser", "Glm45ToolParser", "GraniteToolParser", "Hermes2ProToolParser", "Llama3JsonToolParser", "MistralToolParser", "OpenAIToolParser",
            "Phi4MiniJsonToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "XLAMToolParser", "get_tool_parser"]

@@ -27,9 +27,7 @@ class Ernie45ToolParser(Hermes2ProToolParser):
     ``<response>`` tags are the reasoning parser's to take out (vLLM's streamed reading drops
     them here too, its whole reading does not)."""
 
+    TEXT_AFTER_CALLS = False
+
     def adjust_request(self, params: SamplingParams) -> SamplingParams:
         return params
-
-    def _text(self, text: str) -> None:
-        if not self._started:  # (after a call, vLLM's reading keeps no text)
-            super()._text(text)

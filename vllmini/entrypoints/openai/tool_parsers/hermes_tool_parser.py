@@ -21,6 +21,7 @@ from vllmini.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolPar
 class Hermes2ProToolParser(ToolParser):
     START, END = "<tool_call>", "</tool_call>"  # (END "": the calls end with their JSON)
     ARRAY = False  # each block holds one call's JSON object (True: a JSON array of calls)
+    TEXT_AFTER_CALLS = True  # False: the text after the first call is not content (ERNIE's, GLM's, as vLLM reads them)
 
     def __init__(self, tokenizer: Any = None, tools: list[dict[str, Any]] | None = None) -> None:
         super().__init__(tokenizer, tools)
@@ -59,6 +60,8 @@ class Hermes2ProToolParser(ToolParser):
         self._closing = True
 
     def _text(self, text: str) -> None:
+        if self._started and not self.TEXT_AFTER_CALLS:
+            return
         if self._lead:
             text = text.lstrip()
             if not text:
