@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
@@ -253,6 +253,29 @@ def randomize_biases(hf_model, std: float = 0.5):
             if name.endswith(".bias"):
                 param.normal_(0.0, std)
     return hf_model
+
+
+def save_random_model(config, out_dir: Path, tokenizer_dir: Path) -> tuple[str, Any]:
+    """(folder, transformers model) of ``config`` with random weights, seed 0; norms (~1), biases and a
+    router's ``e_score_correction_bias`` (~0) randomised too: transformers starts them at 1 and 0, which
+    would let one never loaded pass."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if "norm" in name:
+                tensor.normal_(1.0, 0.3)
+            elif name.endswith(".bias") or "e_score_correction_bias" in name:
+                tensor.normal_(0.0, 0.3)
+    return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
+
+
+def seeded_prompts(*lengths: int, seed: int = 5, vocab: int = 500) -> list[list[int]]:
+    """Random prompts of ``lengths`` (ids 5..vocab-1), the same for a seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

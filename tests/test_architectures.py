@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from helpers import (assert_greedy_matches, hf_greedy, randomize_biases, save_tiny_model, tiny_llama_config,
+from helpers import (assert_greedy_matches, hf_greedy, hf_last_logits, prompt_forward, randomize_biases, save_tiny_model, tiny_llama_config,
                      tiny_mistral_config, tiny_phi3_config, tiny_qwen2_config, tiny_smollm3_config)  # fmt: skip
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
@@ -38,6 +38,29 @@ def assert_engine_greedy(llm, hf, prompts: list[list[int]], max_tokens: int, wha
     for p, out in zip(prompts, outs):
         want, gaps = hf_greedy(hf, p, max_tokens)
         assert_greedy_matches(out.outputs[0].token_ids, want, gaps, f"{what}, prompt of {len(p)}")
+    assert_no_leaks(llm)
+
+
+def assert_chunked_batch_matches(model_dir: str, hf, backend: str, prompts: list[list[int]], what: str) -> None:
+    """Last-position logits of ``prompts`` as one flat batch within 1e-4 of transformers'; their
+    greedy tokens, prefilled in chunks of 16 beside decode rows on ``backend``, equal to transformers'."""
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
+    model = llm.llm_engine.model
+    assert type(model).__name__ == hf.config.architectures[0]
+    torch.testing.assert_close(prompt_forward(model, prompts), hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
+    assert_engine_greedy(llm, hf, prompts, 10, what)
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def assert_prefix_hit_keeps_tokens(model_dir: str, hf, prefix: list[int], tails: list[list[int]]) -> None:
+    """Two prompts sharing ``prefix`` (whole blocks), one after the other: the second reuses those
+    blocks from the prefix cache and both give transformers' greedy tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(model=model_dir, enable_prefix_caching=True)
+    first, second = (llm.generate({"prompt_token_ids": prefix + t}, params, use_tqdm=False)[0] for t in tails)
+    assert (first.metrics.num_cached_tokens, second.metrics.num_cached_tokens) == (0, len(prefix))
+    for tail, out in zip(tails, (first, second)):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prefix + tail, 8), "prefix cache")
     assert_no_leaks(llm)
 
 

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
-from helpers import assert_engine_matches_transformers, assert_greedy_matches, hf_greedy, prompt_forward, save_tiny_model
-from test_architectures import assert_engine_greedy
+from helpers import (assert_engine_matches_transformers, assert_greedy_matches, hf_greedy, prompt_forward, save_random_model,
+                     seeded_prompts)  # fmt: skip
+from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
 from test_engine import assert_no_leaks
 from test_fp8_checkpoints import _assert_same_parameters, _block_fp8, _dense_copy, _write_fp8
 from vllmini import LLM, SamplingParams
@@ -44,17 +45,8 @@ def tiny_config(kind: str, **overrides):
 
 
 def build(kind: str, out_dir, tokenizer_dir):
-    """(folder, transformers model): random weights, norms and V3's correction bias randomised too
-    (transformers starts them at 1 and 0, which would let one never loaded pass)."""
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
-    with torch.no_grad():
-        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
-            if "norm" in name:
-                tensor.normal_(1.0, 0.3)
-            elif "e_score_correction_bias" in name:
-                tensor.normal_(0.0, 0.3)
-    return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
+    """(folder, transformers model): random weights, norms and V3's correction bias randomised too."""
+    return save_random_model(tiny_config(kind), out_dir, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +61,7 @@ def tiny_deepseek(tmp_path_factory, default_model_dir):
     return get
 
 
-def _prompts(*lengths: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
+_prompts = seeded_prompts
 
 
 @pytest.mark.parametrize(("kind", "backend"), [("v2lite", "cpu"), ("v2group", "cpu"), ("v3", "cpu"), ("v3", "torch")])
@@ -79,15 +69,7 @@ def test_greedy_and_logits_match_transformers(tiny_deepseek, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows, equal to transformers'."""
     model_dir, hf = tiny_deepseek(kind)
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
-    model = llm.llm_engine.model
-    assert type(model).__name__ == hf.config.architectures[0]
-    prompts = _prompts(1, 9, 37, 20, 3)
-    with torch.no_grad():
-        want = torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
-    torch.testing.assert_close(prompt_forward(model, prompts), want, atol=1e-4, rtol=0)
-    assert_engine_greedy(llm, hf, prompts, 10, kind)
-    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    assert_chunked_batch_matches(model_dir, hf, backend, _prompts(1, 9, 37, 20, 3), kind)
 
 
 def test_rope_on_halves_matches_transformers(tiny_deepseek):
@@ -116,14 +98,7 @@ def test_prefix_cache_and_preemption_keep_tokens(tiny_deepseek):
     """A prefix-cache hit skips the shared blocks and changes no token; sequences preempted for
     want of blocks are recomputed to transformers' tokens."""
     model_dir, hf = tiny_deepseek("v3")
-    prefix, tails = _prompts(48)[0], _prompts(11, 20)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    llm = LLM(model=model_dir, enable_prefix_caching=True)
-    first, second = (llm.generate({"prompt_token_ids": prefix + t}, params, use_tqdm=False)[0] for t in tails)
-    assert (first.metrics.num_cached_tokens, second.metrics.num_cached_tokens) == (0, 48)
-    for tail, out in zip(tails, (first, second)):
-        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prefix + tail, 8), "prefix cache")
-    assert_no_leaks(llm)
+    assert_prefix_hit_keeps_tokens(model_dir, hf, _prompts(48)[0], _prompts(11, 20))
 
     per_block = 3 * 4 * LATENT * 4
     llm = LLM(model=model_dir, block_size=4, kv_cache_memory=16 * per_block, max_num_seqs=4)

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4Config, Glm4MoeConfig
 
-from helpers import assert_greedy_matches, hf_greedy, hf_greedy_logprobs, prompt_forward, save_tiny_model
-from test_architectures import assert_engine_greedy
+from helpers import (hf_greedy_logprobs, hf_last_logits, prompt_forward, save_random_model,
+                     seeded_prompts)  # fmt: skip
+from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
 from test_engine import assert_no_leaks
 from vllmini import LLM, SamplingParams
 
@@ -36,40 +37,19 @@ def tiny_config(kind: str, **overrides):
                       architectures=["Glm4ForCausalLM"], **overrides)  # fmt: skip
 
 
-def build(kind: str, out_dir, tokenizer_dir):
-    """(folder, transformers model): random weights; norms, biases and the router's correction bias
-    randomised too (transformers starts them at 1 and 0, which would let one never loaded pass)."""
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
-    with torch.no_grad():
-        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
-            if "norm" in name:
-                tensor.normal_(1.0, 0.3)
-            elif name.endswith(".bias") or "e_score_correction_bias" in name:
-                tensor.normal_(0.0, 0.3)
-    return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
-
-
 @pytest.fixture(scope="module")
 def tiny_glm(tmp_path_factory, default_model_dir):
     built = {}
 
     def get(kind: str):
         if kind not in built:
-            built[kind] = build(kind, tmp_path_factory.mktemp(kind), default_model_dir)
+            built[kind] = save_random_model(tiny_config(kind), tmp_path_factory.mktemp(kind), default_model_dir)
         return built[kind]
 
     return get
 
 
-def _prompts(*lengths: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(5)
-    return [torch.randint(5, 500, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_last_logits(hf, prompts: list[list[int]]) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.stack([hf(torch.tensor([p])).logits[0, -1] for p in prompts])
+_prompts = seeded_prompts
 
 
 @pytest.mark.parametrize(("kind", "backend"), [("moe", "cpu"), ("moe", "torch"), ("dense", "cpu")])
@@ -77,26 +57,13 @@ def test_greedy_and_logits_match_transformers(tiny_glm, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows, equal to transformers'."""
     model_dir, hf = tiny_glm(kind)
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
-    model = llm.llm_engine.model
-    assert type(model).__name__ == hf.config.architectures[0]
-    prompts = _prompts(1, 9, 37, 20, 3)
-    torch.testing.assert_close(prompt_forward(model, prompts), _hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
-    assert_engine_greedy(llm, hf, prompts, 10, f"glm {kind}")
-    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    assert_chunked_batch_matches(model_dir, hf, backend, _prompts(1, 9, 37, 20, 3), f"glm {kind}")
 
 
 def test_prefix_cache_hit_keeps_tokens(tiny_glm):
     """A prefix-cache hit skips the shared blocks and changes no token."""
     model_dir, hf = tiny_glm("moe")
-    prefix, tails = _prompts(48)[0], _prompts(11, 20)
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    llm = LLM(model=model_dir, enable_prefix_caching=True)
-    first, second = (llm.generate({"prompt_token_ids": prefix + t}, params, use_tqdm=False)[0] for t in tails)
-    assert (first.metrics.num_cached_tokens, second.metrics.num_cached_tokens) == (0, 48)
-    for tail, out in zip(tails, (first, second)):
-        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, prefix + tail, 8), "prefix cache")
-    assert_no_leaks(llm)
+    assert_prefix_hit_keeps_tokens(model_dir, hf, _prompts(48)[0], _prompts(11, 20))
 
 
 def test_mtp_layer_is_skipped(tiny_glm, tmp_path):
@@ -115,7 +82,7 @@ def test_mtp_layer_is_skipped(tiny_glm, tmp_path):
     save_file({**tensors, **mtp}, out / "model.safetensors", metadata={"format": "pt"})
     model = LLM(model=str(out)).llm_engine.model
     prompts = _prompts(12)
-    torch.testing.assert_close(prompt_forward(model, prompts), _hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
+    torch.testing.assert_close(prompt_forward(model, prompts), hf_last_logits(hf, prompts), atol=1e-4, rtol=0)
 
 
 def test_dense_checkpoint_names_fused_mlp(tiny_glm, tmp_path):

@@ -244,7 +244,7 @@ def test_only_the_first_call_is_kept_without_parallel_tool_calls():
 def test_unknown_parser_names_are_refused_naming_the_choices():
     with pytest.raises(ValueError, match="hermes, llama3_json"):
         get_tool_parser("nope")
-    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, granite, mistral, olmo3, openai_gptoss, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, ernie45, exaone4, glm45, granite, mistral, olmo3, openai_gptoss, qwen3"):
         get_reasoning_parser("nope")
 
 
