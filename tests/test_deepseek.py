@@ -171,3 +171,24 @@ def test_v3_block_fp8_checkpoint_loads_as_its_dense_values(tiny_deepseek, tmp_pa
     hf = AutoModelForCausalLM.from_pretrained(want, dtype=torch.float32)
     llm = LLM(model=str(tmp_path / "fp8"), max_num_seqs=4, max_num_batched_tokens=16)
     assert_engine_matches_transformers(llm, hf, _prompts(6, 23), "deepseek-v3 fp8")
+
+
+def test_top1_router_renormalises_as_transformers():
+    """With ``norm_topk_prob`` a top-1 router's weight is renormalised to one (then scaled), as
+    transformers' and vLLM's routers do (DeepSeek's own code skipped it at top_k 1)."""
+    torch.manual_seed(0)
+    config = tiny_config("v3")
+    config.num_experts_per_tok = 1
+    hf_gate = AutoModelForCausalLM.from_config(config).model.layers[1].mlp.gate
+    moe = DeepseekV3ForCausalLM(config).model.layers[1].mlp
+    with torch.no_grad():
+        hf_gate.weight.normal_(0.0, 0.3)
+        hf_gate.e_score_correction_bias.normal_(0.0, 0.3)
+        moe.gate.weight.copy_(hf_gate.weight)
+        moe.gate.e_score_correction_bias.copy_(hf_gate.e_score_correction_bias)
+        x = torch.randn(7, 64)
+        ids, weights = moe.route(x)
+        _, want_weights, want_ids = hf_gate(x)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights.to(weights.dtype))
+    assert torch.allclose(weights, torch.full_like(weights, 2.5))

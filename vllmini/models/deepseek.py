@@ -83,7 +83,7 @@ class DeepseekMoE(FusedMoE):
         scores = logits.softmax(-1) if self.scoring_func == "softmax" else logits.sigmoid()
         ids = grouped_topk(scores, self.top_k, self.num_group, self.topk_group, self.gate.e_score_correction_bias)
         weights = scores.gather(1, ids)
-        if self.renormalize and self.top_k > 1:
+        if self.renormalize:  # (at top_k 1 too: the weight becomes 1, as transformers and vLLM do)
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, (weights * self.routed_scaling_factor).to(x.dtype)
 
