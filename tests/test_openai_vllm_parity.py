@@ -100,7 +100,8 @@ async def test_echo_with_zero_max_tokens_returns_the_prompt_alone_as_vllm(http, 
     choice, usage = r.json()["choices"][0], r.json()["usage"]
     assert r.status_code == 200 and choice["text"] == prompt, r.text
     assert len(choice["logprobs"]["tokens"]) == len(ids) and choice["logprobs"]["token_logprobs"][0] is None
-    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1}
+    assert usage == {"prompt_tokens": len(ids), "completion_tokens": 1, "total_tokens": len(ids) + 1,
+                     "prompt_tokens_details": None, "completion_tokens_details": None}
     assert len(choice["prompt_logprobs"]) == len(ids)  # (echo with logprobs asked for them: vLLM returns them)
     stream = await http.post("/v1/completions", json={**body, "stream": True})
     chunks = events(stream.text)
