@@ -243,16 +243,14 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
 
 def check_chat_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
-    """What render_chat cannot take from a request's chat fields; and, as vLLM's server (its
-    pydantic message types), a message's ``content`` given as null (or not text nor parts) is a 400
-    unless the message is an assistant's or a function's, ``param`` as vLLM names it."""
+    """What render_chat cannot take from a request's chat fields; and, as vLLM's server (its pydantic
+    types), a ``content`` null (or not text nor parts) unless an assistant's or a function's."""
     for i, msg in enumerate(request.messages or ()):
         content = msg.get("content", "") if isinstance(msg, dict) else ""  # (no content at all: "", as vLLM)
         if isinstance(content, (str, list)) or (content is None and msg.get("role") in ("assistant", "function")):
             continue
-        got = "null" if content is None else type(content).__name__
         raise VLLMValidationError(f"messages[{i}].content must be a string or a list of content parts in a "
-                                  f"{msg.get('role')!r} message, got {got}",
+                                  f"{msg.get('role')!r} message, got {type(content).__name__.replace('NoneType', 'null')}",
                                   parameter=f"body.messages.{i}.ChatCompletionDeveloperMessageParam.content")
     if request.continue_final_message and request.add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
