@@ -76,6 +76,13 @@ async def test_text_and_token_inputs_equal_the_offline_engine(http, engine, offl
                                                     "truncate_prompt_tokens": 4})).json()  # fmt: skip
     assert raw["usage"]["prompt_tokens"] == 4
     assert_embeddings([raw["data"][0]["embedding"]], expected(offline, TEXTS[:1], normalize=False, truncate_prompt_tokens=4))
+    # vLLM 0.32's truncation_side: the first tokens kept ("right", its pooling default), or the last ("left")
+    for side, kept in ((None, ids[0][:4]), ("right", ids[0][:4]), ("left", ids[0][-4:])):
+        cut = (await http.post("/v1/embeddings", json={"input": TEXTS[:1], "truncate_prompt_tokens": 4,
+                                                        "truncation_side": side})).json()  # fmt: skip
+        assert_embeddings([cut["data"][0]["embedding"]], expected(offline, [kept]))
+    bad = await http.post("/v1/embeddings", json={"input": "Hi", "truncate_prompt_tokens": 1, "truncation_side": "up"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"
     await wait_idle(engine)
 
 

@@ -96,9 +96,10 @@ async def test_a_step_without_text_sends_an_empty_content_and_a_prefill_step_not
     got = choices(await streamed(engine, monkeypatch, [PREFILL, SILENT, HI_THERE, out("", [7], "stop", "\n")]))
     assert got == [
         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None},
-        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None},
-        {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None},
-        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop", "stop_reason": "\n"},
+        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None, "token_ids": None},
+        {"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None, "token_ids": None},
+        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": "stop", "stop_reason": "\n",
+         "token_ids": None},
     ]
 
 
@@ -106,7 +107,8 @@ async def test_with_a_parser_a_silent_step_is_unsent_and_a_silent_finish_is_an_e
     got = choices(await streamed(engine, monkeypatch, [PREFILL, SILENT, HI_THERE, out("", [7], "length")],
                                  reasoning_parser="qwen3"))  # fmt: skip
     assert [c["delta"] for c in got[1:]] == [{"content": "Hi"}, {}]
-    assert got[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None}
+    assert got[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                       "token_ids": None}
 
 
 async def test_a_failed_first_step_is_the_streams_first_event(engine, monkeypatch):

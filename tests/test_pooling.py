@@ -123,8 +123,9 @@ def test_encode_gives_vllm_pooling_outputs_and_needs_a_task(llm):
     mixed = llm.embed(PROMPTS[:2], pooling_params=[PoolingParams(normalize=False), PoolingParams()], use_tqdm=False)
     assert mixed[1].outputs.embedding == emb[1].outputs.embedding
     assert abs(torch.tensor(mixed[0].outputs.embedding).norm().item() - 1) > 1e-3
+    # (the first 5: vLLM 0.32's side for pooling)
     assert llm.embed(PROMPTS[0], truncate_prompt_tokens=5, use_tqdm=False)[0].prompt_token_ids == \
-        llm.get_tokenizer()(PROMPTS[0]).input_ids[-5:]  # fmt: skip
+        llm.get_tokenizer()(PROMPTS[0]).input_ids[:5]  # fmt: skip
     assert_no_leaks(llm)
 
 
@@ -171,8 +172,13 @@ def test_bad_input_is_refused_naming_it_and_leaks_nothing(llm):
                           ("normalize", {"normalize": 1})]:  # fmt: skip
         with pytest.raises(ValueError, match=field):
             PoolingParams(**kwargs)
-    # truncation instead: the last 64 tokens (-1: max_model_len), pooled as transformers pools them
+    # truncation instead: the first 64 tokens (-1: max_model_len; vLLM 0.32's side for pooling), or the
+    # last with truncation_side="left", pooled as transformers pools them
     out = llm.embed([long_ids], pooling_params=PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == long_ids[:64]
+    assert_close(out.outputs.embedding, hf_embedding(Path(llm.llm_engine.model_dir), long_ids[:64], "LAST"))
+    left = PoolingParams(truncate_prompt_tokens=-1, truncation_side="left")
+    out = llm.embed([long_ids], pooling_params=left, use_tqdm=False)[0]
     assert out.prompt_token_ids == long_ids[-64:]
     assert_close(out.outputs.embedding, hf_embedding(Path(llm.llm_engine.model_dir), long_ids[-64:], "LAST"))
     assert llm.llm_engine.block_manager.num_free_blocks == free

@@ -51,13 +51,13 @@ async def test_completions_return_token_ids_whole_and_streamed(http, llm):
     for chunk in await events(http, "/v1/completions", body):
         for c in chunk["choices"]:
             streamed.setdefault(c["index"], []).extend(c["token_ids"])
-            if "prompt_token_ids" in c:
+            if c["prompt_token_ids"] is not None:  # (null in the other chunks, as vLLM's)
                 assert c["index"] not in firsts  # the first chunk of a choice only
                 firsts[c["index"]] = c["prompt_token_ids"]
     assert [streamed[i] for i in range(4)] == [c["token_ids"] for c in choices]
     assert [firsts[i] for i in range(4)] == [c["prompt_token_ids"] for c in choices]
     plain = (await http.post("/v1/completions", json={**body, "return_token_ids": None})).json()["choices"][0]
-    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None  # (vLLM's nulls)
 
 
 async def test_chat_returns_token_ids_whole_and_streamed(http, llm):
@@ -73,9 +73,9 @@ async def test_chat_returns_token_ids_whole_and_streamed(http, llm):
     assert whole["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
     chunks = await events(http, "/v1/chat/completions", body)
     assert chunks[0]["prompt_token_ids"] == list(want.prompt_token_ids)
-    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert all("prompt_token_ids" not in c for c in chunks[1:])  # (the role chunk's only, as vLLM's)
     assert [t for c in chunks[1:] for ch in c["choices"] for t in ch["token_ids"]] == list(want.outputs[0].token_ids)
-    assert "prompt_token_ids" not in (await http.post("/v1/chat/completions", json={**body, "return_token_ids": False})).json()
+    assert (await http.post("/v1/chat/completions", json={**body, "return_token_ids": False})).json()["prompt_token_ids"] is None
     held = await events(http, "/v1/chat/completions", {**body, "max_tokens": 3, "logit_bias": {"9617": 100}})  # "</" x 3
     assert [t for c in held[1:] for ch in c["choices"] for t in ch["token_ids"]] == [9617] * 3  # the first "</" is held back
 

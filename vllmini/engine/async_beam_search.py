@@ -37,8 +37,8 @@ async def _run(engine: AsyncLLMEngine, search: BeamSearch, prompt: PromptType, r
         requests = search.requests()
         if not requests:
             break
-        outs = await asyncio.gather(*(_final(engine, p, f"{request_id}-step{step}-beam{i}", search.step_params, lora)
-                                      for i, (p, lora) in enumerate(requests)))  # fmt: skip
+        outs = await asyncio.gather(*(_final(engine, p, f"{request_id}-step{step}-beam{i}", params, lora)
+                                      for i, (p, params, lora) in enumerate(requests)))  # fmt: skip
         search.advance(list(outs))
     (best,) = search.best(decode=False)  # (the outputs' text is theirs alone, decoded here)
     outputs = []

@@ -8,7 +8,10 @@ non-EOS candidates remain); the prefix cache makes the beams' shared prefixes ch
 candidate (a beam plus one of those tokens, its logprob added to the beam's) is ranked per
 prompt and the best ``beam_width`` live on; one ending in EOS (unless ``ignore_eos``) is
 completed instead. At the end, completed and live beams are ranked together by vLLM's
-length-penalised score and the best ``beam_width`` returned.
+length-penalised score and the best ``beam_width`` returned. With ``structured_outputs`` (vLLM
+0.32's) each beam is constrained by the grammar: its candidates are the allowed ones among those
+tokens (a step's request also gets them as ``allowed_token_ids``, up to 1024 of them), and a beam
+whose grammar has ended is completed.
 """
 from __future__ import annotations
 
@@ -20,12 +23,16 @@ from tqdm.auto import tqdm
 
 from vllmini.engine.input_processor import PromptType, as_prompt_list, per_prompt_loras
 from vllmini.engine.outputs import LogprobsEntry, RequestOutput
-from vllmini.engine.sampling_params import SamplingParams, bad_value, is_int, raised_temperature, real_value
+from vllmini.engine.sampling_params import (SamplingParams, StructuredOutputsParams, bad_value, is_int,
+                                            raised_temperature, real_value)  # fmt: skip
 from vllmini.engine.skip_tokenizer import no_tokenizer
 
 if TYPE_CHECKING:
     from vllmini.engine.llm import LLM
     from vllmini.engine.llm_engine import LLMEngine
+
+
+MAX_ALLOWED_TOKEN_IDS = 1024  # vLLM's cap on a beam step's allowed_token_ids (more: its candidates are filtered)
 
 
 class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
@@ -41,9 +48,12 @@ class BeamSearchParams(msgspec.Struct, forbid_unknown_fields=True):
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # every beam's constraint (vLLM 0.32's)
     skip_special_tokens: bool = True  # (vLLM 0.32's: the text leaves out special tokens, the prompt's too)
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad_value("structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)
         for name in ("beam_width", "max_tokens"):
             if not is_int(value := getattr(self, name)) or value < 1:
                 raise bad_value(name, "an int >= 1", value)
@@ -124,20 +134,36 @@ class BeamSearch:
         self.searches = [_Search(len(inp.prompt_token_ids), [BeamSearchSequence(inp.prompt_token_ids)], lora=lora,
                                  cache_salt=inp.cache_salt) for inp, lora in zip(inputs, loras)]  # fmt: skip
         self._beams: list[tuple[_Search, BeamSearchSequence]] = []
+        so = params.structured_outputs
+        self.grammar = None if so is None else engine.structured.compile_now(so)  # (a bad one: ValueError now)
+        self._allowed: list[set[int] | None] = []  # each of _beams' allowed next tokens (None: any)
 
-    def requests(self, searches: list[_Search] | None = None) -> list[tuple[dict[str, Any], Any]]:
+    def requests(self, searches: list[_Search] | None = None) -> list[tuple[dict[str, Any], SamplingParams, Any]]:
         """The next step's requests, one per live beam of ``searches`` (default: all): the beam's
-        tokens as a prompt (with its prompt's cache salt) and its adapter. Empty: nothing left to
-        extend (a beam that filled the context or the KV cache is completed first)."""
+        tokens as a prompt (with its prompt's cache salt), its params and its adapter. Empty:
+        nothing left to extend (a beam that filled the context or the KV cache, or whose grammar
+        has ended, is completed first)."""
         room = self.engine.input_processor.room
         searches = self.searches if searches is None else searches
         for search in searches:
             full = [len(b.tokens) > search.prompt_len and room(len(b.tokens)) < 1 for b in search.live]
             search.done += [_finished(b, "length") for b, f in zip(search.live, full) if f]
             search.live = [b for b, f in zip(search.live, full) if not f]
-        self._beams = [(search, beam) for search in searches for beam in search.live]
-        return [({"prompt_token_ids": beam.tokens} | ({"cache_salt": s.cache_salt} if s.cache_salt else {}), s.lora)
-                for s, beam in self._beams]  # fmt: skip
+        self._beams, self._allowed, params = [], [], []
+        for search in searches:
+            for beam in list(search.live):
+                allowed = None if self.grammar is None else self.engine.structured.allowed_after(
+                    self.grammar, beam.tokens[search.prompt_len :])  # fmt: skip
+                if self.grammar is not None and not allowed:  # (ended: as vLLM's, completed)
+                    search.live.remove(beam)
+                    search.done += [_finished(beam, "stop")] if len(beam.tokens) > search.prompt_len else []
+                    continue
+                self._beams.append((search, beam))
+                self._allowed.append(None if allowed is None else set(allowed))
+                few = allowed is not None and len(allowed) <= MAX_ALLOWED_TOKEN_IDS  # (else only filtered, as vLLM)
+                params.append(self.step_params.clone(allowed_token_ids=allowed) if few else self.step_params)
+        return [({"prompt_token_ids": beam.tokens} | ({"cache_salt": s.cache_salt} if s.cache_salt else {}), p, s.lora)
+                for (s, beam), p in zip(self._beams, params)]  # fmt: skip
 
     def advance(self, results: list[RequestOutput]) -> None:
         """Take the outputs of the last ``requests`` (in order): each beam's candidates are its
@@ -145,10 +171,12 @@ class BeamSearch:
         and one ending in EOS (unless ``ignore_eos``) is completed instead."""
         searches = list({id(s): s for s, _ in self._beams}.values())
         candidates: dict[int, list[BeamSearchSequence]] = {id(search): [] for search in searches}
-        for (search, beam), result in zip(self._beams, results):
+        for (search, beam), allowed, result in zip(self._beams, self._allowed, results):
             # no logprobs: the row ended without a token (invalid logits), so the beam ends here, as in vLLM
             for entry in result.outputs[0].logprobs or []:
                 for token, logprob in entry.items():
+                    if allowed is not None and token not in allowed:  # (raw logprobs: before the grammar's mask)
+                        continue
                     cum_logprob = beam.cum_logprob + float(logprob)
                     child = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], cum_logprob)
                     if token in self.eos:
@@ -203,8 +231,8 @@ def beam_search(
             requests = search.requests(search.searches[start : start + group])
             if not requests:
                 break
-            search.advance(llm.generate([p for p, _ in requests], search.step_params, use_tqdm=False,
-                                        lora_request=[lora for _, lora in requests]))  # fmt: skip
+            search.advance(llm.generate([p for p, _, _ in requests], [params for _, params, _ in requests],
+                                        use_tqdm=False, lora_request=[lora for _, _, lora in requests]))  # fmt: skip
     return search.best()
 
 

@@ -257,7 +257,7 @@ class InputProcessor:
             return prompt
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
+            ids = self._truncate(prompt, text, ids, self.keep_tokens(params), truncation_side(params))
         salt = {"cache_salt": prompt["cache_salt"]} if isinstance(prompt, dict) and "cache_salt" in prompt else {}
         return {"prompt": text, "prompt_token_ids": ids, **salt}
 
@@ -304,7 +304,7 @@ class InputProcessor:
         max_model_len (all of it: nothing is generated) and the whole KV cache."""
         text, ids = self.tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
-            ids = self._truncate(prompt, text, ids, self.keep_tokens(params))
+            ids = self._truncate(prompt, text, ids, self.keep_tokens(params), truncation_side(params))
         if len(ids) > self.max_model_len:  # (vLLM's words)
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {len(ids)} tokens in the input for embedding generation. Please reduce the "
@@ -328,10 +328,13 @@ class InputProcessor:
                                  f"fills max_model_len={self.max_model_len}")  # fmt: skip
         return keep
 
-    def _truncate(self, prompt: PromptType, text: str | None, ids: list[int], keep: int) -> list[int]:
-        """vLLM's left truncation to the last ``keep`` tokens. A prompt tokenized here from text
-        keeps the special tokens the tokenizer adds around it (e.g. BOS), as the tokenizer's own
-        left truncation does; token ids given by the caller are cut as they are."""
+    def _truncate(
+        self, prompt: PromptType, text: str | None, ids: list[int], keep: int, side: str = "left"
+    ) -> list[int]:
+        """vLLM's truncation to the last ``keep`` tokens (``side="right"``: the first, its pooling
+        default). A prompt tokenized here from text keeps the special tokens the tokenizer adds
+        around it (e.g. BOS), as the tokenizer's own truncation does; token ids given by the caller
+        are cut as they are."""
         if keep > self.max_model_len:
             raise VLLMValidationError(f"truncate_prompt_tokens={keep} exceeds max_model_len={self.max_model_len}",
                                       parameter="truncate_prompt_tokens", value=keep)
@@ -343,8 +346,9 @@ class InputProcessor:
             added = len(ids) - len(body)  # special tokens around the text
             start = next((i for i in range(added + 1) if ids[i : i + len(body)] == body), None)
             if start is not None and 0 <= added < keep:
-                return ids[:start] + body[len(body) - (keep - added) :] + ids[start + len(body) :]
-        return ids[-keep:]
+                kept = body[: keep - added] if side == "right" else body[len(body) - (keep - added) :]
+                return ids[:start] + kept + ids[start + len(body) :]
+        return ids[:keep] if side == "right" else ids[-keep:]
 
     def _bad_words_token_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """Each bad word as tokens, alone and after a space (how it reads mid-sentence), like vLLM."""
@@ -362,3 +366,9 @@ def per_prompt_loras(lora_request: Any, num_prompts: int) -> list[Any]:
     if len(loras) != num_prompts:
         raise ValueError(f"lora_request has {len(loras)} entries but there are {num_prompts} prompts")
     return loras
+
+
+def truncation_side(params: SamplingParams | PoolingParams) -> str:
+    """Which end ``truncate_prompt_tokens`` cuts, as vLLM 0.32's tokenizers: a generated prompt's
+    start ("left", its last tokens kept), a pooled one's end ("right") unless it says."""
+    return "left" if isinstance(params, SamplingParams) else params.truncation_side or "right"

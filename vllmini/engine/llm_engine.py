@@ -32,6 +32,7 @@ from vllmini.engine.errors import StepError
 from vllmini.engine.forking import fork_children
 from vllmini.engine.input_processor import InputProcessor, PromptType, default_sampling_params, load_generation_config
 from vllmini.engine.llm_engine_calls import LLMEngineCalls
+from vllmini.engine.model_config import ModelConfig
 from vllmini.engine.logits_processor_state import LogitsProcessors, load_logits_processors
 from vllmini.engine.model_loading import load_for_engine, load_speculative
 from vllmini.engine.output_processor import OutputProcessor, RequestState
@@ -130,6 +131,7 @@ class LLMEngine(LLMEngineCalls):
         self.stat_logger = None if args.disable_log_stats else StatLogger(self, args.get_served_model_name())
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
+        self.model_config = ModelConfig.from_engine(self)  # (vLLM's, for the user code that reads it)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

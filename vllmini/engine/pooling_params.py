@@ -10,7 +10,9 @@ from vllmini.engine.sampling_params import bad_value, check_truncate_prompt_toke
 
 
 class PoolingParams(msgspec.Struct, omit_defaults=True):
-    """``truncate_prompt_tokens``: keep the prompt's last k tokens (-1: max_model_len).
+    """``truncate_prompt_tokens``: keep k of the prompt's tokens (-1: max_model_len), its first k, or
+    with ``truncation_side="left"`` its last k (vLLM 0.32's side for pooling, and its
+    ``tokenization_kwargs`` / server field; ``truncation_side`` is not a field of its PoolingParams).
     ``dimensions``: a matryoshka model's embedding cut to its first d values (then normalized).
     ``normalize``: L2-normalize the embedding; ``use_activation`` is vLLM's newer name for it, and
     for classify / score the only one: the softmax (or sigmoid) over the head's logits.
@@ -20,6 +22,7 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
     embed's and token_embed's only."""
 
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # "right" (None) or "left"
     dimensions: int | None = None
     normalize: bool | None = None
     use_activation: bool | None = None
@@ -27,6 +30,8 @@ class PoolingParams(msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        if self.truncation_side not in (None, "left", "right"):
+            raise bad_value("truncation_side", '"left", "right" or None', self.truncation_side)
         if self.dimensions is not None and (not is_int(self.dimensions) or self.dimensions < 1):
             raise bad_value("dimensions", "a positive integer or None", self.dimensions)
         for name in ("normalize", "use_activation"):

@@ -264,6 +264,22 @@ class StructuredOutputManager:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows)
         return logits
 
+    def compile_now(self, params: StructuredOutputsParams) -> Any:
+        """The constraint compiled on the caller's thread (beam search's: its beams replay it)."""
+        return self.submit(params).result()
+
+    def allowed_after(self, compiled: Any, tokens: list[int]) -> list[int] | None:
+        """The token ids the grammar allows after ``tokens`` (a fresh matcher replays them, as vLLM's
+        beam search does: a matcher cannot be copied); None once it has ended or refuses them."""
+        xgr = load_xgrammar()
+        matcher = xgr.GrammarMatcher(compiled)
+        if not all(matcher.accept_token(t) for t in tokens) or matcher.is_terminated():
+            return None
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        ids = torch.arange(self.vocab_size)
+        return ids[((bitmask[0][ids >> 5] >> (ids & 31)) & 1).bool()].tolist()
+
     @staticmethod
     def valid_prefix(matcher: Any, tokens: list[int]) -> list[int]:
         """The longest prefix of ``tokens`` the grammar takes from the matcher's state (up to its

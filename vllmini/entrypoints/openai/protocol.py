@@ -243,7 +243,15 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
 
 
 def check_chat_options(request: ChatCompletionRequest | TokenizeRequest) -> None:
-    """What render_chat cannot take from a request's chat fields."""
+    """What render_chat cannot take from a request's chat fields; and, as vLLM's server (its pydantic
+    types), a ``content`` null (or not text nor parts) unless an assistant's or a function's."""
+    for i, msg in enumerate(request.messages or ()):
+        content = msg.get("content", "") if isinstance(msg, dict) else ""  # (no content at all: "", as vLLM)
+        if isinstance(content, (str, list)) or (content is None and msg.get("role") in ("assistant", "function")):
+            continue
+        raise VLLMValidationError(f"messages[{i}].content must be a string or a list of content parts in a "
+                                  f"{msg.get('role')!r} message, got {type(content).__name__.replace('NoneType', 'null')}",
+                                  parameter=f"body.messages.{i}.ChatCompletionDeveloperMessageParam.content")
     if request.continue_final_message and request.add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     # render_chat's own arguments: as template variables they would be a TypeError (a 500)

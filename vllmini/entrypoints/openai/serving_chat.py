@@ -20,7 +20,7 @@ from vllmini.entrypoints.openai.output_parser import ChatOutputParser
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from vllmini.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from vllmini.entrypoints.openai.serving_engine import (
-    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
+    MESSAGE_NULLS, RESPONSE_NULLS, EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
 )  # fmt: skip
 from vllmini.entrypoints.openai.serving_models import OpenAIServingModels
 from vllmini.entrypoints.openai.tool_choice import ToolChoice, tool_schema
@@ -146,18 +146,20 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, choice: ToolChoice, make: MakeParser | None, c: CompletionOutput
     ) -> tuple[dict[str, Any], str | None]:
         """A whole choice's message and finish reason."""
-        echo = self._echo(request)
+        echo, role = self._echo(request), self._role(request)
         if make is None:
-            return {"role": self._role(request), "content": echo + c.text}, c.finish_reason
+            return {"role": role, "content": echo + c.text, **MESSAGE_NULLS, "reasoning": None}, c.finish_reason
         parser = make()
         reasoning, content, calls = parser.parse(c.text)
         if choice.mode in ("named", "required"):
             content = content or ""  # (as vLLM)
-        message: dict[str, Any] = {"role": self._role(request), "content": echo + (content or "") if echo else content}
-        if self.reasoning_parser is not None:  # (None with include_reasoning=false)
-            message["reasoning"] = message["reasoning_content"] = reasoning
-        if calls:
+        content = echo + (content or "") if echo else content
+        message: dict[str, Any] = {"role": role, "content": content, **MESSAGE_NULLS}
+        if calls:  # (vLLM leaves out an empty list)
             message["tool_calls"] = calls
+        message["reasoning"] = reasoning  # (None with include_reasoning=false)
+        if self.reasoning_parser is not None:  # its older name too, which DeepSeek's API and its clients use
+            message["reasoning_content"] = reasoning
         return message, self._finish_reason(choice, parser, c.finish_reason)
 
     @staticmethod
@@ -220,15 +222,16 @@ class OpenAIServingChat(OpenAIServing):
             prompt_ids = list(out.prompt_token_ids)
             for c in sorted(out.outputs, key=lambda c: c.index):
                 message, finish_reason = self._message(request, choice, make, c)
+                # (with return_token_ids, vLLM's: each choice's token ids, the prompt's on the response)
                 choices.append({"index": c.index, "message": message, "logprobs": self.choice_logprobs(request, c),
-                                "finish_reason": finish_reason, "stop_reason": c.stop_reason})  # fmt: skip
-                if request.return_token_ids:
-                    choices[-1]["token_ids"] = list(c.token_ids)
-        body = {**self.header(request_id, "chat.completion", request.model), "choices": choices,
-                "usage": usage.body()}  # fmt: skip
-        if request.return_token_ids:  # (vLLM's: the prompt's on the response, each choice's own)
-            body["prompt_token_ids"] = prompt_ids
-        return {**body, "prompt_logprobs": prompt_logprobs} if request.prompt_logprobs is not None else body
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason,
+                                "token_ids": list(c.token_ids) if request.return_token_ids else None,
+                                "routed_experts": None})  # fmt: skip
+        return {**self.header(request_id, "chat.completion", request.model), "choices": choices, "service_tier": None,
+                "system_fingerprint": self.system_fingerprint, "usage": usage.body(),
+                "prompt_logprobs": prompt_logprobs if request.prompt_logprobs is not None else None,
+                "prompt_token_ids": prompt_ids if request.return_token_ids else None, "prompt_text": None,
+                **RESPONSE_NULLS}  # fmt: skip
 
     def _stream(
         self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, prompt_ids: list[int],
@@ -236,12 +239,13 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:  # fmt: skip
         usage = Usage(self.prompt_tokens_details)
         usage.prompt_tokens[0] = len(prompt_ids)  # (the role and echo chunks go before the first output is counted)
-        return self.events(self._chunks(request, request_id, group, usage, choice, make, prompt_ids), request_id,
-                           "chat.completion.chunk", usage, request.stream_options, request.model)  # fmt: skip
+        head = self.header(request_id, "chat.completion.chunk", request.model)
+        return self.events(self._chunks(request, head, group, usage, choice, make, prompt_ids), head, usage,
+                           request.stream_options)  # fmt: skip
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, group: RequestGroup, usage: Usage, choice: ToolChoice,
-        make: MakeParser | None, prompt_ids: list[int],
+        self, request: ChatCompletionRequest, head: dict[str, Any], group: RequestGroup, usage: Usage,
+        choice: ToolChoice, make: MakeParser | None, prompt_ids: list[int],
     ) -> AsyncIterator[str]:  # fmt: skip
         """As vLLM's: once the first output is in (a failed first step is then the stream's first
         event), each choice's role (content "", with ``return_token_ids`` the prompt's token ids),
@@ -249,17 +253,20 @@ class OpenAIServingChat(OpenAIServing):
         comes, ``{"content": ""}`` for a decode step that adds none (a step before any token, of a
         prefill, sends nothing). With parsers: their reasoning, content and tool-call deltas, a
         step with none (nor logprobs or new token ids to return) unsent but the last, ``{}``.
-        ``stop_reason`` comes with the finish only. Each chunk holds one choice, in the engine's
-        order (with ``continuous_usage_stats``, its own usage)."""
+        ``stop_reason`` comes with the finish only, on the chunk of the last token (vLLM's: its
+        delta ``{"content": ""}`` for an EOS), with the fingerprint. Each chunk holds one choice, in
+        the engine's order (with ``continuous_usage_stats``, its own usage); the fields vLLM sends
+        null are there as null (the role chunk's prompt_token_ids and prompt_text, each later
+        choice's token_ids)."""
         continuous = self.stream_usage(request.stream_options)[1]
         parsers: dict[int, ChatOutputParser] = {}
         opened = False
 
         def chunks(choices: list[dict[str, Any]], **extra: Any) -> Iterator[str]:
-            head = self.header(request_id, "chat.completion.chunk", request.model)
             for c in choices:
-                counts = {"usage": usage.choice(0, c["index"])} if continuous else {}
-                yield sse({**head, "choices": [c], **extra, **counts})
+                own = {**usage.choice(0, c["index"]), "completion_tokens_details": None}  # (chat's, vLLM's)
+                counts = {"usage": own} if continuous else {}
+                yield sse({**head, "choices": [c], **extra, **counts, **self.finishing(c, request.stream_options)})
 
         def opening(delta: dict[str, Any], **extra: Any) -> Iterator[str]:
             yield from chunks([{"index": j, "delta": delta, "logprobs": None, "finish_reason": None}
@@ -268,8 +275,9 @@ class OpenAIServingChat(OpenAIServing):
         async for i, out in group:
             if not opened:
                 opened = True
-                ids = {"prompt_token_ids": list(prompt_ids)} if request.return_token_ids else {}
-                for event in opening({"role": self._role(request), "content": ""}, **ids):
+                ids = list(prompt_ids) if request.return_token_ids else None
+                role = {"role": self._role(request), "content": ""}
+                for event in opening(role, prompt_token_ids=ids, prompt_text=None):
                     yield event
                 if echo := self._echo(request):
                     for event in opening({"content": echo}):
@@ -292,8 +300,7 @@ class OpenAIServingChat(OpenAIServing):
                 choices.append({"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason})
                 if finish_reason is not None:
                     choices[-1]["stop_reason"] = c.stop_reason
-                if request.return_token_ids:
-                    choices[-1]["token_ids"] = list(c.token_ids)
+                choices[-1]["token_ids"] = list(c.token_ids) if request.return_token_ids else None
             for event in chunks(choices):
                 yield event
 

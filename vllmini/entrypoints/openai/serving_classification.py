@@ -25,6 +25,7 @@ class PoolingRequestFields(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # vLLM 0.32's: "right" (left out: the first tokens kept) or "left"
     use_activation: bool | None = None
     activation: bool | None = None  # (vLLM's deprecated names for use_activation)
     softmax: bool | None = None
@@ -60,7 +61,8 @@ class OpenAIServingClassification(OpenAIServingPooling):
         if request.input is None:
             raise ValueError("input is required")
         params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
-                               use_activation=request.activation_flag(), task="classify")  # fmt: skip
+                               truncation_side=request.truncation_side, use_activation=request.activation_flag(),
+                               task="classify")  # fmt: skip
         prompts = await off_loop(self._prompts, request, params)  # (a long input: seconds, which held every stream)
         request_id = self.new_id("classify", request.request_id)
         outs = await self.pool(request_id, prompts, params, request.priority, lora_request)

@@ -10,7 +10,7 @@ from vllmini.engine.sampling_params import SamplingParams
 from vllmini.entrypoints.openai.protocol import CompletionRequest
 from vllmini.entrypoints.openai.skip_tokenizer import check_completion
 from vllmini.entrypoints.openai.serving_engine import (
-    EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
+    RESPONSE_NULLS, EventStream, OpenAIServing, RequestGroup, Usage, json_logprob, off_loop, sse,
 )
 
 
@@ -55,23 +55,24 @@ class OpenAIServingCompletion(OpenAIServing):
             for c in sorted(finals[i].outputs, key=lambda c: c.index):
                 text, logprobs = self._echoed(request, finals[i], c, None, finals[i].prompt_logprobs)
                 choice = self._choice(request, i * request.n + c.index, text, logprobs, c, finals[i], True)
-                if finals[i].prompt_logprobs is not None:  # (asked for, or echo with logprobs: vLLM's)
-                    choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
-                choices.append(choice)
-        return {**self.header(request_id, "text_completion", request.model), "choices": choices,
-                "usage": usage.body()}  # fmt: skip
+                # (asked for, or echo with logprobs: vLLM's)
+                choice["prompt_logprobs"] = self.prompt_logprobs(finals[i].prompt_logprobs)
+                choices.append({**choice, "routed_experts": None})
+        return {**self.header(request_id, "text_completion", request.model), "choices": choices, "service_tier": None,
+                "system_fingerprint": self.system_fingerprint, "usage": usage.body(), **RESPONSE_NULLS}  # fmt: skip
 
     def _stream(self, request: CompletionRequest, request_id: str, group: RequestGroup) -> AsyncIterator[str]:
         usage = Usage(self.prompt_tokens_details)
-        return self.events(self._chunks(request, request_id, group, usage), request_id, "text_completion", usage,
-                           request.stream_options, request.model)  # fmt: skip
+        head = self.header(request_id, "text_completion", request.model)
+        return self.events(self._chunks(request, head, group, usage), head, usage, request.stream_options)
 
     async def _chunks(
-        self, request: CompletionRequest, request_id: str, group: RequestGroup, usage: Usage
+        self, request: CompletionRequest, head: dict[str, Any], group: RequestGroup, usage: Usage
     ) -> AsyncIterator[str]:
         """Each chunk holds one choice's new text, in the engine's order, as vLLM's (with
-        ``continuous_usage_stats``, its own usage: its prompt's tokens and those it has so far);
-        a step before the choice's first token (of a prefill) sends nothing, unless it is echoed."""
+        ``continuous_usage_stats``, its own usage: its prompt's tokens and those it has so far;
+        a choice's last chunk, unless a usage chunk follows, the fingerprint); a step before the
+        choice's first token (of a prefill) sends nothing, unless it is echoed."""
         sent: dict[int, int] = {}  # each choice's text length so far
         prompt_logprobs: dict[int, list] = {}  # per prompt: delta outputs carry them in the first only
         continuous = self.stream_usage(request.stream_options)[1]
@@ -79,7 +80,6 @@ class OpenAIServingCompletion(OpenAIServing):
             usage.add(i, out)  # (delta outputs: the new tokens only)
             if out.prompt_logprobs:  # for the choices that start in a later output
                 prompt_logprobs[i] = out.prompt_logprobs
-            head = self.header(request_id, "text_completion", request.model)
             for c in out.outputs:
                 index = i * request.n + c.index
                 first = index not in sent
@@ -92,7 +92,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choice = self._choice(request, index, text, logprobs, c, out, first)
                 if first and request.echo:  # (vLLM's: the echoed chunk carries the prompt's ids)
                     choice["prompt_token_ids"] = list(out.prompt_token_ids)
-                yield sse({**head, "choices": [choice], **counts})
+                last = self.finishing(choice, request.stream_options)
+                yield sse({**head, "choices": [choice], **counts, **last})
 
     @staticmethod
     def _choice(
@@ -100,14 +101,11 @@ class OpenAIServingCompletion(OpenAIServing):
         out: RequestOutput, first: bool,
     ) -> dict[str, Any]:  # fmt: skip
         """One choice (or a streamed chunk of it: ``first`` is its first), with ``return_token_ids``
-        its token ids (a chunk's new ones) and, at first, the prompt's, as vLLM's."""
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                  "stop_reason": c.stop_reason}  # fmt: skip
-        if request.return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-            if first:
-                choice["prompt_token_ids"] = list(out.prompt_token_ids)
-        return choice
+        its token ids (a chunk's new ones) and, at first, the prompt's, as vLLM's (null otherwise)."""
+        ids = request.return_token_ids
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "prompt_token_ids": list(out.prompt_token_ids) if ids and first else None,
+                "token_ids": list(c.token_ids) if ids else None}  # fmt: skip
 
     def _echoed(
         self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int | None,

@@ -47,6 +47,7 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     # vLLM's extras
     truncate_prompt_tokens: int | None = None
+    truncation_side: str | None = None  # vLLM 0.32's: "right" (left out: the first tokens kept) or "left"
     normalize: bool | None = None
     use_activation: bool | None = None
     add_special_tokens: bool | None = None  # default: True for input, False for messages (the template writes them)
@@ -61,8 +62,9 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
 
     def pooling_params(self) -> PoolingParams:
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, dimensions=self.dimensions,
-                             normalize=self.normalize, use_activation=self.use_activation, task="embed")  # fmt: skip
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
+                             dimensions=self.dimensions, normalize=self.normalize, use_activation=self.use_activation,
+                             task="embed")  # fmt: skip
 
     def inputs(self, vocab_size: int) -> list[str | list[int]]:
         """``input`` as a list of prompts (strings or token-id lists), each checked, naming it."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,10 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM reports a token that cannot occu
 # on the event loop it held every stream meanwhile
 _TOKENIZER_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllmini-tokenize")
 T = TypeVar("T")
+# what vLLM 0.32 sends as null where vllmini has nothing to give (OpenAI's fields and vLLM's own):
+# a client that reads them finds them, as from vLLM
+MESSAGE_NULLS: dict[str, Any] = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+RESPONSE_NULLS: dict[str, Any] = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
@@ -191,13 +196,29 @@ class Usage:
         prompt, completion = self.prompt_tokens.get(i, 0), self.choice_tokens.get((i, index), 0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, nulls: bool = True) -> dict[str, Any]:
+        """The request's usage; ``nulls``: with the details it has none of as null (a whole
+        response's, as vLLM's; a stream's usage chunk leaves them out)."""
         prompt, completion = sum(self.prompt_tokens.values()), self.completion_tokens
         body: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
                                 "total_tokens": prompt + completion}  # fmt: skip
         if self.details:
             body["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens.values())}
+        if nulls:
+            body.setdefault("prompt_tokens_details", None)
+            body["completion_tokens_details"] = None
         return body
+
+
+def system_fingerprint(engine: AsyncLLMEngine) -> str:
+    """vLLM's ``system_fingerprint`` (its default "full" mode): the server's name and version, and 8
+    hex digits hashed from what sets the answers (model, dtype, context, quantization, KV cache
+    dtype), so a client can tell when the serving setup changed."""
+    from vllmini import __version__
+
+    core = engine.engine
+    setup = (core.model_dir, core.dtype, core.max_model_len, core.args.quantization, core.args.kv_cache_dtype)
+    return f"vllmini-{__version__}-{hashlib.sha256(repr(setup).encode()).hexdigest()[:8]}"
 
 
 class OpenAIServing:
@@ -220,6 +241,7 @@ class OpenAIServing:
         self.prompt_tokens_details = False  # usage.prompt_tokens_details (build_app's enable_prompt_tokens_details)
         self.return_tokens_as_token_ids = False  # the default of requests that do not say (build_app's)
         self.force_include_usage = False  # a stream's usage chunk even unasked (build_app's enable_force_include_usage)
+        self.system_fingerprint = system_fingerprint(engine)
 
     def stream_usage(self, options: StreamOptions | None) -> tuple[bool, bool]:
         """(a last usage chunk, usage in every chunk) for a stream, as vLLM's ``should_include_usage``:
@@ -248,23 +270,32 @@ class OpenAIServing:
         return self.models.resolve(model)
 
     async def events(
-        self, chunks: AsyncIterator[str], request_id: str, kind: str, usage: Usage, options: StreamOptions | None,
-        model: str | None = None,
+        self, chunks: AsyncIterator[str], head: dict[str, Any], usage: Usage, options: StreamOptions | None
     ) -> AsyncIterator[str]:
-        """A stream's events: ``chunks``, then the usage chunk when asked for, and ``[DONE]``; a failed
-        step ends it with the error event, as vLLM's."""
+        """A stream's events: ``chunks``, then the usage chunk (``head``'s fields first, the
+        fingerprint last, no nulls: vLLM's) when asked for, and ``[DONE]``; a failed step ends it
+        with the error event, as vLLM's."""
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
             if self.stream_usage(options)[0]:
-                yield sse({**self.header(request_id, kind, model), "choices": [], "usage": usage.body()})
+                yield sse({**head, "choices": [], "usage": usage.body(nulls=False),
+                           "system_fingerprint": self.system_fingerprint})  # fmt: skip
         except Exception as exc:
             yield sse(error_body(str(exc), type(exc).__name__, 500))
         yield sse("[DONE]")
 
+    def finishing(self, choice: dict[str, Any], options: StreamOptions | None) -> dict[str, Any]:
+        """What a streamed chunk adds after its choices: the fingerprint on a choice's last chunk
+        (its finish_reason set), unless the usage chunk ends the stream and carries it (vLLM's)."""
+        if choice["finish_reason"] is None or self.stream_usage(options)[0]:
+            return {}
+        return {"system_fingerprint": self.system_fingerprint}
+
     def header(self, request_id: str, kind: str, model: str | None = None) -> dict[str, Any]:
-        """A response's (or chunk's) first fields; ``model`` is the name the request asked for."""
+        """A response's (or a stream's chunks') first fields; ``model`` is the name the request asked
+        for. A stream's chunks share one (``created`` too, as vLLM's)."""
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": model or self.model_name}
 
     @staticmethod

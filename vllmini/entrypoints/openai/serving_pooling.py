@@ -34,8 +34,9 @@ class PoolingRequest(EmbeddingRequest, kw_only=True):
 
     def pooling_params(self) -> PoolingParams:
         activate = PoolingRequestFields.activation_flag(self)  # type: ignore[arg-type]
-        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, dimensions=self.dimensions,
-                             normalize=self.normalize, use_activation=activate, task=self.task)  # fmt: skip
+        return PoolingParams(truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
+                             dimensions=self.dimensions, normalize=self.normalize, use_activation=activate,
+                             task=self.task)  # fmt: skip
 
 
 class OpenAIServingPoolingRoute(OpenAIServingEmbedding):

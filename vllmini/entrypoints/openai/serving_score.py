@@ -104,6 +104,6 @@ class OpenAIServingScores(OpenAIServingPooling):
         texts_1, texts_2 = (scoring.score_texts(side, field, self.tokenizer) for side, field in zip(data, fields))
         prompts, task = scoring.score_prompts(self.tasks, self.tokenizer, self.hf_config, texts_1, texts_2, fields)
         activation = request.activation_flag() if task == "score" else None  # (an embedder's cosine takes none)
-        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens, use_activation=activation,
-                               task=task)  # fmt: skip
+        params = PoolingParams(truncate_prompt_tokens=request.truncate_prompt_tokens,
+                               truncation_side=request.truncation_side, use_activation=activation, task=task)
         return self.engine_prompts(prompts, params), params, len(texts_1)
