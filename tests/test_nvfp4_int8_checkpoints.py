@@ -290,7 +290,8 @@ def test_quantization_argument_takes_vllms_names(tmp_path, default_model_dir):
     _write(dense, tmp_path / "fp4", "modelopt", _modelopt("NVFP4", legacy=True), hf_quant_config=True)
     _write(dense, tmp_path / "fp8", "fp8", _modelopt("FP8"))
     for folder, name in [("int", "compressed-tensors"), ("fp4", "modelopt_fp4"), ("fp4", "modelopt"), ("fp8", "modelopt")]:
-        LLM(model=str(tmp_path / folder), dtype="float32", quantization=name, max_num_seqs=2)
+        llm = LLM(model=str(tmp_path / folder), dtype="float32", quantization=name, max_num_seqs=2)
+        assert llm.model_config.quantization == {"fp4": "modelopt_fp4"}.get(folder, name)  # (vLLM's; hf_quant_config.json's too)
     for folder, name, says in [("fp8", "modelopt_fp4", r"config.json says quant_method 'modelopt' with quant_algo 'FP8'"),
                                ("fp4", "compressed-tensors", r"hf_quant_config.json says quant_method 'modelopt' with quant_algo 'NVFP4'"),
                                ("int", "modelopt", r"config.json says quant_method 'compressed-tensors'")]:  # fmt: skip

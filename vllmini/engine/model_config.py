@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllmini.models.nvfp4 import nvfp4_format
+from vllmini.models.quant_config import quantization_config
+
 if TYPE_CHECKING:
     from vllmini.engine.llm_engine import LLMEngine
 
@@ -22,7 +25,8 @@ class ModelConfig:
     hf_config: Any  # the transformers config
     runner_type: str  # "generate" or "pooling"
     convert_type: str  # "none", "embed" or "classify"
-    quantization: str | None  # the checkpoint's method ("fp8", "gptq", "awq", "compressed-tensors"...) or None
+    quantization: str | None  # the checkpoint's method ("fp8", "gptq", "awq", "compressed-tensors"...; ModelOpt's
+    # NVFP4 "modelopt_fp4", vLLM's name for it) or None
     seed: int
     max_logprobs: int
     revision: str | None
@@ -45,13 +49,15 @@ class ModelConfig:
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> ModelConfig:
         args, hf = engine.args, engine.hf_config
-        quant = getattr(hf, "quantization_config", None)
-        quant = quant if isinstance(quant, dict) else getattr(quant, "to_dict", dict)()
+        quant = quantization_config(hf, engine.model_dir) or {}  # (ModelOpt's may sit in hf_quant_config.json)
+        method = quant.get("quant_method")
+        if method == "modelopt" and nvfp4_format({"quantization_config": quant}) is not None:
+            method = "modelopt_fp4"
         return cls(
             model=str(args.model), tokenizer=str(args.tokenizer or args.model),
             served_model_name=args.get_served_model_name(),
             dtype=engine.dtype, max_model_len=engine.max_model_len, hf_config=hf, runner_type=engine.runner_type,
-            convert_type=engine.convert_type, quantization=quant.get("quant_method") or args.quantization,
+            convert_type=engine.convert_type, quantization=method or args.quantization,
             seed=args.seed, max_logprobs=args.max_logprobs, revision=args.revision,
             tokenizer_revision=args.tokenizer_revision, tokenizer_mode=args.tokenizer_mode,
             trust_remote_code=bool(args.trust_remote_code), enforce_eager=bool(args.enforce_eager),
