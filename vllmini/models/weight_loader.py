@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from vllmini.models import checkpoint_checks, registry
+from vllmini.models import checkpoint_checks, multimodal, registry
 from vllmini.models.checkpoint_reader import checkpoint_weights, iter_weights  # noqa: F401 (iter_weights: re-exported)
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
@@ -177,7 +177,8 @@ def load_config(model_dir: Path) -> PretrainedConfig:
             f"{path} has no 'architectures' entry; supported: {', '.join(registry.supported_architectures())}"
         )
     try:
-        registry.get_model_class(architectures)
+        registry.get_model_class([multimodal.text_architecture(raw)] if multimodal.is_multimodal(architectures)
+                                 else architectures)  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     try:
@@ -186,6 +187,8 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
         code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
         raise ValueError(f"transformers cannot read {path}{code if 'auto_map' in raw else ''}: {exc}") from exc
+    if multimodal.is_multimodal(architectures):  # served text-only: its language model (models/multimodal.py)
+        config = multimodal.text_config(config, raw)
     checkpoint_checks.check_config(config, raw, path)
     return config
 
