@@ -35,6 +35,9 @@ _RENAMES = (("model.language_model.", "model."),  # transformers >= 4.52 saves (
             ("language_model.lm_head.", "lm_head."))  # fmt: skip
 # modules of the vision side (with or without a leading "model."): never read
 _VISION_MODULES = ("vision_tower", "visual", "multi_modal_projector")
+# checkpoints storing every expert in one tensor, transposed (transformers' conversion mapping transposes them)
+_TRANSPOSED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
+_FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 # token ids transformers keeps at the top level of older configs
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -73,6 +76,8 @@ def text_config(config: Any, raw: dict) -> Any:
     for key in _TOKEN_KEYS:
         if getattr(text, key, None) is None and raw.get(key) is not None:
             setattr(text, key, raw[key])
+    if text.model_type == "qwen3_vl_moe_text":  # (its router renormalises the top-k weights, whatever the config says)
+        text.norm_topk_prob = True
     return text
 
 
@@ -95,7 +100,10 @@ class CheckpointMapper:
         return name  # (lm_head., and Qwen2-VL's older model.layers...: already the text model's)
 
     def __call__(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        transposed = self.architecture in _TRANSPOSED_EXPERTS
         for name, tensor in weights:
+            if transposed and name.endswith(_FUSED_EXPERT_SUFFIXES):
+                tensor = tensor.transpose(1, 2)  # (the [E, H, 2I] and [E, I, H] on disk -> [E, 2I, H] and [E, H, I])
             yield self.rename(name), tensor
 
 
