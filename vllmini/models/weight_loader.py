@@ -208,7 +208,7 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
         if path.is_dir():
-            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            return _with_processor_template(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False), path)
         cache = None if download_dir is None else str(Path(download_dir).expanduser())
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision, cache_dir=cache)
     except Exception as exc:  # transformers raises assorted types (OSError, ValueError, KeyError, ...)
@@ -217,6 +217,20 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
             "(tokenizer.json or tokenizer_config.json with its vocabulary) and no code of its own (vllmini never "
             "runs a model's code); pass another folder or hub id as EngineArgs.tokenizer"
         ) from exc
+
+
+def _with_processor_template(tokenizer: PreTrainedTokenizerBase, folder: Path) -> PreTrainedTokenizerBase:
+    """A multimodal release may keep its chat template only in the processor's chat_template.json,
+    which the tokenizer does not read (vLLM renders with the processor's): it fills in for none."""
+    legacy = folder / "chat_template.json"
+    if tokenizer.chat_template is None and legacy.is_file():
+        try:
+            template = json.loads(legacy.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{legacy} is not a JSON object with a 'chat_template': {exc}") from exc
+        if isinstance(template, (str, dict)):
+            tokenizer.chat_template = template
+    return tokenizer
 
 
 def load_model(
