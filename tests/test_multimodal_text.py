@@ -174,6 +174,23 @@ def test_other_naming_of_the_same_checkpoint(tiny_mm, kind, tmp_path):
     _assert_matches(out, back, kind)
 
 
+def test_flat_qwen2_5_vl_config(tiny_mm, tmp_path):
+    """Qwen2.5-VL's first releases state the text model's fields at the top of config.json (no
+    text_config; ``rope_scaling: {"type": "mrope", ...}``; bos/eos ids there): read as transformers reads them."""
+    model_dir, hf = tiny_mm("qwen2_5_vl")
+    out = shutil.copytree(model_dir, tmp_path / "flat")
+    nested = json.loads((out / "config.json").read_text())
+    text = nested.pop("text_config")
+    rope = text.pop("rope_parameters")
+    flat = {**text, **nested, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"], "bos_token_id": 3,
+            "eos_token_id": 4, "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(flat))
+    back = T.AutoModelForImageTextToText.from_pretrained(out).eval()
+    assert all(torch.equal(a, b) for a, b in zip(hf.state_dict().values(), back.state_dict().values()))
+    llm = _assert_matches(out, back, "qwen2_5_vl")
+    assert llm.llm_engine.hf_config.eos_token_id == 4
+
+
 @pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
 def test_mrope_on_text_positions_is_plain_rope(kind):
     """Text positions carry three equal M-RoPE components: transformers' rotation (Qwen2.5-VL's
@@ -262,9 +279,9 @@ def test_image_inputs_are_refused_by_name(gemma3_llm):
     """An image part in a chat message, or vLLM's multi_modal_data beside a prompt, is refused naming
     it and saying the model is served text-only (not run without it)."""
     text = {"type": "text", "text": "What is this?"}
-    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\] is an 'image_url' part: vllmini serves text only"):
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: 'image_url' parts are not accepted: vllmini serves text only"):
         gemma3_llm.chat([{"role": "user", "content": [text, _IMAGE]}], use_tqdm=False)
-    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\] is an 'input_audio' part"):
+    with pytest.raises(ValueError, match=r"messages\[1\]\.content\[0\]: 'input_audio' parts are not"):
         gemma3_llm.chat([{"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "input_audio"}]}])
     with pytest.raises(ValueError, match=r"prompt\['multi_modal_data'\]: image, video and audio inputs are not "
                                          r"accepted: vllmini serves text only"):  # fmt: skip
@@ -281,10 +298,10 @@ async def test_server_refuses_image_parts_by_name(tiny_mm):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(engine, "m")), base_url="http://t") as http:
             chat = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}, _IMAGE]}]}
             r = await http.post("/v1/chat/completions", json=chat)
-            assert r.status_code == 400 and "messages[0].content[1] is an 'image_url' part" in r.text, r.text
+            assert r.status_code == 400 and "messages[0].content[1]: 'image_url' parts are not accepted" in r.text, r.text
             image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
             r = await http.post("/v1/responses", json={"model": "m", "input": [{"role": "user", "content": [image]}]})
-            assert r.status_code == 400 and "is an 'input_image' part: vllmini serves text only" in r.text, r.text
+            assert r.status_code == 400 and "input[0].content[0].type: 'input_image' parts are not accepted: vllmini serves text only" in r.text, r.text
     finally:
         engine.shutdown()
 

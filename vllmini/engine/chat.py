@@ -32,7 +32,7 @@ TEXT_ONLY = ("vllmini serves text only (a multimodal checkpoint's language model
 
 def media_part_error(where: str, kind: str) -> ValueError:
     """The refusal of an image, video or audio content part at ``where`` (a message's content part)."""
-    return ValueError(f"{where} is an {kind!r} part: {TEXT_ONLY}; send the content as text parts")
+    return ValueError(f"{where}: {kind!r} parts are not accepted: {TEXT_ONLY}; send the content as text parts")
 
 
 def render_chat(

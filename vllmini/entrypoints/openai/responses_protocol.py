@@ -189,7 +189,7 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in MEDIA_PARTS:
-            raise media_part_error(f"{where}[{j}]", kind)
+            raise media_part_error(f"{where}[{j}].type", kind)
         if kind not in TEXT_PART_TYPES:
             raise ValueError(f"{where}[{j}].type: only text parts (input_text, output_text) are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
