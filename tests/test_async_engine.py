@@ -478,7 +478,7 @@ async def test_chat_messages_with_content_parts_and_the_templated_prompt(tiny_di
         for messages in (plain, parts):
             out = [o async for o in engine.generate(messages, params)][-1]
             assert out.prompt == text and out.prompt_token_ids == ids
-        with pytest.raises(ValueError, match=r"messages\[1\].content\[0\]: only text parts"):
+        with pytest.raises(ValueError, match=r"messages\[1\].content\[0\]: 'image_url' parts are not accepted: vllmini serves text only"):
             await engine.generate([plain[0], {"role": "user", "content": [{"type": "image_url"}]}], params).__anext__()
     outs = offline.chat([plain, parts], params, use_tqdm=False)
     assert [o.prompt for o in outs] == [text, text] and outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids

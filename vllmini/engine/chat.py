@@ -23,6 +23,16 @@ Message = dict[str, Any]
 # vLLM's text-like content parts, and the key holding each one's text
 TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
 CONTENT_FORMATS = ("auto", "string", "openai")
+# vLLM's image, video and audio content parts (chat and Responses): refused by name, as text-only serving
+MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "video_url", "video", "audio_url",
+               "input_audio", "audio", "audio_embeds", "file", "input_file")  # fmt: skip
+TEXT_ONLY = ("vllmini serves text only (a multimodal checkpoint's language model, without its vision or audio "
+             "encoder)")  # fmt: skip
+
+
+def media_part_error(where: str, kind: str) -> ValueError:
+    """The refusal of an image, video or audio content part at ``where`` (a message's content part)."""
+    return ValueError(f"{where}: {kind!r} parts are not accepted: {TEXT_ONLY}; send the content as text parts")
 
 
 def render_chat(
@@ -96,6 +106,8 @@ def _flatten(i: int, msg: Any, as_parts: bool = False) -> Message:
             texts.append(part)
             continue
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind in MEDIA_PARTS:
+            raise media_part_error(f"messages[{i}].content[{j}]", kind)
         if kind not in TEXT_PARTS:
             raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}")
         key = TEXT_PARTS[kind]

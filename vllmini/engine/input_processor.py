@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from vllmini.engine.chat import TEXT_ONLY
 from vllmini.engine.errors import VLLMValidationError
 from vllmini.engine.pooling_params import PoolingParams
 from vllmini.engine.prompt_embeds import PLACEHOLDER_ID, check_prompt_embeds, salted
@@ -27,6 +28,7 @@ logger = logging.getLogger("vllmini")
 PromptType = str | list[int] | dict[str, Any]
 # vLLM's TextPrompt / TokensPrompt / EmbedsPrompt, text only
 _PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "prompt_embeds", "cache_salt"})
+_MULTI_MODAL_KEYS = frozenset({"multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs"})  # vLLM's
 
 
 def as_prompt_list(prompts: PromptType | Any) -> list[PromptType]:
@@ -216,6 +218,9 @@ class InputProcessor:
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """``prompt``: text, a token-id list, or ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``."""
         if isinstance(prompt, dict):
+            if media := sorted(set(prompt) & _MULTI_MODAL_KEYS):
+                raise ValueError(f"prompt[{media[0]!r}]: image, video and audio inputs are not accepted: {TEXT_ONLY}; "
+                                 "pass the prompt as text or prompt_token_ids")  # fmt: skip
             if unknown := sorted(set(prompt) - _PROMPT_KEYS, key=str):
                 # e.g. vLLM's multi_modal_data: ignoring it would silently change the request
                 raise ValueError(f"prompt dict has unsupported key(s) {unknown}; accepted: {sorted(_PROMPT_KEYS)}")

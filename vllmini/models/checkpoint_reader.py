@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -14,6 +14,7 @@ from vllmini.models import checkpoint_checks
 from vllmini.models.fp8 import dequantize_fp8_weights, fp8_format
 from vllmini.models.gptq_awq import dequantize_wna16_weights, wna16_format
 from vllmini.models.int8 import dequantize_int_weights, int_format
+from vllmini.models.multimodal import checkpoint_mapper
 from vllmini.models.mxfp4 import dequantize_mxfp4_weights, is_mxfp4
 from vllmini.models.nvfp4 import dequantize_nvfp4_weights, nvfp4_format
 from vllmini.models.quant_config import with_quantization_config
@@ -65,23 +66,28 @@ def checkpoint_weights(model_dir: Path, config: PretrainedConfig | dict | None =
     hf_quant_config.json (ModelOpt's), says how the weights are stored."""
     if config is None and (Path(model_dir) / "config.json").is_file():
         config = json.loads((Path(model_dir) / "config.json").read_text())
+    mapper = checkpoint_mapper(config)  # a multimodal checkpoint's language model (models/multimodal.py)
+    skip = mapper.skip if mapper is not None else None
     config = with_quantization_config(config if config is not None else {}, model_dir)
     if config is None:
-        return iter_weights(model_dir)
-    if is_mxfp4(config):
-        return dequantize_mxfp4_weights(iter_weights(model_dir, "mxfp4"))
-    if (nvfp4 := nvfp4_format(config)) is not None:
-        return dequantize_nvfp4_weights(iter_weights(model_dir, "nvfp4"), nvfp4)
-    if (fp8 := fp8_format(config)) is not None:
-        return dequantize_fp8_weights(iter_weights(model_dir, "fp8"), fp8)
-    if (wna16 := wna16_format(config)) is not None:
-        return dequantize_wna16_weights(iter_weights(model_dir, "wna16"), wna16)
-    if (int8 := int_format(config)) is not None:
-        return dequantize_int_weights(iter_weights(model_dir, "int8"), int8)
-    return iter_weights(model_dir)
+        weights = iter_weights(model_dir, skip=skip)
+    elif is_mxfp4(config):
+        weights = dequantize_mxfp4_weights(iter_weights(model_dir, "mxfp4", skip))
+    elif (nvfp4 := nvfp4_format(config)) is not None:
+        weights = dequantize_nvfp4_weights(iter_weights(model_dir, "nvfp4", skip), nvfp4)
+    elif (fp8 := fp8_format(config)) is not None:
+        weights = dequantize_fp8_weights(iter_weights(model_dir, "fp8", skip), fp8)
+    elif (wna16 := wna16_format(config)) is not None:
+        weights = dequantize_wna16_weights(iter_weights(model_dir, "wna16", skip), wna16)
+    elif (int8 := int_format(config)) is not None:
+        weights = dequantize_int_weights(iter_weights(model_dir, "int8", skip), int8)
+    else:
+        weights = iter_weights(model_dir, skip=skip)
+    return mapper(weights) if mapper is not None else weights  # (renamed after dequantizing: its lists name the originals)
 
 
-def iter_weights(model_dir: Path, quant: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: Path, quant: str | None = None, skip: Callable[[str], bool] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """(HF name, CPU tensor) pairs, one tensor at a time from mmap'd safetensors files.
 
     Each tensor is a zero-copy view of its own short-lived mapping: the file is reopened
@@ -90,6 +96,7 @@ def iter_weights(model_dir: Path, quant: str | None = None) -> Iterator[tuple[st
     file has been read (that would double peak RSS). A tensor in two files (a stale shard beside
     new ones) is refused: which one the checkpoint means is unknown; so is a non-float one (but
     a quantized checkpoint's packed tensors, with ``quant``: checkpoint_checks.check_tensor).
+    ``skip``: names never read (a multimodal checkpoint's vision tower: models/multimodal.py).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -99,6 +106,8 @@ def iter_weights(model_dir: Path, quant: str | None = None) -> Iterator[tuple[st
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names = list(f.keys())
             for name in names:
+                if skip is not None and skip(name):
+                    continue
                 if name in seen:
                     raise ValueError(f"{path} and {seen[name]} both hold tensor {name!r}; a checkpoint holds each "
                                      "tensor once (a stale shard left beside new ones?)")  # fmt: skip

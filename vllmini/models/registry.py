@@ -5,6 +5,8 @@ import importlib
 
 from torch import nn
 
+from vllmini.models.multimodal import MULTIMODAL_ARCHITECTURES
+
 # architecture name -> (module, class); imported lazily so that adding a model costs nothing at start-up.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("vllmini.models.llama", "LlamaForCausalLM"),
@@ -55,8 +57,10 @@ _POOLING_ONLY = {**_HEADLESS, **_CLASSIFIERS, **_TOKEN_CLASSIFIERS}
 
 
 def supported_architectures() -> list[str]:
-    """The generating architectures, then those that only pool."""
-    return sorted(_MODELS) + sorted(_HEADLESS) + sorted(_CLASSIFIERS) + sorted(_TOKEN_CLASSIFIERS)
+    """The generating architectures, the multimodal ones served text-only (their language model:
+    models/multimodal.py), then those that only pool."""
+    return (sorted(_MODELS) + sorted(MULTIMODAL_ARCHITECTURES) + sorted(_HEADLESS) + sorted(_CLASSIFIERS)
+            + sorted(_TOKEN_CLASSIFIERS))  # fmt: skip
 
 
 def _first_supported(architectures: list[str] | None) -> str | None:

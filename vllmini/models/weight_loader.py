@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from vllmini.models import checkpoint_checks, registry
+from vllmini.models import checkpoint_checks, multimodal, registry
 from vllmini.models.checkpoint_reader import checkpoint_weights, iter_weights  # noqa: F401 (iter_weights: re-exported)
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
@@ -177,7 +177,8 @@ def load_config(model_dir: Path) -> PretrainedConfig:
             f"{path} has no 'architectures' entry; supported: {', '.join(registry.supported_architectures())}"
         )
     try:
-        registry.get_model_class(architectures)
+        registry.get_model_class([multimodal.text_architecture(raw)] if multimodal.is_multimodal(architectures)
+                                 else architectures)  # fmt: skip
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     try:
@@ -186,6 +187,8 @@ def load_config(model_dir: Path) -> PretrainedConfig:
         # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
         code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
         raise ValueError(f"transformers cannot read {path}{code if 'auto_map' in raw else ''}: {exc}") from exc
+    if multimodal.is_multimodal(architectures):  # served text-only: its language model (models/multimodal.py)
+        config = multimodal.text_config(config, raw)
     checkpoint_checks.check_config(config, raw, path)
     return config
 
@@ -205,7 +208,7 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
         if path.is_dir():
-            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+            return _with_processor_template(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False), path)
         cache = None if download_dir is None else str(Path(download_dir).expanduser())
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision, cache_dir=cache)
     except Exception as exc:  # transformers raises assorted types (OSError, ValueError, KeyError, ...)
@@ -214,6 +217,20 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
             "(tokenizer.json or tokenizer_config.json with its vocabulary) and no code of its own (vllmini never "
             "runs a model's code); pass another folder or hub id as EngineArgs.tokenizer"
         ) from exc
+
+
+def _with_processor_template(tokenizer: PreTrainedTokenizerBase, folder: Path) -> PreTrainedTokenizerBase:
+    """A multimodal release may keep its chat template only in the processor's chat_template.json,
+    which the tokenizer does not read (vLLM renders with the processor's): it fills in for none."""
+    legacy = folder / "chat_template.json"
+    if tokenizer.chat_template is None and legacy.is_file():
+        try:
+            template = json.loads(legacy.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ValueError(f"{legacy} is not a JSON object with a 'chat_template': {exc}") from exc
+        if isinstance(template, (str, dict)):
+            tokenizer.chat_template = template
+    return tokenizer
 
 
 def load_model(

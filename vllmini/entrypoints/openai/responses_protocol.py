@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from vllmini.engine.chat import MEDIA_PARTS, media_part_error
 from vllmini.engine.sampling_params import StructuredOutputsParams
 from vllmini.entrypoints.openai.protocol import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat, Seed
 
@@ -187,6 +188,8 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
         raise ValueError(f"{where} must be a string or a list of input_text parts, got {content!r}")
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise media_part_error(f"{where}[{j}].type", kind)
         if kind not in TEXT_PART_TYPES:
             raise ValueError(f"{where}[{j}].type: only text parts (input_text, output_text) are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
