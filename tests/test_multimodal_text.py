@@ -150,6 +150,9 @@ def test_text_matches_transformers_and_vision_is_not_loaded(tiny_mm, kind, monke
     assert sum(p.numel() for p in model.parameters()) == _text_numel(hf)
     config = llm.llm_engine.hf_config
     assert (config.vocab_size, llm.llm_engine.max_model_len) == (512, 1024)
+    # vLLM's model_config names the checkpoint's architecture and calls it multimodal
+    assert llm.model_config.architecture == json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    assert llm.model_config.is_multimodal_model and llm.model_config.get_vocab_size() == 512
 
 
 _NEWER = {"gemma3": (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),

@@ -67,15 +67,19 @@ class ModelConfig:
             sliding_window=getattr(engine.model, "sliding_window", None),
             diff_sampling_param=_diff_sampling_param(engine), pooler_config=getattr(engine.pooler, "config", None),
             hf_overrides=args.hf_overrides or {},
+            is_multimodal_model=getattr(hf, "multimodal_architecture", None) is not None,
         )  # fmt: skip
 
     @property
     def hf_text_config(self) -> Any:
-        return self.hf_config
+        return self.hf_config  # (a multimodal checkpoint's is its text_config: models/multimodal.py)
 
     @property
     def architectures(self) -> list[str]:
-        return list(getattr(self.hf_config, "architectures", None) or [])
+        """The checkpoint's, as vLLM reports them (``Gemma3ForConditionalGeneration`` for a multimodal
+        checkpoint served text-only, not the text model vllmini runs)."""
+        outer = getattr(self.hf_config, "multimodal_architecture", None)
+        return [outer] if outer else list(getattr(self.hf_config, "architectures", None) or [])
 
     @property
     def architecture(self) -> str | None:
