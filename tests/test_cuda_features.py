@@ -3,7 +3,8 @@
 draft-model speculative decoding, a custom logits processor, logprobs with logprob_token_ids,
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
 streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings,
-a YaRN-scaled rope, fp8 KV caches and the hybrid (grouped) KV cache of a Gemma 3 and of gpt-oss (attention sinks). bench/gpu_check.sh runs them; without CUDA
+a YaRN-scaled rope, fp8 KV caches, the hybrid (grouped) KV cache of a Gemma 3 and of gpt-oss (attention sinks),
+DeepSeek-V3's latent attention (MLA) and GLM-4.5's grouped router. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -377,3 +378,33 @@ def test_gpt_oss_matches_the_cpu_path(tmp_path):
 
     cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64)
     assert dev == cpu
+
+
+@pytest.mark.parametrize("kind", ["deepseek-v3", "glm4-moe"])
+def test_latent_attention_and_grouped_router_models_match_the_cpu_path(tmp_path, kind):
+    """DeepSeek-V3 (MLA: one latent KV head, 40 wide here, whose K and V are one cache tensor; the
+    noaux_tc router) and GLM-4.5 (rope on half of each head; the same router): greedy tokens
+    equal the CPU path's, prefix-cache hits included."""
+    from helpers import save_random_model
+
+    if kind == "deepseek-v3":
+        from test_deepseek import tiny_config
+
+        config = tiny_config("v3")  # (YaRN: 64 original tokens x4, a 256-token context)
+    else:
+        from test_glm import tiny_config
+
+        config = tiny_config("moe")
+        config.max_position_embeddings = 1024
+    assert config.vocab_size == VOCAB
+    save_random_model(config, tmp_path, tmp_path)  # (no tokenizer files there: the word-level one follows)
+    save_word_level_tokenizer(VOCAB, tmp_path)
+
+    def run(llm: LLM):
+        first = token_ids(llm.generate(prompts(6), greedy(32), use_tqdm=False))
+        return first, token_ids(llm.generate(prompts(6), greedy(32), use_tqdm=False))  # (the prompts' blocks cached)
+
+    context = 256 if kind == "deepseek-v3" else 1024
+    cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True,
+                       max_model_len=context)  # fmt: skip
+    assert dev == cpu and cpu[0] == cpu[1]
