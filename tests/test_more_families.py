@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MiniMaxM2Config
+from transformers import MiniMaxM2Config, SeedOssConfig
 
 from helpers import hf_last_logits, prompt_forward, save_random_model, seeded_prompts
 from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
@@ -20,11 +20,17 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def tiny_config(kind: str):
-    """``minimax_m2``: 8 experts 32 wide (top 2), rope on the first 8 of 16 dims, MTP declared."""
+    """``minimax_m2``: 8 experts 32 wide (top 2), rope on the first 8 of 16 dims, MTP declared;
+    ``seed_oss``: heads 24 wide (not hidden / heads), q/k/v and MLP biases, none on o_proj."""
     if kind == "minimax_m2":
         return MiniMaxM2Config(**{**_SHAPE, "intermediate_size": 32}, head_dim=16, rotary_dim=8, rms_norm_eps=1e-5,
                                num_local_experts=8, num_experts_per_tok=2, num_mtp_modules=1,
                                architectures=["MiniMaxM2ForCausalLM"])  # fmt: skip
+    if kind == "seed_oss":  # the release's q/k/v biases without o_proj's; MLP biases on
+        return SeedOssConfig(**_SHAPE, head_dim=24, rms_norm_eps=1e-5, attention_bias=True, attention_out_bias=False,
+                             mlp_bias=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             architectures=["SeedOssForCausalLM"])  # fmt: skip
     raise KeyError(kind)
 
 
@@ -51,7 +57,8 @@ def _with_config(model_dir: str, out, **fields) -> str:
     return str(out)
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("minimax_m2", "cpu"), ("minimax_m2", "torch")])
+@pytest.mark.parametrize(("kind", "backend"), [("minimax_m2", "cpu"), ("minimax_m2", "torch"),
+                                                     ("seed_oss", "cpu")])
 def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows, equal to transformers'."""
