@@ -33,6 +33,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Glm4MoeForCausalLM": ("vllmini.models.glm4_moe", "Glm4MoeForCausalLM"),
     "MiniMaxM2ForCausalLM": ("vllmini.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "SeedOssForCausalLM": ("vllmini.models.seed_oss", "SeedOssForCausalLM"),
+    "OlmoeForCausalLM": ("vllmini.models.olmoe", "OlmoeForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
