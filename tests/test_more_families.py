@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MiniMaxM2Config, OlmoeConfig, SeedOssConfig
+from transformers import Cohere2Config, CohereConfig, MiniMaxM2Config, OlmoeConfig, SeedOssConfig
 
 from helpers import hf_last_logits, prompt_forward, save_random_model, seeded_prompts
 from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
@@ -22,7 +22,8 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
 def tiny_config(kind: str):
     """``minimax_m2``: 8 experts 32 wide (top 2), rope on the first 8 of 16 dims, MTP declared;
     ``seed_oss``: heads 24 wide (not hidden / heads), q/k/v and MLP biases, none on o_proj;
-    ``olmoe``: 8 experts 32 wide, top 2 not renormalised."""
+    ``olmoe``: 8 experts 32 wide, top 2 not renormalised; ``cohere`` / ``cohere2``: tied, logits scaled,
+    Cohere2's layers sliding, full (NoPE), sliding."""
     if kind == "minimax_m2":
         return MiniMaxM2Config(**{**_SHAPE, "intermediate_size": 32}, head_dim=16, rotary_dim=8, rms_norm_eps=1e-5,
                                num_local_experts=8, num_experts_per_tok=2, num_mtp_modules=1,
@@ -36,6 +37,13 @@ def tiny_config(kind: str):
         return OlmoeConfig(**{**_SHAPE, "intermediate_size": 32}, rms_norm_eps=1e-5, num_experts=8,
                            num_experts_per_tok=2, norm_topk_prob=False, attention_bias=True,
                            architectures=["OlmoeForCausalLM"])  # fmt: skip
+    if kind == "cohere":  # Command R: tied, logit_scale, q/k/v/o biases on
+        return CohereConfig(**{**_SHAPE, "tie_word_embeddings": True}, layer_norm_eps=1e-5, logit_scale=0.5,
+                            attention_bias=True, architectures=["CohereForCausalLM"])  # fmt: skip
+    if kind == "cohere2":  # Command R7B's pattern: sliding (12 keys) with rope, then a full NoPE layer
+        return Cohere2Config(**{**_SHAPE, "tie_word_embeddings": True}, head_dim=16, layer_norm_eps=1e-5,
+                             logit_scale=0.5, sliding_window=12, sliding_window_pattern=2,
+                             architectures=["Cohere2ForCausalLM"])  # fmt: skip
     raise KeyError(kind)
 
 
@@ -63,7 +71,8 @@ def _with_config(model_dir: str, out, **fields) -> str:
 
 
 @pytest.mark.parametrize(("kind", "backend"), [("minimax_m2", "cpu"), ("minimax_m2", "torch"),
-                                                     ("seed_oss", "cpu"), ("olmoe", "cpu"), ("olmoe", "torch")])
+                                                     ("seed_oss", "cpu"), ("olmoe", "cpu"), ("olmoe", "torch"),
+                                                     ("cohere", "cpu"), ("cohere2", "cpu"), ("cohere2", "torch")])
 def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows, equal to transformers'."""
@@ -71,7 +80,7 @@ def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     assert_chunked_batch_matches(model_dir, hf, backend, _prompts(1, 9, 37, 20, 3), kind)
 
 
-@pytest.mark.parametrize("kind", ["minimax_m2", "olmoe"])
+@pytest.mark.parametrize("kind", ["minimax_m2", "olmoe", "cohere2"])
 def test_prefix_cache_hit_keeps_tokens(tiny, kind):
     """A prefix-cache hit skips the shared blocks and changes no token."""
     model_dir, hf = tiny(kind)
@@ -102,6 +111,7 @@ def test_minimax_m2_checkpoint_names_and_mtp(tiny, tmp_path):
     ("minimax_m2", "scoring_func", "softmax", "scoring_func 'softmax' is not supported"),
     ("minimax_m2", "qk_norm_type", "per_head", "qk_norm_type 'per_head' is not supported"),
     ("olmoe", "clip_qkv", 8.0, "clip_qkv=8.0 is not supported"),
+    ("cohere", "use_qk_norm", True, "use_qk_norm=true .* is not supported"),
 ])  # fmt: skip
 def test_unbuilt_config_is_refused_by_name(tiny, tmp_path, kind, field, value, message):
     model_dir, _ = tiny(kind)

@@ -34,6 +34,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MiniMaxM2ForCausalLM": ("vllmini.models.minimax_m2", "MiniMaxM2ForCausalLM"),
     "SeedOssForCausalLM": ("vllmini.models.seed_oss", "SeedOssForCausalLM"),
     "OlmoeForCausalLM": ("vllmini.models.olmoe", "OlmoeForCausalLM"),
+    "CohereForCausalLM": ("vllmini.models.cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("vllmini.models.cohere", "Cohere2ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
