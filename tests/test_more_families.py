@@ -1,4 +1,4 @@
-"""MiniMax-M2, Seed-OSS, OLMoE and Cohere / Cohere2 through the whole engine, equal to transformers
+"""MiniMax-M2, Seed-OSS, OLMoE, Cohere / Cohere2 and dots.llm1 through the whole engine, equal to transformers
 on tiny random checkpoints it saved (tests/test_glm.py's way)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Cohere2Config, CohereConfig, MiniMaxM2Config, OlmoeConfig, SeedOssConfig
+from transformers import Cohere2Config, CohereConfig, Dots1Config, MiniMaxM2Config, OlmoeConfig, SeedOssConfig
 
 from helpers import hf_last_logits, prompt_forward, save_random_model, seeded_prompts
 from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
@@ -23,7 +23,7 @@ def tiny_config(kind: str):
     """``minimax_m2``: 8 experts 32 wide (top 2), rope on the first 8 of 16 dims, MTP declared;
     ``seed_oss``: heads 24 wide (not hidden / heads), q/k/v and MLP biases, none on o_proj;
     ``olmoe``: 8 experts 32 wide, top 2 not renormalised; ``cohere`` / ``cohere2``: tied, logits scaled,
-    Cohere2's layers sliding, full (NoPE), sliding."""
+    Cohere2's layers sliding, full (NoPE), sliding; ``dots1``: GLM-4.5's MoE plan under Qwen3's attention."""
     if kind == "minimax_m2":
         return MiniMaxM2Config(**{**_SHAPE, "intermediate_size": 32}, head_dim=16, rotary_dim=8, rms_norm_eps=1e-5,
                                num_local_experts=8, num_experts_per_tok=2, num_mtp_modules=1,
@@ -44,6 +44,12 @@ def tiny_config(kind: str):
         return Cohere2Config(**{**_SHAPE, "tie_word_embeddings": True}, head_dim=16, layer_norm_eps=1e-5,
                              logit_scale=0.5, sliding_window=12, sliding_window_pattern=2,
                              architectures=["Cohere2ForCausalLM"])  # fmt: skip
+    if kind == "dots1":  # a dense first layer, then 8 experts in 2 groups (top 2 of the best group), a shared
+        # expert, renormalised and scaled; per-head q/k norm; the last two layers slide (12 keys)
+        return Dots1Config(**_SHAPE, head_dim=24, rms_norm_eps=1e-5, attention_bias=True, moe_intermediate_size=32,
+                           n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+                           first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.0,
+                           sliding_window=12, max_window_layers=1, architectures=["Dots1ForCausalLM"])  # fmt: skip
     raise KeyError(kind)
 
 
@@ -72,7 +78,8 @@ def _with_config(model_dir: str, out, **fields) -> str:
 
 @pytest.mark.parametrize(("kind", "backend"), [("minimax_m2", "cpu"), ("minimax_m2", "torch"),
                                                      ("seed_oss", "cpu"), ("olmoe", "cpu"), ("olmoe", "torch"),
-                                                     ("cohere", "cpu"), ("cohere2", "cpu"), ("cohere2", "torch")])
+                                                     ("cohere", "cpu"), ("cohere2", "cpu"), ("cohere2", "torch"),
+                                                     ("dots1", "cpu"), ("dots1", "torch")])
 def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows, equal to transformers'."""
@@ -80,7 +87,7 @@ def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     assert_chunked_batch_matches(model_dir, hf, backend, _prompts(1, 9, 37, 20, 3), kind)
 
 
-@pytest.mark.parametrize("kind", ["minimax_m2", "olmoe", "cohere2"])
+@pytest.mark.parametrize("kind", ["minimax_m2", "olmoe", "cohere2", "dots1"])
 def test_prefix_cache_hit_keeps_tokens(tiny, kind):
     """A prefix-cache hit skips the shared blocks and changes no token."""
     model_dir, hf = tiny(kind)

@@ -36,6 +36,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("vllmini.models.olmoe", "OlmoeForCausalLM"),
     "CohereForCausalLM": ("vllmini.models.cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("vllmini.models.cohere", "Cohere2ForCausalLM"),
+    "Dots1ForCausalLM": ("vllmini.models.dots1", "Dots1ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
