@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
@@ -270,6 +270,19 @@ def save_random_model(config, out_dir: Path, tokenizer_dir: Path) -> tuple[str, 
             elif name.endswith(".bias") or "e_score_correction_bias" in name:
                 tensor.normal_(0.0, 0.3)
     return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
+
+
+def random_models(tiny_config: Callable[[str], Any], tmp_path_factory,
+                  tokenizer_dir: Path) -> Callable[[str], tuple[str, Any]]:  # fmt: skip
+    """``get(kind)``: :func:`save_random_model` of ``tiny_config(kind)``, built once per kind (a module fixture's body)."""
+    built: dict[str, tuple[str, Any]] = {}
+
+    def get(kind: str) -> tuple[str, Any]:
+        if kind not in built:
+            built[kind] = save_random_model(tiny_config(kind), tmp_path_factory.mktemp(kind), tokenizer_dir)
+        return built[kind]
+
+    return get
 
 
 def seeded_prompts(*lengths: int, seed: int = 5, vocab: int = 500) -> list[list[int]]:

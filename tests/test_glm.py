@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Glm4Config, Glm4MoeConfig
 
-from helpers import (hf_greedy_logprobs, hf_last_logits, prompt_forward, save_random_model,
+from helpers import (hf_greedy_logprobs, hf_last_logits, prompt_forward, random_models,
                      seeded_prompts)  # fmt: skip
 from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
 from test_engine import assert_no_leaks
@@ -39,14 +39,7 @@ def tiny_config(kind: str, **overrides):
 
 @pytest.fixture(scope="module")
 def tiny_glm(tmp_path_factory, default_model_dir):
-    built = {}
-
-    def get(kind: str):
-        if kind not in built:
-            built[kind] = save_random_model(tiny_config(kind), tmp_path_factory.mktemp(kind), default_model_dir)
-        return built[kind]
-
-    return get
+    return random_models(tiny_config, tmp_path_factory, default_model_dir)
 
 
 _prompts = seeded_prompts
