@@ -128,7 +128,7 @@ def test_unknown_architecture_refused(tmp_path: Path, tiny_dirs) -> None:
     d = _copy_dir(tiny_dirs["single"][0], tmp_path / "gpt2")
     config = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: Cohere2ForCausalLM, CohereForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Dots1ForCausalLM, Ernie4_5ForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, LlamaForCausalLM, MiniMaxM2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM"):
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*supported: Cohere2ForCausalLM, CohereForCausalLM, DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Dots1ForCausalLM, Ernie4_5ForCausalLM, Exaone4ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Glm4ForCausalLM, Glm4MoeForCausalLM, GptOssForCausalLM, GraniteForCausalLM, GraniteMoeForCausalLM, Llama4ForCausalLM, LlamaForCausalLM, MiniMaxM2ForCausalLM, MistralForCausalLM, MixtralForCausalLM, Olmo2ForCausalLM, Olmo3ForCausalLM, OlmoeForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM, SeedOssForCausalLM, SmolLM3ForCausalLM"):
         load_model(d, torch.float32, CPU)
     del config["architectures"]
     (d / "config.json").write_text(json.dumps(config))

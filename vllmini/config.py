@@ -111,11 +111,25 @@ def resolve_max_model_len(requested: int | None, hf_config: Any, window_cap: int
         derived, source = scaled, f"{source}, {why}"
     if window_cap is not None and window_cap < derived:  # disable_sliding_window, as vLLM caps it
         derived, source = window_cap, "the sliding window, as disable_sliding_window caps it"
+    chunk = attention_chunk_cap(hf_config)
+    if chunk is not None and chunk < derived:
+        derived, source = chunk, "attention_chunk_size: chunked local attention is not built, one chunk is causal"
+        if requested is None:
+            logger.info("max_model_len %d: Llama 4's attention_chunk_size (chunked local attention is not built "
+                        "here; within one chunk it is plain causal attention)", chunk)  # fmt: skip
     if requested is None:
         return derived
     if requested > derived:
         raise ValueError(f"max_model_len={requested} exceeds the model's context length {derived} ({source})")
     return requested
+
+
+def attention_chunk_cap(hf_config: Any) -> int | None:
+    """Llama 4's ``attention_chunk_size`` where some layer attends in chunks (its RoPE layers), else None:
+    chunked local attention is not built, so no sequence may outgrow one chunk."""
+    chunk = getattr(hf_config, "attention_chunk_size", None)
+    chunked = "chunked_attention" in (getattr(hf_config, "layer_types", None) or [])
+    return int(chunk) if chunk and chunked else None
 
 
 # a block is the unit of KV allocation and of the attention kernels' tiles: CPU uses 16, CUDA 256

@@ -1,7 +1,7 @@
 """Multimodal checkpoints served text-only: their language model, as vLLM serves text prompts.
 
-Gemma 3 (4B and up), Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE) and Llava
-releases are ``*ForConditionalGeneration`` checkpoints whose language model is an architecture served
+Gemma 3 (4B and up), Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE), Llama 4
+(Scout, Maverick) and Llava releases are ``*ForConditionalGeneration`` checkpoints whose language model is an architecture served
 here. The config's ``text_config`` becomes the model config (``text_config``), the checkpoint's
 language-model tensors are renamed to the text model's names and the vision tower's and projector's
 are skipped unread (``CheckpointMapper``). Image, video and audio inputs are refused where they
@@ -21,6 +21,7 @@ import torch
 
 # the ConditionalGeneration architectures served (their language model only)
 MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForConditionalGeneration",
+                            "Llama4ForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration")  # fmt: skip
@@ -28,13 +29,14 @@ MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForCondition
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                       "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
-                      "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM"}  # fmt: skip
+                      "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
+                      "llama4_text": "Llama4ForCausalLM"}  # fmt: skip
 # checkpoint prefixes of the language model, as each transformers version saves them -> the text model's
 _RENAMES = (("model.language_model.", "model."),  # transformers >= 4.52 saves (Qwen3-VL's releases)
             ("language_model.model.", "model."),  # Llava-style older saves (Gemma 3, Mistral 3, Llava)
             ("language_model.lm_head.", "lm_head."))  # fmt: skip
 # modules of the vision side (with or without a leading "model."): never read
-_VISION_MODULES = ("vision_tower", "visual", "multi_modal_projector")
+_VISION_MODULES = ("vision_tower", "visual", "multi_modal_projector", "vision_model")  # (Llama 4's: vision_model)
 # checkpoints storing every expert in one tensor, transposed (transformers' conversion mapping transposes them)
 _TRANSPOSED_EXPERTS = ("Qwen3VLMoeForConditionalGeneration",)
 _FUSED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")

@@ -37,6 +37,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "CohereForCausalLM": ("vllmini.models.cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("vllmini.models.cohere", "Cohere2ForCausalLM"),
     "Dots1ForCausalLM": ("vllmini.models.dots1", "Dots1ForCausalLM"),
+    "Llama4ForCausalLM": ("vllmini.models.llama4", "Llama4ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
