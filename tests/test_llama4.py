@@ -15,7 +15,7 @@ import transformers as T
 from safetensors.torch import load_file
 
 from helpers import TOKENIZER_FILES, random_models, seeded_prompts
-from test_architectures import assert_chunked_batch_matches
+from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
 from vllmini import LLM
 
 KV = 64 << 20
@@ -47,12 +47,19 @@ def tiny(tmp_path_factory, default_model_dir):
     return random_models(tiny_config, tmp_path_factory, default_model_dir)
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("scout", "cpu"), ("scout", "torch"), ("maverick", "cpu")])
+@pytest.mark.parametrize(("kind", "backend"), [("scout", "cpu"), ("scout", "torch"), ("maverick", "cpu"),
+                                                   ("maverick", "torch")])
 def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths (past 40
     positions: the NoPE layers' temperature changes every 4), prefilled in chunks of 16 beside decodes."""
     model_dir, hf = tiny(kind)
     assert_chunked_batch_matches(model_dir, hf, backend, seeded_prompts(1, 9, 37, 20, 3), kind)
+
+
+def test_prefix_cache_hit_keeps_tokens(tiny):
+    """A prefix-cache hit (48 tokens: past the NoPE layers' temperature steps) changes no token."""
+    model_dir, hf = tiny("scout")
+    assert_prefix_hit_keeps_tokens(model_dir, hf, seeded_prompts(48)[0], seeded_prompts(11, 20))
 
 
 def test_layers_as_the_config_says(tiny):
