@@ -133,3 +133,16 @@ def test_conditional_generation_serves_its_language_model(tmp_path, default_mode
     assert any(n.startswith("vision_model.") for n in names)
     hf.config.architectures = ["Llama4ForCausalLM"]  # (assert_chunked_batch_matches checks our class by it)
     assert_chunked_batch_matches(model_dir, hf, "cpu", seeded_prompts(1, 9, 37, 20, 3), "llama4 multimodal")
+
+
+def test_release_config_with_an_int_temperature_tuning_loads(tmp_path, default_model_dir):
+    """Scout / Maverick's config.json as published says ``"attn_temperature_tuning": 4`` (transformers
+    4.51 tested it for truth; 5.x's strict config refuses an int): model and tokenizer load it as True."""
+    model_dir, hf = save_random_multimodal(tmp_path / "mm", default_model_dir)
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "text_config": {**config["text_config"], "attn_temperature_tuning": 4}}))
+    with pytest.raises(Exception, match="attn_temperature_tuning"):
+        T.AutoConfig.from_pretrained(model_dir)  # (what transformers alone does with it)
+    hf.config.architectures = ["Llama4ForCausalLM"]
+    assert_chunked_batch_matches(model_dir, hf, "cpu", seeded_prompts(9, 30), "llama4 release config")

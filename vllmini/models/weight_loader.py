@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 from torch import nn
 
-from vllmini.models import checkpoint_checks, multimodal, registry
+from vllmini.models import checkpoint_checks, config_repairs, multimodal, registry
 from vllmini.models.checkpoint_reader import checkpoint_weights, iter_weights  # noqa: F401 (iter_weights: re-exported)
 from vllmini.models.gguf_cache import converted_gguf, gguf_cache_entry  # noqa: F401 (gguf_cache_entry: re-exported)
 from vllmini.models.rotary import fit_rope_context
@@ -182,7 +182,7 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        config = config_repairs.repaired_config(model_dir) or AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as exc:  # OSError, KeyError, its strict checks' own types, a ZeroDivisionError for 0 heads
         # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
         code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
@@ -207,8 +207,9 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
     if not path.is_dir() and not is_hub_id(str(source)):
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
-        if path.is_dir():
-            return _with_processor_template(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False), path)
+        if path.is_dir():  # (a config.json transformers refuses as released is read repaired: models/config_repairs.py)
+            config = {"config": fixed} if (fixed := config_repairs.repaired_config(path)) is not None else {}
+            return _with_processor_template(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **config), path)
         cache = None if download_dir is None else str(Path(download_dir).expanduser())
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision, cache_dir=cache)
     except Exception as exc:  # transformers raises assorted types (OSError, ValueError, KeyError, ...)
