@@ -35,6 +35,7 @@ class DecoderVariant:
 
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
     qk_norm_all_heads: bool = False  # with qk_norm: one RMSNorm over all heads' q (and one over k's) (OLMo 2/3)
+    qk_norm_after_rope: bool = False  # with qk_norm: the per-head norms applied to the rotated q/k (Hunyuan)
     # Biases: None reads the config (attention_bias for q/k/v and o_proj, mlp_bias), as Llama and
     # SmolLM3 do; architectures whose transformers class fixes them ignore those keys.
     qkv_bias: bool | None = None
@@ -71,6 +72,7 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=variant.bias(variant.o_bias, config, "attention_bias"))
         self.qk_norm_all_heads, self.rope_interleaved = variant.qk_norm_all_heads, variant.rope_interleaved
+        self.norm_after_rope = variant.qk_norm_after_rope
         q_width, k_width = (self.q_size, self.kv_size) if variant.qk_norm_all_heads else (self.head_dim, self.head_dim)
         self.q_norm = variant.norm(q_width, config.rms_norm_eps) if variant.qk_norm else None
         self.k_norm = variant.norm(k_width, config.rms_norm_eps) if variant.qk_norm else None
@@ -95,10 +97,12 @@ class DecoderAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_all_heads:
+        if self.q_norm is not None and not self.qk_norm_all_heads and not self.norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rotary(q, *cos_sin, self.rope_interleaved), apply_rotary(k, *cos_sin, self.rope_interleaved)
+        if self.norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, meta, kv_cache, self.sinks))
 
 

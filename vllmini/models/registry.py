@@ -38,6 +38,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Cohere2ForCausalLM": ("vllmini.models.cohere", "Cohere2ForCausalLM"),
     "Dots1ForCausalLM": ("vllmini.models.dots1", "Dots1ForCausalLM"),
     "Llama4ForCausalLM": ("vllmini.models.llama4", "Llama4ForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("vllmini.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("vllmini.models.hunyuan", "HunYuanMoEV1ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
