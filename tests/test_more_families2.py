@@ -21,7 +21,7 @@ _ALPHA_ROPE = {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0, "rope_the
 def tiny_config(kind: str):
     """``hunyuan_dense``: q/k/v/o biases, q/k norm after the NTK-alpha rope; ``hunyuan_moe``: 8 experts,
     top 2 renormalised, plus the shared MLP; ``phimoe``: LayerNorms with bias, attention and lm_head
-    biases, sparsemixer top-2 over 8 experts, longrope (short factors, short_mscale), sliding 12;
+    biases, sparsemixer top-2 over 8 experts, longrope (within the original context: short factors, short_mscale), sliding 12;
     ``starcoder2``: LayerNorms with bias, GELU c_fc/c_proj with biases, tied, sliding 12."""
     if kind == "hunyuan_dense":
         return HunYuanDenseV1Config(**_SHAPE, head_dim=16, attention_bias=True, rope_parameters=_ALPHA_ROPE,
@@ -32,7 +32,7 @@ def tiny_config(kind: str):
     if kind == "phimoe":
         rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 8 for i in range(8)],
                 "long_factor": [2.0 + i for i in range(8)], "short_mscale": 1.2, "long_mscale": 1.5,
-                "original_max_position_embeddings": 256}  # fmt: skip
+                "original_max_position_embeddings": 512}  # fmt: skip
         return PhimoeConfig(**_SHAPE, num_local_experts=8, num_experts_per_tok=2, attention_bias=True,
                             lm_head_bias=True, sliding_window=12, rope_parameters=rope,
                             architectures=["PhimoeForCausalLM"])  # fmt: skip
@@ -47,7 +47,8 @@ def tiny(tmp_path_factory, default_model_dir):
     return random_models(tiny_config, tmp_path_factory, default_model_dir)
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("hunyuan_dense", "cpu"), ("hunyuan_moe", "torch")])  # fmt: skip
+@pytest.mark.parametrize(("kind", "backend"), [("hunyuan_dense", "cpu"), ("hunyuan_moe", "torch"), ("phimoe", "cpu"),
+                                               ("starcoder2", "cpu")])  # fmt: skip
 def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4; greedy tokens of a batch of mixed lengths,
     prefilled in chunks of 16 beside decode rows (past the 12-token windows), equal to transformers'."""
@@ -60,7 +61,11 @@ def test_checkpoint_names(tiny):
     Phi-3.5-MoE's ``block_sparse_moe.experts.<e>.w1``, StarCoder2's ``mlp.c_fc``."""
     expected = {"hunyuan_moe": {"model.layers.0.self_attn.query_layernorm.weight", "model.layers.1.mlp.gate.wg.weight",
                                 "model.layers.0.mlp.shared_mlp.gate_proj.weight",
-                                "model.layers.0.mlp.experts.7.down_proj.weight"}}  # fmt: skip
+                                "model.layers.0.mlp.experts.7.down_proj.weight"},
+                "phimoe": {"model.layers.0.block_sparse_moe.gate.weight",
+                           "model.layers.1.block_sparse_moe.experts.7.w3.weight", "lm_head.bias",
+                           "model.norm.bias"},
+                "starcoder2": {"model.layers.0.mlp.c_fc.bias", "model.layers.1.input_layernorm.bias"}}  # fmt: skip
     for kind, names in expected.items():
         assert names <= set(load_file(f"{tiny(kind)[0]}/model.safetensors")), kind
 
@@ -68,6 +73,8 @@ def test_checkpoint_names(tiny):
 @pytest.mark.parametrize(("kind", "field", "value", "message"), [
     ("hunyuan_dense", "use_cla", True, "use_cla=true .* is not supported"),
     ("hunyuan_moe", "moe_intermediate_size", [64, 64], r"moe_intermediate_size=\[64, 64\] is not supported"),
+    ("phimoe", "num_experts_per_tok", 3, "num_experts_per_tok=3 is not supported"),
+    ("starcoder2", "hidden_act", "relu", "hidden_act 'relu' is not supported"),
 ])  # fmt: skip
 def test_unbuilt_config_is_refused_by_name(tiny, tmp_path, kind, field, value, message):
     model_dir, _ = tiny(kind)

@@ -40,6 +40,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Llama4ForCausalLM": ("vllmini.models.llama4", "Llama4ForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("vllmini.models.hunyuan", "HunYuanDenseV1ForCausalLM"),
     "HunYuanMoEV1ForCausalLM": ("vllmini.models.hunyuan", "HunYuanMoEV1ForCausalLM"),
+    "PhimoeForCausalLM": ("vllmini.models.phimoe", "PhimoeForCausalLM"),
+    "Starcoder2ForCausalLM": ("vllmini.models.starcoder2", "Starcoder2ForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
