@@ -10,12 +10,13 @@ Transformers 5.25 always rotates by the short factors and takes long_mscale once
 max_model_len: the same on every sequence within the original context."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
-from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
+from vllmini.models.llama import DecoderVariant
+from vllmini.models.mixtral import MixtralForCausalLM
 from vllmini.models.moe import FusedMoE
 from vllmini.models.rotary import RotaryEmbedding, rope_parameters
 
@@ -57,9 +58,10 @@ class PhimoeRotaryEmbedding(RotaryEmbedding):
         return inv_freq
 
 
-class PhimoeForCausalLM(LlamaForCausalLM):
+class PhimoeForCausalLM(MixtralForCausalLM):
+    """Mixtral's checkpoint names (``block_sparse_moe``, ``w1``/``w3``/``w2``) and experts, routed by the sparsemixer."""
+
     variant = DecoderVariant(mlp_bias=False, sliding="every_layer", norm=nn.LayerNorm)  # (q/k/v/o bias: attention_bias)
-    expert_projections = ("w1", "w3", "w2")
 
     def __init__(self, config: Any) -> None:
         if config.num_experts_per_tok != 2:
@@ -72,9 +74,3 @@ class PhimoeForCausalLM(LlamaForCausalLM):
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
         return PhimoeMoE(self.config)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), t) for name, t in weights)
-
-    def checkpoint_names(self, param: str) -> list[str]:
-        return [name.replace(".mlp.", ".block_sparse_moe.") for name in super().checkpoint_names(param)]
