@@ -272,14 +272,17 @@ def save_random_model(config, out_dir: Path, tokenizer_dir: Path) -> tuple[str, 
     return str(save_tiny_model(hf, out_dir, tokenizer_dir)), hf
 
 
-def random_models(tiny_config: Callable[[str], Any], tmp_path_factory,
-                  tokenizer_dir: Path) -> Callable[[str], tuple[str, Any]]:  # fmt: skip
-    """``get(kind)``: :func:`save_random_model` of ``tiny_config(kind)``, built once per kind (a module fixture's body)."""
-    built: dict[str, tuple[str, Any]] = {}
+def random_models(tiny_config: Callable[[str], Any] | None, tmp_path_factory, tokenizer_dir: Path,
+                  save: Callable[[str, Path, Path], tuple[Any, Any]] | None = None) -> Callable[[str], tuple[Any, Any]]:  # fmt: skip
+    """``get(kind)``: :func:`save_random_model` of ``tiny_config(kind)`` (or ``save(kind, out_dir,
+    tokenizer_dir)``), built once per kind (a module fixture's body)."""
+    built: dict[str, tuple[Any, Any]] = {}
 
-    def get(kind: str) -> tuple[str, Any]:
+    def get(kind: str) -> tuple[Any, Any]:
         if kind not in built:
-            built[kind] = save_random_model(tiny_config(kind), tmp_path_factory.mktemp(kind), tokenizer_dir)
+            out = tmp_path_factory.mktemp(kind)
+            built[kind] = (save(kind, out, tokenizer_dir) if save is not None
+                           else save_random_model(tiny_config(kind), out, tokenizer_dir))  # fmt: skip
         return built[kind]
 
     return get

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
-from helpers import (assert_engine_matches_transformers, assert_greedy_matches, hf_greedy, prompt_forward, save_random_model,
+from helpers import (assert_engine_matches_transformers, assert_greedy_matches, hf_greedy, prompt_forward, random_models,
                      seeded_prompts)  # fmt: skip
 from test_architectures import assert_chunked_batch_matches, assert_prefix_hit_keeps_tokens
 from test_engine import assert_no_leaks
@@ -44,21 +44,10 @@ def tiny_config(kind: str, **overrides):
     return DeepseekV3Config(**_COMMON, **features, architectures=["DeepseekV3ForCausalLM"], **overrides)
 
 
-def build(kind: str, out_dir, tokenizer_dir):
-    """(folder, transformers model): random weights, norms and V3's correction bias randomised too."""
-    return save_random_model(tiny_config(kind), out_dir, tokenizer_dir)
-
-
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory, default_model_dir):
-    built = {}
-
-    def get(kind: str):
-        if kind not in built:
-            built[kind] = build(kind, tmp_path_factory.mktemp(kind), default_model_dir)
-        return built[kind]
-
-    return get
+    """``get(kind)``: (folder, transformers model), random weights (norms and V3's correction bias too)."""
+    return random_models(tiny_config, tmp_path_factory, default_model_dir)
 
 
 _prompts = seeded_prompts

@@ -13,7 +13,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from helpers import (TOKENIZER_FILES, hf_last_logits, prompt_forward, seeded_prompts, tiny_gemma3_config,
+from helpers import (TOKENIZER_FILES, hf_last_logits, prompt_forward, random_models, seeded_prompts, tiny_gemma3_config,
                      tiny_llama_config, tiny_mistral_config, tiny_qwen2_config, tiny_qwen3_config,
                      tiny_qwen3_moe_config)  # fmt: skip
 from test_architectures import assert_engine_greedy
@@ -105,14 +105,7 @@ def save_random(kind: str, out: Path, tokenizer_dir: Path):
 
 @pytest.fixture(scope="module")
 def tiny_mm(tmp_path_factory, default_model_dir):
-    built = {}
-
-    def get(kind: str):
-        if kind not in built:
-            built[kind] = save_random(kind, tmp_path_factory.mktemp(kind), default_model_dir)
-        return built[kind]
-
-    return get
+    return random_models(None, tmp_path_factory, default_model_dir, save=save_random)
 
 
 def _text_numel(hf) -> int:
