@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from vllmini.models.deepseek import RouterGate, without_mtp_layers
-from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
+from vllmini.models.llama import DecoderVariant
+from vllmini.models.mixtral import MixtralForCausalLM
 from vllmini.models.moe import FusedMoE, grouped_topk, num_experts
 from vllmini.models.olmo2 import Olmo2RMSNorm
 
@@ -41,9 +42,11 @@ class MiniMaxM2MoE(FusedMoE):
         return ids, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
 
 
-class MiniMaxM2ForCausalLM(LlamaForCausalLM):
+class MiniMaxM2ForCausalLM(MixtralForCausalLM):
+    """Mixtral's checkpoint names (``block_sparse_moe``, ``w1``/``w3``/``w2``); the router's correction
+    bias sits beside its gate there (``block_sparse_moe.e_score_correction_bias``), in the gate here."""
+
     variant = DecoderVariant(qk_norm=True, qk_norm_all_heads=True, qkv_bias=False, o_bias=False, mlp_bias=False)
-    expert_projections = ("w1", "w3", "w2")
 
     def __init__(self, config: Any) -> None:
         kind = getattr(config, "qk_norm_type", None) or "per_layer"
@@ -60,17 +63,10 @@ class MiniMaxM2ForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         weights = without_mtp_layers(weights, self.config.num_hidden_layers)
-        return super().load_weights((_our_name(name), t) for name, t in weights)
+        return super().load_weights((name.replace(_CHECKPOINT_BIAS, _GATE_BIAS), t) for name, t in weights)
 
     def checkpoint_names(self, param: str) -> list[str]:
-        return [_checkpoint_name(name) for name in super().checkpoint_names(param)]
+        return [name.replace(_GATE_BIAS, _CHECKPOINT_BIAS) for name in super().checkpoint_names(param)]
 
 
-def _our_name(name: str) -> str:
-    name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
-    return name.replace(".block_sparse_moe.", ".mlp.")
-
-
-def _checkpoint_name(name: str) -> str:
-    name = name.replace(".mlp.gate.e_score_correction_bias", ".block_sparse_moe.e_score_correction_bias")
-    return name.replace(".mlp.", ".block_sparse_moe.")
+_CHECKPOINT_BIAS, _GATE_BIAS = ".block_sparse_moe.e_score_correction_bias", ".block_sparse_moe.gate.e_score_correction_bias"
