@@ -11,7 +11,7 @@ Not built, refused by name: cross-layer attention (``use_cla``), expert widths o
 ``intermediate_size`` (``moe_intermediate_size``), several shared experts (``num_shared_expert``)."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +21,6 @@ from vllmini.models.layers import GatedMLP
 from vllmini.models.llama import DecoderVariant, LlamaForCausalLM
 from vllmini.models.moe import FusedMoE
 from vllmini.models.rotary import RotaryEmbedding, rope_parameters
-
-_RENAMES = ((".self_attn.query_layernorm.", ".self_attn.q_norm."), (".self_attn.key_layernorm.", ".self_attn.k_norm."),
-            (".mlp.gate.wg.", ".mlp.gate."))  # fmt: skip
-
 
 def _per_layer(value: Any, layer_idx: int) -> Any:
     """A config value that may be given once or per layer (a list)."""
@@ -47,6 +43,8 @@ class HunYuanMoE(FusedMoE):
 
 class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
     variant = DecoderVariant(qk_norm=True, qk_norm_after_rope=True, mlp_bias=False)
+    checkpoint_renames = ((".self_attn.query_layernorm.", ".self_attn.q_norm."),
+                          (".self_attn.key_layernorm.", ".self_attn.k_norm."), (".mlp.gate.wg.", ".mlp.gate."))  # fmt: skip
 
     def __init__(self, config: Any) -> None:
         name = type(self).__name__
@@ -59,13 +57,6 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
             theta = float(params["rope_theta"]) * float(params["alpha"]) ** (dim / (dim - 2))
             params = {**params, "rope_type": "default", "rope_theta": theta}
             self.model.rotary_emb = RotaryEmbedding(dim, params)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((_rename(name, _RENAMES), t) for name, t in weights)
-
-    def checkpoint_names(self, param: str) -> list[str]:
-        back = tuple((ours, theirs) for theirs, ours in _RENAMES)
-        return [_rename(name, back) for name in super().checkpoint_names(param)]
 
 
 class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
@@ -82,9 +73,3 @@ class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
         return HunYuanMoE(self.config, layer_idx)
-
-
-def _rename(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
-    for old, new in pairs:
-        name = name.replace(old, new)
-    return name

@@ -162,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
     layer_cls = DecoderLayer  # (Gemma: norms on both sides of attention and MLP)
     fused_checkpoint = False  # True: checkpoints hold qkv_proj / gate_up_proj fused (Phi-3)
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # a mixture of experts' names (models/moe.py)
+    # (checkpoint's, ours) name parts, replaced in order as tensors load; swapped for the loader's errors
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -301,6 +303,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         tied_head = None  # a tied checkpoint's own lm_head.weight, checked against the embedding below
         for name, tensor in weights:
+            name = _renamed(name, self.checkpoint_renames)
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name == "lm_head.weight" and self.tied:
@@ -340,6 +343,10 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_names(self, param: str) -> list[str]:
         """The checkpoint tensors that would fill ``param`` and were not found (for the loader's error):
         the missing q/k/v or gate/up shards of a fused parameter, else the parameter's own name."""
+        back = tuple((ours, theirs) for theirs, ours in self.checkpoint_renames)
+        return [_renamed(name, back) for name in self._unfilled_names(param)]
+
+    def _unfilled_names(self, param: str) -> list[str]:
         module_path, _, leaf = param.rpartition(".")
         parent, _, fused = module_path.rpartition(".")
         if fused == "experts":
@@ -403,3 +410,9 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     """Llama's layers, every ``no_rope_layer_interval``-th without RoPE (``no_rope_layers``)."""
 
     variant = DecoderVariant(sliding="layer_types")
+
+
+def _renamed(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    for old, new in pairs:
+        name = name.replace(old, new)
+    return name

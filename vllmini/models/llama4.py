@@ -114,6 +114,7 @@ def moe_layers(config: Any) -> list[int]:
 class Llama4ForCausalLM(LlamaForCausalLM):
     variant = DecoderVariant(mlp_bias=False, rope_interleaved=True)  # (q/k/v/o biases: attention_bias)
     layer_cls = Llama4DecoderLayer
+    checkpoint_renames = ((".feed_forward.router.", ".mlp.gate."), (".feed_forward.", ".mlp."))
 
     def __init__(self, config: Any) -> None:
         self._moe_layers = set(moe_layers(config))
@@ -135,16 +136,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         return [cos_sin if layer.self_attn.use_rope else (scales, scales) for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint names (``feed_forward``, ``router``) onto ours; the stacked experts transposed."""
-
-        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if _STACKED_EXPERTS.search(name):
-                    tensor = tensor.transpose(1, 2)  # ([E, H, 2I] / [E, I, H] -> [E, 2I, H] / [E, H, I])
-                yield name.replace(".feed_forward.router.", ".mlp.gate.").replace(".feed_forward.", ".mlp."), tensor
-
-        return super().load_weights(renamed())
-
-    def checkpoint_names(self, param: str) -> list[str]:
-        names = super().checkpoint_names(param)
-        return [n.replace(".mlp.gate.", ".feed_forward.router.").replace(".mlp.", ".feed_forward.") for n in names]
+        """The checkpoint's stacked experts transposed to ours (its names: ``checkpoint_renames``)."""
+        transposed = ((name, t.transpose(1, 2) if _STACKED_EXPERTS.search(name) else t) for name, t in weights)
+        return super().load_weights(transposed)  # ([E, H, 2I] / [E, I, H] -> [E, 2I, H] / [E, H, I])

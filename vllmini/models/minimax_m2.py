@@ -47,6 +47,8 @@ class MiniMaxM2ForCausalLM(MixtralForCausalLM):
     bias sits beside its gate there (``block_sparse_moe.e_score_correction_bias``), in the gate here."""
 
     variant = DecoderVariant(qk_norm=True, qk_norm_all_heads=True, qkv_bias=False, o_bias=False, mlp_bias=False)
+    checkpoint_renames = ((".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),
+                          *MixtralForCausalLM.checkpoint_renames)  # fmt: skip
 
     def __init__(self, config: Any) -> None:
         kind = getattr(config, "qk_norm_type", None) or "per_layer"
@@ -62,11 +64,4 @@ class MiniMaxM2ForCausalLM(MixtralForCausalLM):
         return MiniMaxM2MoE(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        weights = without_mtp_layers(weights, self.config.num_hidden_layers)
-        return super().load_weights((name.replace(_CHECKPOINT_BIAS, _GATE_BIAS), t) for name, t in weights)
-
-    def checkpoint_names(self, param: str) -> list[str]:
-        return [name.replace(_GATE_BIAS, _CHECKPOINT_BIAS) for name in super().checkpoint_names(param)]
-
-
-_CHECKPOINT_BIAS, _GATE_BIAS = ".block_sparse_moe.e_score_correction_bias", ".block_sparse_moe.gate.e_score_correction_bias"
+        return super().load_weights(without_mtp_layers(weights, self.config.num_hidden_layers))
