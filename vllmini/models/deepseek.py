@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllmini.models.layers import GatedMLP, RMSNorm
-from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM, _copy
+from vllmini.models.decoder_weights import copy_into
+from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM
 from vllmini.models.mla import MLAAttention
 from vllmini.models.moe import FusedMoE, grouped_topk
 from vllmini.models.rotary import RotaryEmbedding, rope_parameters
@@ -148,7 +149,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         def rest() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in without_mtp_layers(weights, self.config.num_hidden_layers):
                 if ".self_attn.q_proj." in name:
-                    _copy(self._param(params, name, name).data, tensor, name)
+                    copy_into(self._param(params, name, name).data, tensor, name)
                     direct.add(name)
                     continue
                 yield name, tensor
