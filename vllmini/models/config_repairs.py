@@ -29,17 +29,23 @@ def repaired(raw: dict) -> dict | None:
     return fixed if changed else None
 
 
-def repaired_config(model_dir: Path | str) -> Any | None:
-    """The transformers config of ``model_dir`` built from its repaired config.json; None when it
-    needs no repair (or has no readable config.json: the caller's own reading reports that)."""
+def repaired_config(raw: dict) -> Any | None:
+    """The transformers config built from ``raw`` (config.json) repaired; None when it needs no repair."""
     from transformers import AutoConfig
 
-    try:
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    fixed = repaired(raw) if isinstance(raw, dict) else None
+    fixed = repaired(raw)
     if fixed is None or not isinstance(fixed.get("model_type"), str):
         return None
     model_type = fixed.pop("model_type")
     return AutoConfig.for_model(model_type, **fixed)
+
+
+def tokenizer_config_override(model_dir: Path | str) -> dict[str, Any]:
+    """``{"config": ...}`` for AutoTokenizer when ``model_dir``'s config.json needs a repair, else
+    ``{}`` (a missing or unreadable config.json is the tokenizer's own business)."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    fixed = repaired_config(raw) if isinstance(raw, dict) else None
+    return {} if fixed is None else {"config": fixed}

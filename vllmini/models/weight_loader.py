@@ -182,7 +182,7 @@ def load_config(model_dir: Path) -> PretrainedConfig:
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
     try:
-        config = config_repairs.repaired_config(model_dir) or AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
+        config = config_repairs.repaired_config(raw) or AutoConfig.from_pretrained(model_dir, trust_remote_code=False)
     except Exception as exc:  # OSError, KeyError, its strict checks' own types, a ZeroDivisionError for 0 heads
         # transformers' own advice for an auto_map config is trust_remote_code=True, which vllmini never acts on
         code = " (its auto_map names code of its own, which vllmini never runs, whatever trust_remote_code says)"
@@ -208,7 +208,7 @@ def load_tokenizer(source: str | Path, revision: str | None = None, download_dir
         raise FileNotFoundError(f"tokenizer {str(source)!r} is neither an existing folder nor a hub id 'org/name'")
     try:
         if path.is_dir():  # (a config.json transformers refuses as released is read repaired: models/config_repairs.py)
-            config = {"config": fixed} if (fixed := config_repairs.repaired_config(path)) is not None else {}
+            config = config_repairs.tokenizer_config_override(path)
             return _with_processor_template(AutoTokenizer.from_pretrained(str(path), trust_remote_code=False, **config), path)
         cache = None if download_dir is None else str(Path(download_dir).expanduser())
         return AutoTokenizer.from_pretrained(str(source), trust_remote_code=False, revision=revision, cache_dir=cache)
