@@ -178,4 +178,5 @@ class AsyncAborts:
             # goes (a server's routes and tasks hold the engine in cycles, which only a full
             # collection frees; frozen by a later engine's gc.freeze, never: unfreeze them).
             self.engine.runner.kv_caches.clear()
+            self.engine.runner.state_caches.clear()
             gc.unfreeze()

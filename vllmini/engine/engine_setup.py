@@ -20,6 +20,7 @@ from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, block_id_bytes, che
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.kv.hybrid_block_manager import HybridBlockManager, KVBlockManager
 from vllmini.kv.kv_groups import plan_kv_layout
+from vllmini.kv.state_cache import StatefulBlockManager, allocate_state_cache, state_bytes
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -65,6 +66,7 @@ def build_runtime(
     )  # fmt: skip
     model.set_attention_backend(backend)
     lora_manager: LoRAManager | None = None
+    linear_states = model.state_shapes() if hasattr(model, "state_shapes") else None  # kv/state_cache.py
     if args.enable_lora:  # (before the KV budget: the adapter slots take memory too)
         lora_manager = LoRAManager(model, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras,
                                    dtype, device)  # fmt: skip
@@ -79,7 +81,8 @@ def build_runtime(
         "attention backend: %s (block size %d, %s, KV cache %s, CUDA graphs %s)",
         attention_backend, block_size, dtype, cache_dtype, "on" if use_graphs else "off",
     )  # fmt: skip
-    cache_layers = hf_config.num_hidden_layers if layout is None else layout.group_size  # layers a block id holds
+    # layers a block id holds (a hybrid linear-attention model pages only its full-attention layers)
+    cache_layers = getattr(model, "num_kv_cache_layers", hf_config.num_hidden_layers) if layout is None else layout.group_size
     spec = KVCacheSpec(cache_layers, model.num_kv_heads, model.head_dim, block_size, cache_dtype,
                        getattr(model, "use_mla", False))  # fmt: skip
     max_prompt_rows = prompt_logprobs.max_rows_per_step(hf_config.vocab_size, args.max_num_batched_tokens)
@@ -98,6 +101,14 @@ def build_runtime(
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
                                  block_size, cache_dtype, getattr(draft_model, "use_mla", False))  # fmt: skip
+    slot_bytes = 0
+    if linear_states:  # every running sequence's state slot is set aside before the KV blocks
+        slot_bytes = state_bytes(linear_states, dtype) * args.max_num_seqs
+        if slot_bytes >= budget:
+            raise ValueError(f"max_num_seqs={args.max_num_seqs}: the linear-attention states of that many sequences "
+                             f"take {slot_bytes} bytes, more than the KV cache budget ({budget} bytes); lower "
+                             "max_num_seqs or raise kv_cache_memory / gpu_memory_utilization")  # fmt: skip
+        budget -= slot_bytes
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     if args.num_gpu_blocks_override is not None:  # (vLLM's: the budget is measured, then overridden)
         logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",
@@ -111,6 +122,10 @@ def build_runtime(
     null = 1 if kv_window or layout else 0
     # MEAN and CLS pooling read positions that a prefix-cache hit skips (as vLLM, no prefix caching then)
     prefix_caching = args.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
+    if prefix_caching and linear_states:  # (a cached prefix's K/V without the linear layers' state there)
+        logger.info("prefix caching off: %s keeps a linear-attention state per sequence, not per block",
+                    hf_config.architectures[0])  # fmt: skip
+        prefix_caching = False
     block_manager: KVBlockManager
     if layout is None:
         block_manager = BlockManager(num_blocks, block_size, prefix_caching, kv_window, null_block=num_blocks + pad)
@@ -119,6 +134,10 @@ def build_runtime(
                                            null_block=num_blocks + pad)  # fmt: skip
         logger.info("hybrid KV cache: %d groups of %d layers (windows %s), one pool of %d blocks",
                     layout.num_groups, layout.group_size, list(layout.group_windows), num_blocks)  # fmt: skip
+    if linear_states:
+        block_manager = StatefulBlockManager(block_manager, args.max_num_seqs)
+        logger.info("linear-attention states: %d slots of %.2f MiB (%d layers)", args.max_num_seqs,
+                    slot_bytes / args.max_num_seqs / 2**20, len(linear_states))  # fmt: skip
     held = block_manager.blocks_held(max_model_len, args.max_num_batched_tokens)
     logger.info("KV cache: room for %.2fx requests of max_model_len (%d tokens), %d blocks each at most",
                 num_blocks / held, max_model_len, held)  # fmt: skip
@@ -134,6 +153,8 @@ def build_runtime(
         graphs = capture_decode_graphs(model, kv_caches, block_size, args.max_num_seqs, max_model_len, num_blocks, device,
                                        layout)  # fmt: skip
     runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager, layout)
+    if linear_states:
+        runner.state_caches = allocate_state_cache(linear_states, args.max_num_seqs, dtype, device)
     drafter = None
     if draft_model is not None and draft_spec is not None:
         runner.draft_kv_caches = allocate_kv_cache(draft_spec, num_blocks + pad + null, device)

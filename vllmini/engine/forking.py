@@ -11,6 +11,7 @@ from typing import Any
 from vllmini.engine.output_processor import RequestState
 from vllmini.kv.block_manager import NoFreeBlocksError
 from vllmini.kv.hybrid_block_manager import KVBlockManager
+from vllmini.kv.state_cache import StatefulBlockManager
 from vllmini.scheduler.scheduler import Scheduler
 from vllmini.scheduler.sequence import Sequence
 
@@ -38,6 +39,8 @@ def fork_children(
             scheduler.add(child)
             continue
         runner.copy_blocks(copies)
+        if isinstance(block_manager, StatefulBlockManager):  # (its linear-attention state after the prompt too)
+            runner.copy_state(block_manager.state_slot(parent.seq_id), block_manager.state_slot(child.seq_id))
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         child.first_scheduled_time = parent.first_scheduled_time

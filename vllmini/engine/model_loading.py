@@ -144,6 +144,9 @@ def load_speculative(
         return None, None
     if target.runner == "pooling":
         raise ValueError("speculative_config: a pooling engine (embeddings) generates no tokens to draft")
+    if hasattr(target.model, "state_shapes"):
+        raise ValueError("speculative_config: not supported for a model with linear-attention layers "
+                         f"({target.hf_config.architectures[0]}): their state cannot take back a rejected token")
     config = SpeculativeConfig.parse(args.speculative_config)
     draft_model = None if config.model is None else load_draft_model(config.model, args, device, target, max_model_len)
     logger.info("speculative decoding: %s", config)

@@ -16,6 +16,7 @@ from vllmini.kv.block_manager import SeqId
 from vllmini.kv.cache_dtype import indexable
 from vllmini.kv.hybrid_block_manager import KVBlockManager
 from vllmini.kv.kv_groups import KVCacheLayout
+from vllmini.kv.state_cache import StatefulBlockManager
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.base import AttentionMetadata, block_table_tensor, slot_of
 from vllmini.scheduler.scheduler import ScheduledSeq, SchedulerOutput
@@ -55,6 +56,8 @@ class FlatBatch:
     # for group 0; empty with one group
     group_slots: list[list[int]] = field(default_factory=list)
     group_tables: list[list[list[int]]] = field(default_factory=list)
+    # linear-attention layers (kv/state_cache.py): each sequence's state slot, in row order; empty without them
+    state_slots: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -95,6 +98,8 @@ class FlatBatch:
             meta.with_groups(layout, [torch.tensor(s, dtype=torch.long, device=device) for s in self.group_slots],
                              [block_table_tensor(t, width).to(device) for t in self.group_tables])  # fmt: skip
         as_long = {"dtype": torch.long, "device": device}
+        if self.state_slots:
+            meta.state_indices = torch.tensor(self.state_slots, **as_long)
         embeds = stacked(self.embeds, device) if self.embeds else None
         return ModelInput(
             torch.tensor(self.ids, **as_long), torch.tensor(self.positions, **as_long), meta, self.sample_indices, embeds
@@ -151,7 +156,10 @@ def flatten_step(sched: SchedulerOutput, block_manager: KVBlockManager, block_si
             flat.logits_rows.append(len(flat.ids) - 1)
             flat.sample_indices.append(i)
     flat.logits_rows.extend(prompt_logits_rows)
-    flat.add_groups([sched.scheduled[i].seq.seq_id for i in flat.seq_indices], block_manager, block_size)
+    seq_ids = [sched.scheduled[i].seq.seq_id for i in flat.seq_indices]
+    flat.add_groups(seq_ids, block_manager, block_size)
+    if isinstance(block_manager, StatefulBlockManager):
+        flat.state_slots = [block_manager.state_slot(seq_id) for seq_id in seq_ids]
     return flat
 
 
@@ -175,6 +183,8 @@ class ModelRunner:
         self.lora = lora  # enable_lora: puts each step's adapters in the model's slots
         # speculative decoding with a draft model: its KV cache, on the same block ids (copied on fork too)
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # linear-attention layers' per-sequence states (kv/state_cache.py), handed to the model in the metadata
+        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     @torch.inference_mode()
@@ -203,6 +213,17 @@ class ModelRunner:
         for cache in [indexable(c) for layer in [*self.kv_caches, *self.draft_kv_caches] for c in layer]:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def copy_state(self, src: int, dst: int) -> None:
+        """A forked sequence's linear-attention state: its parent's slot copied into its own."""
+        for conv, rule in self.state_caches:
+            conv[dst], rule[dst] = conv[src], rule[src]
+
+    def with_states(self, inp: ModelInput) -> ModelInput:
+        """``inp`` with the state tensors its sequences' slots index (nothing to add without them)."""
+        if self.state_caches:
+            inp.attn_metadata.state_caches = self.state_caches
+        return inp
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, block_manager: KVBlockManager) -> tuple[torch.Tensor, FlatBatch]:
         """Run the step's forward; returns the logits of ``flat.logits_rows``: first one row per
@@ -230,7 +251,7 @@ class ModelRunner:
         flat.logits_rows = rows
         if self.lora is not None:
             self.lora.prepare(flat.loras, flat.query_lens)
-        inp = flat.to_model_input(self.device, self.kv_layout)
+        inp = self.with_states(flat.to_model_input(self.device, self.kv_layout))
         return self.model.hidden_states(inp.input_ids, inp.positions, inp.attn_metadata, self.kv_caches), spans
 
     @torch.inference_mode()
@@ -241,7 +262,7 @@ class ModelRunner:
             self.lora.prepare(flat.loras, flat.query_lens)
         if self.decode_graphs is not None and self.decode_graphs.can_run(flat):
             return self.decode_graphs.run(flat, token_ids)
-        inp = flat.to_model_input(self.device, self.kv_layout)
+        inp = self.with_states(flat.to_model_input(self.device, self.kv_layout))
         if token_ids is not None:
             inp.input_ids.copy_(token_ids)
         if inp.inputs_embeds is not None:

@@ -83,9 +83,10 @@ class Worker:
         self._drop_graphs()
         runner = self.model_runner
         self._kv_shapes = [[(t.shape, t.dtype) for pair in caches for t in pair]
-                           for caches in (runner.kv_caches, runner.draft_kv_caches)]  # fmt: skip
+                           for caches in (runner.kv_caches, runner.draft_kv_caches, runner.state_caches)]  # fmt: skip
         runner.kv_caches.clear()  # (in place: the graph runner and the drafter share these lists)
         runner.draft_kv_caches.clear()
+        runner.state_caches.clear()  # (linear-attention states: kv/state_cache.py)
         if level == 2:
             self._discard_weights()
         elif self.device.type == "cuda":
@@ -110,7 +111,7 @@ class Worker:
                 self._move_weights(self.device)
         if "kv_cache" in wanted & self.sleeping_tags:
             runner = self.model_runner
-            for caches, shapes in zip((runner.kv_caches, runner.draft_kv_caches), self._kv_shapes):
+            for caches, shapes in zip((runner.kv_caches, runner.draft_kv_caches, runner.state_caches), self._kv_shapes):
                 tensors = [zeros(tuple(shape), dtype, self.device) for shape, dtype in shapes]
                 caches.extend(zip(tensors[0::2], tensors[1::2]))
             self._kv_shapes = []

@@ -13,12 +13,15 @@ those its window sees. The engine talks to this exactly as to a ``BlockManager``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 from vllmini.kv.block_hash import ROOT_HASH, chain_hashes
 from vllmini.kv.block_invariants import check, check_invariants
 from vllmini.kv.block_manager import BlockManager, NoFreeBlocksError, SeqId
 from vllmini.kv.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from vllmini.kv.state_cache import StatefulBlockManager
 
 
 class HybridBlockManager:
@@ -179,4 +182,4 @@ class HybridBlockManager:
                 check(s.num_tokens == first._seqs[sid].num_tokens, f"seq {sid!r}: groups cover different tokens")
 
 
-KVBlockManager = Union[BlockManager, HybridBlockManager]  # what the scheduler and the runner allocate through
+KVBlockManager = Union[BlockManager, HybridBlockManager, "StatefulBlockManager"]  # what the scheduler and the runner allocate through

@@ -73,6 +73,12 @@ class AttentionMetadata:
     # object is group 0's). None: one table serves every layer, and layer i's cache is kv_caches[i].
     kv_layout: KVCacheLayout | None = None
     group_metas: list[AttentionMetadata] = dataclasses.field(default_factory=list)
+    # Linear-attention layers (Qwen3.5's Gated DeltaNet: models/gated_deltanet.py): each sequence's slot
+    # in the fixed-size state tensors, and those tensors (one pair per linear layer, kv/state_cache.py).
+    # None: no state kept, every sequence starts from zeros. ``state_plan``: made by the first such layer.
+    state_indices: torch.Tensor | None = None  # [B] int64
+    state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    state_plan: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,6 +1,6 @@
 """Multimodal checkpoints served text-only: their language model, as vLLM serves text prompts.
 
-Gemma 3 (4B and up), Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE), Llama 4
+Gemma 3 (4B and up), Mistral Small 3.1/3.2, Qwen2-VL, Qwen2.5-VL, Qwen3-VL (and its MoE), Qwen3.5 (and its MoE), Llama 4
 (Scout, Maverick) and Llava releases are ``*ForConditionalGeneration`` checkpoints whose language model is an architecture served
 here. The config's ``text_config`` becomes the model config (``text_config``), the checkpoint's
 language-model tensors are renamed to the text model's names and the vision tower's and projector's
@@ -24,13 +24,15 @@ MULTIMODAL_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "LlavaForCondition
                             "Llama4ForConditionalGeneration",
                             "Mistral3ForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration")  # fmt: skip
+                            "Qwen3VLMoeForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                            "Qwen3_5MoeForConditionalGeneration")  # fmt: skip
 # text_config.model_type -> the text architecture that runs it
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                       "qwen2_vl_text": "Qwen2ForCausalLM", "qwen2_5_vl_text": "Qwen2ForCausalLM",
                       "qwen3_vl_text": "Qwen3ForCausalLM", "qwen3_vl_moe_text": "Qwen3MoeForCausalLM",
-                      "llama4_text": "Llama4ForCausalLM"}  # fmt: skip
+                      "llama4_text": "Llama4ForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+                      "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # fmt: skip
 # checkpoint prefixes of the language model, as each transformers version saves them -> the text model's
 _RENAMES = (("model.language_model.", "model."),  # transformers >= 4.52 saves (Qwen3-VL's releases)
             ("language_model.model.", "model."),  # Llava-style older saves (Gemma 3, Mistral 3, Llava)

@@ -42,6 +42,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "HunYuanMoEV1ForCausalLM": ("vllmini.models.hunyuan", "HunYuanMoEV1ForCausalLM"),
     "PhimoeForCausalLM": ("vllmini.models.phimoe", "PhimoeForCausalLM"),
     "Starcoder2ForCausalLM": ("vllmini.models.starcoder2", "Starcoder2ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("vllmini.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("vllmini.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes

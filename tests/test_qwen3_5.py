@@ -1,0 +1,198 @@
+"""Qwen3.5 (dense and MoE): Gated DeltaNet linear-attention layers with a per-sequence state beside
+gated full-attention layers with a paged KV cache, through the whole engine, equal to transformers
+on tiny random checkpoints; the state survives chunked prefill, forking (n > 1), preemption and
+aborts, and what it cannot support is refused by name."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import shutil
+
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file, save_file
+
+from helpers import hf_greedy, assert_greedy_matches, prompt_forward, hf_last_logits, random_models, save_tiny_model, \
+    seeded_prompts  # fmt: skip
+from test_architectures import assert_engine_greedy
+from test_engine import assert_no_leaks
+from test_multimodal_text import _QWEN_TOKENS, _QWEN_VISION, _text
+from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
+from vllmini.models.gated_delta_rule import CHUNK
+
+# 4 layers: three linear-attention layers, then one full-attention layer (full_attention_interval 4)
+_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.2,
+              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tiny_config(kind: str):
+    if kind == "dense":
+        return T.Qwen3_5TextConfig(**_SHAPE, architectures=["Qwen3_5ForCausalLM"])
+    if kind == "moe":
+        return T.Qwen3_5MoeTextConfig(**_SHAPE, **_MOE, architectures=["Qwen3_5MoeForCausalLM"])
+    if kind == "multimodal":  # the releases' form: M-RoPE (interleaved sections) over a partial rotary
+        rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 0], "mrope_interleaved": True,
+                "partial_rotary_factor": 0.25}  # fmt: skip
+        text = _text(T.Qwen3_5TextConfig(**_SHAPE), rope_parameters=rope)
+        return T.Qwen3_5Config(text_config=text, vision_config=dict(_QWEN_VISION, num_position_embeddings=16),
+                               **_QWEN_TOKENS, architectures=["Qwen3_5ForConditionalGeneration"])  # fmt: skip
+    raise KeyError(kind)
+
+
+def save_random(kind: str, out, tokenizer_dir):
+    """Seed 0, every norm, ``dt_bias`` (~1) and ``A_log`` randomised, so none loads unseen; the
+    zero-centred norms' weights (offsets from 1) near 0, the linear layers' gated norm near 1."""
+    torch.manual_seed(0)
+    config = tiny_config(kind)
+    auto = T.AutoModelForImageTextToText if kind == "multimodal" else T.AutoModelForCausalLM
+    hf = auto.from_config(config).eval()
+    with torch.no_grad():
+        for name, tensor in hf.named_parameters():
+            if "norm" in name:
+                tensor.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.3)
+            elif name.endswith("dt_bias"):
+                tensor.normal_(1.0, 0.3)
+            elif name.endswith("A_log"):
+                tensor.uniform_(-2.0, 1.0)
+    return str(save_tiny_model(hf, out, tokenizer_dir)), hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, default_model_dir):
+    return random_models(None, tmp_path_factory, default_model_dir, save=save_random)
+
+
+def _greedy(llm, prompts, params=GREEDY):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def float64_logits(hf, prompts: list[list[int]]) -> torch.Tensor:
+    """transformers' last-position logits computed in float64 (its float32 chunked rule drifts by up to
+    3e-4 on these strongly decaying random states, where ours stays within 4e-5 of float64)."""
+    exact = copy.deepcopy(hf)
+    if hasattr(exact, "set_experts_implementation"):
+        exact.set_experts_implementation("eager")  # (grouped_mm takes no float64)
+    return hf_last_logits(exact.double(), prompts).float()
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("dense", "cpu"), ("moe", "torch")])
+def test_greedy_and_logits_match_transformers(tiny, kind, backend):
+    """Last-position logits of a flat batch within 1e-4 of transformers' (in float64); greedy tokens of
+    five prompts through four sequence slots (a slot is reused), prefilled in chunks of 16 beside
+    decode rows (each chunk continuing the state the one before left), equal to transformers'."""
+    model_dir, hf = tiny(kind)
+    prompts = seeded_prompts(1, 9, 37, 20, 3)
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
+    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0]
+    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts),
+                               atol=1e-4, rtol=0)  # fmt: skip
+    assert_engine_greedy(llm, hf, prompts, 10, kind)
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+
+
+def test_only_full_attention_layers_page_their_kv(tiny):
+    """One KV cache tensor pair (the full-attention layer), a state pair per linear layer and slot."""
+    model_dir, _ = tiny("dense")
+    llm = LLM(model=model_dir, max_num_seqs=3)
+    runner = llm.llm_engine.runner
+    assert len(runner.kv_caches) == 1
+    conv = 2 * 2 * 8 + 4 * 8
+    assert [(tuple(c.shape), tuple(r.shape), r.dtype) for c, r in runner.state_caches] == \
+        [((3, conv, 3), (3, 4, 8, 8), torch.float32)] * 3  # fmt: skip
+    assert not llm.llm_engine.block_manager.enable_prefix_caching
+
+
+def test_prompts_longer_than_a_chunk_of_the_rule(tiny):
+    """A prompt over several of the rule's 64-token chunks, prefilled whole and in 48-token steps."""
+    model_dir, hf = tiny("dense")
+    prompts = seeded_prompts(2 * CHUNK + 7, CHUNK, seed=9)
+    torch.testing.assert_close(prompt_forward(LLM(model=model_dir).llm_engine.model, prompts),
+                               float64_logits(hf, prompts), atol=1e-4, rtol=0)  # fmt: skip
+    assert_engine_greedy(LLM(model=model_dir, max_num_batched_tokens=48), hf, prompts, 8, "long prompts")
+
+
+def test_n_siblings_fork_the_prompt_state(tiny):
+    """``n = 3`` with ``top_k=1`` (greedy, which n > 1 may not ask by temperature 0): the siblings forked
+    after the prompt (not prefilled again) continue a copy of its state, so all three give
+    transformers' tokens."""
+    model_dir, hf = tiny("dense")
+    llm = LLM(model=model_dir)
+    prompt = seeded_prompts(21, seed=3)[0]
+    out = _greedy(llm, [prompt], SamplingParams(n=3, max_tokens=12, top_k=1, ignore_eos=True))[0]
+    assert llm.llm_engine.scheduler.stats.num_prefill_tokens == len(prompt)
+    want, gaps = hf_greedy(hf, prompt, 12)
+    for completion in out.outputs:
+        assert_greedy_matches(completion.token_ids, want, gaps, f"sibling {completion.index}")
+    assert_no_leaks(llm)
+
+
+def test_preempted_sequences_recompute_their_state(tiny):
+    """Too few KV blocks for four sequences at once: the newest are preempted and later recomputed
+    from zeros in a free slot, to transformers' tokens."""
+    model_dir, hf = tiny("moe")
+    llm = LLM(model=model_dir, block_size=4, num_gpu_blocks_override=14, max_num_seqs=4)
+    prompts = seeded_prompts(5, 7, 9, 6, seed=4)
+    outs = _greedy(llm, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    for p, out in zip(prompts, outs):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 20), "preempted")
+    assert_no_leaks(llm)
+
+
+def test_async_streams_keep_their_states_when_one_is_aborted(tiny):
+    """Four concurrent streams in two slots; one is aborted after two tokens: the others stream
+    transformers' tokens, and every slot and block is free at the end."""
+    model_dir, hf = tiny("dense")
+    prompts = seeded_prompts(6, 15, 4, 11, seed=7)
+
+    async def run():
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=model_dir, max_num_seqs=2))
+
+        async def consume(i):
+            tokens = []
+            async for out in engine.generate({"prompt_token_ids": prompts[i]}, GREEDY, request_id=f"r{i}"):
+                tokens = out.outputs[0].token_ids
+                if i == 1 and len(tokens) >= 2:
+                    await engine.abort("r1")
+                    break
+            return list(tokens)
+
+        results = await asyncio.gather(*(consume(i) for i in range(4)))
+        await asyncio.sleep(0.2)
+        assert engine.engine.block_manager.num_free_slots == 2
+        engine.shutdown()
+        return results
+
+    results = asyncio.run(run())
+    for i in (0, 2, 3):
+        assert_greedy_matches(results[i], *hf_greedy(hf, prompts[i], 12), f"stream {i}")
+
+
+def test_multimodal_release_serves_its_language_model(tiny, tmp_path):
+    """``Qwen3_5ForConditionalGeneration`` (the releases' architecture: M-RoPE over a quarter of
+    each head, ``model.language_model.*`` names, a vision tower never read) with a
+    multi-token-prediction layer (``mtp.*``, skipped as transformers skips it) equals transformers'
+    model on text."""
+    model_dir, hf = tiny("multimodal")
+    out = shutil.copytree(model_dir, tmp_path / "mtp")
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({"mtp.fc.weight": torch.zeros(64, 128), "mtp.layers.0.input_layernorm.weight": torch.ones(64)})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(model=str(out), max_num_batched_tokens=16, max_num_seqs=4)
+    assert type(llm.llm_engine.model).__name__ == "Qwen3_5ForCausalLM"
+    assert_engine_greedy(llm, hf, seeded_prompts(1, 9, 37, 20, 3), 8, "multimodal")
+
+
+def test_what_a_state_cannot_support_is_refused_by_name(tiny):
+    model_dir, _ = tiny("dense")
+    with pytest.raises(ValueError, match="speculative_config: not supported for a model with linear-attention"):
+        LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="LoRA adapters are not supported for Qwen3_5ForCausalLM"):
+        LLM(model=model_dir, enable_lora=True)
+    with pytest.raises(ValueError, match="max_num_seqs=64: the linear-attention states"):
+        LLM(model=model_dir, max_num_seqs=64, kv_cache_memory=64 * 1024)

@@ -1,0 +1,134 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3.5 and Qwen3-Next, over a varlen batch.
+
+Instead of K/V that grow with the sequence, each sequence carries a fixed-size state per layer
+(kv/state_cache.py): the last ``K-1`` inputs of the short convolution and the delta rule's
+``[Hv, Dk, Dv]`` matrix (models/gated_delta_rule.py). ``meta.state_indices`` gives each
+sequence's slot in those tensors; a sequence whose context starts in this step (``seq_len ==
+q_len``: a new prompt, or one preempted and recomputed) starts from zeros, any other continues
+its slot's state, and every sequence leaves its state after its last scheduled token there.
+Without state tensors (a forward with no cache) every sequence starts from zeros and keeps nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.gated_delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step, prepare_qk
+
+LinearState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slots, Hv, Dk, Dv] float32)
+
+
+@dataclass
+class LinearPlan:
+    """How one step's sequences are run, made at the first linear layer and kept on the metadata."""
+
+    decode_rows: torch.Tensor | None  # rows of single-token sequences continuing a state, run as one batch
+    decode_slots: torch.Tensor | None  # their state slots
+    others: list[tuple[int, int, int | None, bool]]  # (first row, rows, slot, continues its state), one by one
+
+
+def plan_linear_step(meta: AttentionMetadata) -> LinearPlan:
+    slots = None if meta.state_indices is None else meta.state_indices.tolist()
+    rows, decode, others = 0, [], []
+    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        slot = None if slots is None else slots[i]
+        continues = slot is not None and seq_len > q_len
+        if q_len == 1 and continues:
+            decode.append((rows, slot))
+        else:
+            others.append((rows, q_len, slot, continues))
+        rows += q_len
+    if not decode:
+        return LinearPlan(None, None, others)
+    device = meta.seq_lens.device
+    as_long = {"dtype": torch.long, "device": device}
+    return LinearPlan(torch.tensor([r for r, _ in decode], **as_long), torch.tensor([s for _, s in decode], **as_long),
+                      others)  # fmt: skip
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (its own weight, not offset from 1), times SiLU of the gate."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        x = x.float()
+        x = (self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)).float()
+        return (x * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), the
+    short convolution over q/k/v, the gated delta rule and a gated RMSNorm before ``out_proj``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({self.num_k_heads})")  # fmt: skip
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One sequence's state: the convolution's last inputs, the delta rule's matrices."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState | None) -> torch.Tensor:
+        mixed = self.in_proj_qkv(x)
+        beta = self.in_proj_b(x).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        if meta.state_plan is None:
+            meta.state_plan = plan_linear_step(meta)
+        plan: LinearPlan = meta.state_plan
+        weight = self.conv1d.weight[:, 0]
+        out = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
+        if plan.decode_rows is not None and state is not None:
+            rows, slots = plan.decode_rows, plan.decode_slots
+            conv_cache, rule_cache = state
+            conv_out, conv_state = causal_conv_step(mixed.index_select(0, rows), weight, conv_cache.index_select(0, slots))
+            conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
+            q, k, v = self._split(conv_out)
+            o, s = delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
+                                   rule_cache.index_select(0, slots))  # fmt: skip
+            rule_cache.index_copy_(0, slots, s)
+            out.index_copy_(0, rows, o)
+        for first, count, slot, continues in plan.others:
+            span = slice(first, first + count)
+            keep = state is not None and slot is not None
+            conv_out, conv_state = causal_conv(mixed[span], weight, state[0][slot] if keep and continues else None)
+            q, k, v = self._split(conv_out)
+            o, s = delta_rule_chunked(q, k, v, g[span], beta[span], state[1][slot] if keep and continues else None)
+            if keep:
+                state[0][slot] = conv_state
+                state[1][slot] = s
+            out[span] = o
+        z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
+        return self.out_proj(self.norm(out.to(x.dtype), z, x.dtype).reshape(x.shape[0], self.value_dim))
+
+    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolved q/k/v of ``[N, conv_dim]`` rows as the rule reads them (q, k prepared)."""
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k = prepare_qk(q.view(-1, self.num_k_heads, self.head_k_dim), k.view(-1, self.num_k_heads, self.head_k_dim),
+                          self.num_v_heads)  # fmt: skip
+        return q, k, v.view(-1, self.num_v_heads, self.head_v_dim).float()

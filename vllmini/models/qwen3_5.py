@@ -1,0 +1,174 @@
+"""Qwen3.5 (dense and MoE): a hybrid decoder, three Gated DeltaNet layers (linear attention with a
+fixed-size state per sequence: models/gated_deltanet.py) to every full-attention layer, as
+``layer_types`` says.
+
+The full-attention layers are Qwen3's with an output gate: ``q_proj`` gives each head its query
+and a gate (``[q_h, gate_h]`` per head), and the attention output is multiplied by
+``sigmoid(gate)`` before ``o_proj``; RoPE turns the first ``partial_rotary_factor`` of each head.
+Every RMSNorm but the linear layers' gated one is zero-centred (the weight is an offset from 1,
+as Gemma's). Only the full-attention layers have a paged KV cache: attention layer ``j`` uses
+``kv_caches[j]``, linear layer ``j`` the state pair ``meta.state_caches[j]``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from vllmini.models.attention import KVCache
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.gated_deltanet import GatedDeltaNet
+from vllmini.models.layers import GemmaRMSNorm
+from vllmini.models.llama import DecoderAttention, DecoderLayer, DecoderVariant, LlamaForCausalLM
+from vllmini.models.moe import SharedExpertMoE, num_experts
+from vllmini.models.rotary import apply_rotary
+
+
+class GatedAttention(DecoderAttention):
+    """Qwen3's attention whose ``q_proj`` also gives a per-head output gate."""
+
+    def __init__(self, config: Any, variant: DecoderVariant, use_rope: bool = True, window: int | None = None) -> None:
+        super().__init__(config, variant, use_rope, window)
+        self.qkv_proj = nn.Linear(config.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=self.qkv_proj.bias is not None)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                kv_cache: KVCache | None) -> torch.Tensor:  # fmt: skip
+        q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta, kv_cache, self.sinks)
+        return self.o_proj(out * torch.sigmoid(gate.reshape(out.shape)))
+
+
+class HybridDecoderLayer(DecoderLayer):
+    """A decoder layer whose token mixer is gated attention or, once ``make_linear`` ran, a Gated
+    DeltaNet (``linear_attn``, the checkpoint's name)."""
+
+    def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
+                 window: int | None = None) -> None:  # fmt: skip
+        super().__init__(config, variant, mlp, use_rope, window)
+        self.self_attn: GatedAttention | None = GatedAttention(config, variant, use_rope, window)
+        self.linear_attn: GatedDeltaNet | None = None
+
+    def make_linear(self, config: Any) -> None:
+        self.self_attn, self.linear_attn = None, GatedDeltaNet(config)
+
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                cache: Any) -> torch.Tensor:  # fmt: skip
+        h = self.input_layernorm(x)
+        h = self.linear_attn(h, meta, cache) if self.linear_attn is not None else self.self_attn(h, cos_sin, meta, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    variant = DecoderVariant(qk_norm=True, mlp_bias=False, norm=GemmaRMSNorm)
+    layer_cls = HybridDecoderLayer
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config)
+        types = list(getattr(config, "layer_types", None) or [])
+        if len(types) != config.num_hidden_layers or set(types) - {"linear_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name 'linear_attention' or 'full_attention' for each of the "
+                             f"{config.num_hidden_layers} layers, got {types}")  # fmt: skip
+        if "full_attention" not in types:
+            raise ValueError("layer_types has no 'full_attention' layer; vllmini needs at least one")
+        for layer, kind in zip(self.model.layers, types):
+            if kind == "linear_attention":
+                layer.make_linear(config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint's, but its multi-token-prediction layer (``mtp.*``, for speculative decoding,
+        which transformers skips too)."""
+        return super().load_weights((name, t) for name, t in weights if not name.startswith("mtp."))
+
+    @property
+    def attention_layers(self) -> list[HybridDecoderLayer]:
+        return [layer for layer in self.model.layers if layer.self_attn is not None]
+
+    @property
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """The layers with a paged KV cache: the full-attention ones."""
+        return len(self.attention_layers)
+
+    def state_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each linear layer's per-sequence state (kv/state_cache.py)."""
+        return [layer.state_shapes() for layer in self.linear_layers]
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        return [None] * self.num_kv_cache_layers
+
+    @property
+    def logits_soft_cap(self) -> float | None:
+        return None
+
+    @property
+    def attention_sinks(self) -> bool:
+        return False
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention_layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_layers[0].self_attn.head_dim
+
+    def _shard_sizes(self, fused: str, total: int) -> list[int]:
+        if fused == "gate_up_proj":
+            return [total // 2, total // 2]
+        attn = self.attention_layers[0].self_attn
+        return [2 * attn.q_size, attn.kv_size, attn.kv_size]
+
+    def lora_targets(self) -> list[tuple[str, list[str], list[int]]]:
+        raise ValueError(f"LoRA adapters are not supported for {type(self).__name__} (linear-attention layers)")
+
+    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return "linear-attention layers (Gated DeltaNet) run their states eagerly"
+
+    def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
+        for layer in self.attention_layers:
+            layer.self_attn.attn.backend = backend
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                      kv_caches: list[KVCache] | None = None,
+                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        x = self.embed(input_ids)
+        if inputs_embeds is not None:
+            rows, values = inputs_embeds
+            x = x.index_copy(0, rows, values.to(x.dtype))
+        cos_sin = self.model.rotary_emb.cos_sin(positions)
+        states = attn_metadata.state_caches
+        attention, linear = 0, 0
+        for layer in self.model.layers:
+            if layer.linear_attn is not None:
+                x = layer(x, cos_sin, attn_metadata, None if states is None else states[linear])
+                linear += 1
+            else:
+                x = layer(x, cos_sin, attn_metadata, None if kv_caches is None else kv_caches[attention])
+                attention += 1
+        if attn_metadata.logits_indices is not None:
+            x = x.index_select(0, attn_metadata.logits_indices)
+        return self.model.norm(x)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP is ``num_experts`` experts (top ``num_experts_per_tok``, always
+    renormalised) beside a shared expert scaled by ``sigmoid(shared_expert_gate)``."""
+
+    def build_mlp(self, layer_idx: int) -> nn.Module:
+        c = self.config
+        return SharedExpertMoE(c.hidden_size, c.moe_intermediate_size, num_experts(c), c.num_experts_per_tok, True,
+                               c.shared_expert_intermediate_size, getattr(c, "hidden_act", "silu"))  # fmt: skip
