@@ -131,6 +131,14 @@ def test_n_siblings_fork_the_prompt_state(tiny):
     assert_no_leaks(llm)
 
 
+def test_async_scheduling_continuations_carry_the_state(tiny):
+    """Async scheduling launches each decode continuation before the host sees the tokens (its batch
+    built apart from the scheduler's): it must hand the linear layers their sequences' slots too."""
+    model_dir, hf = tiny("dense")
+    llm = LLM(model=model_dir, async_scheduling=True, max_num_batched_tokens=16)
+    assert_engine_greedy(llm, hf, seeded_prompts(5, 17, 30, seed=2), 10, "async scheduling")
+
+
 def test_preempted_sequences_recompute_their_state(tiny):
     """Too few KV blocks for four sequences at once: the newest are preempted and later recomputed
     from zeros in a free slot, to transformers' tokens."""

@@ -96,6 +96,7 @@ def plan_continuation(
         logits_rows=list(range(n)), sample_indices=list(range(n)), loras=[s.lora for s in seqs],
     )  # fmt: skip
     flat.add_groups([s.seq_id for s in seqs], block_manager, bs)
+    flat.add_states([s.seq_id for s in seqs], block_manager)
     return Continuation(flat, seqs, keep)
 
 

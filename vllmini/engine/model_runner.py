@@ -89,6 +89,11 @@ class FlatBatch:
                 slots.extend(slot_of(table, p, block_size) for p in positions)
             row += num_rows
 
+    def add_states(self, seq_ids: list[SeqId], block_manager: KVBlockManager) -> None:
+        """Fill ``state_slots`` for the sequences ``seq_ids`` (in row order): nothing without linear layers."""
+        if isinstance(block_manager, StatefulBlockManager):
+            self.state_slots = [block_manager.state_slot(seq_id) for seq_id in seq_ids]
+
     def to_model_input(self, device: torch.device, layout: KVCacheLayout | None = None) -> ModelInput:
         meta = AttentionMetadata.paged(
             self.query_lens, self.seq_lens, self.slots, self.block_tables, self.logits_rows, device
@@ -158,8 +163,7 @@ def flatten_step(sched: SchedulerOutput, block_manager: KVBlockManager, block_si
     flat.logits_rows.extend(prompt_logits_rows)
     seq_ids = [sched.scheduled[i].seq.seq_id for i in flat.seq_indices]
     flat.add_groups(seq_ids, block_manager, block_size)
-    if isinstance(block_manager, StatefulBlockManager):
-        flat.state_slots = [block_manager.state_slot(seq_id) for seq_id in seq_ids]
+    flat.add_states(seq_ids, block_manager)
     return flat
 
 
