@@ -4,7 +4,7 @@ draft-model speculative decoding, a custom logits processor, logprobs with logpr
 the logprobs modes, preemption and prefix-cache hits under a small KV budget, the async engine's concurrent
 streams, embeddings from the pooling runner, a thinking token budget, prompts given as embeddings,
 a YaRN-scaled rope, fp8 KV caches, the hybrid (grouped) KV cache of a Gemma 3 and of gpt-oss (attention sinks),
-DeepSeek-V3's latent attention (MLA) and GLM-4.5's grouped router. bench/gpu_check.sh runs them; without CUDA
+DeepSeek-V3's latent attention (MLA), GLM-4.5's grouped router and Qwen3.5's linear attention. bench/gpu_check.sh runs them; without CUDA
 they skip. ``VLLMINI_FEATURES_DEVICE=cpu`` runs them CPU against CPU, which checks the tests
 themselves on a machine without a GPU."""
 from __future__ import annotations
@@ -408,3 +408,22 @@ def test_latent_attention_and_grouped_router_models_match_the_cpu_path(tmp_path,
     cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64, enable_prefix_caching=True,
                        max_model_len=context)  # fmt: skip
     assert dev == cpu and cpu[0] == cpu[1]
+
+
+def test_linear_attention_model_matches_the_cpu_path(tmp_path):
+    """Qwen3.5-MoE (Gated DeltaNet layers with per-sequence state slots beside gated full attention):
+    greedy tokens of a batch larger than the slots (slots reused), prefilled in chunks beside decode
+    rows, equal the CPU path's, with n = 2 siblings forking the prompt's state."""
+    from test_qwen3_5 import save_random
+
+    save_random("moe", tmp_path, tmp_path)  # (no tokenizer files there: the word-level one follows)
+    save_word_level_tokenizer(VOCAB, tmp_path)
+
+    def run(llm: LLM):
+        assert not llm.llm_engine.block_manager.enable_prefix_caching and llm.llm_engine.runner.state_caches
+        plain = token_ids(llm.generate(prompts(6), greedy(32), use_tqdm=False))
+        forked = llm.generate(prompts(1), SamplingParams(n=2, top_k=1, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        return plain, [list(c.token_ids) for c in forked[0].outputs]
+
+    cpu, dev = on_both(tmp_path, run, block_size=16, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512)
+    assert dev == cpu and cpu[1][0] == cpu[1][1] == cpu[0][0][:16]
