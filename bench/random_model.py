@@ -85,6 +85,23 @@ def deepseek_v2_lite_small_config(**overrides) -> PretrainedConfig:
     return DeepseekV2Config(**kw)
 
 
+def qwen3_5_small_config(**overrides) -> PretrainedConfig:
+    """Qwen3.5's layout (three Gated DeltaNet linear-attention layers to every gated full-attention
+    layer, 2x as many value heads as key heads in the linear layers, a quarter of each attention head
+    rotated) at a size a CPU benchmark loads twice: 8 layers, hidden 1024, about 0.3B parameters."""
+    from transformers import Qwen3_5TextConfig
+
+    kw = dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=4096,
+        rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        architectures=["Qwen3_5ForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return Qwen3_5TextConfig(**kw)
+
+
 def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -116,7 +133,8 @@ def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtyp
 
 
 CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config,
-           "gpt-oss-small": gpt_oss_small_config, "deepseek-v2-lite-small": deepseek_v2_lite_small_config}
+           "gpt-oss-small": gpt_oss_small_config, "deepseek-v2-lite-small": deepseek_v2_lite_small_config,
+           "qwen3.5-small": qwen3_5_small_config}
 
 if __name__ == "__main__":  # python -m bench.random_model qwen3-moe-small OUT_DIR [--dtype float32]
     import argparse

@@ -202,5 +202,16 @@ def test_what_a_state_cannot_support_is_refused_by_name(tiny):
         LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="LoRA adapters are not supported for Qwen3_5ForCausalLM"):
         LLM(model=model_dir, enable_lora=True)
-    with pytest.raises(ValueError, match="max_num_seqs=64: the linear-attention states"):
-        LLM(model=model_dir, max_num_seqs=64, kv_cache_memory=64 * 1024)
+    with pytest.raises(ValueError, match="kv_cache_memory / gpu_memory_utilization: a sequence's linear-attention"):
+        LLM(model=model_dir, kv_cache_memory=8 * 1024)
+
+
+def test_states_take_at_most_half_the_kv_budget(tiny):
+    """64 KiB of KV memory, a state of 5376 bytes per sequence: 6 slots (half the budget), so 6
+    sequences run at once instead of max_num_seqs=64, and eight prompts still give transformers' tokens."""
+    model_dir, hf = tiny("dense")
+    llm = LLM(model=model_dir, max_num_seqs=64, kv_cache_memory=64 * 1024)
+    engine = llm.llm_engine
+    assert engine.scheduler.config.max_num_seqs == engine.block_manager.num_slots == 6
+    assert engine.block_manager.num_blocks == (64 * 1024 - 6 * 5376) // (16 * 2 * 2 * 16 * 4)
+    assert_engine_greedy(llm, hf, seeded_prompts(3, 8, 13, 4, 9, 11, 6, 7, seed=8), 8, "six slots")

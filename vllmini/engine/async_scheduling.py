@@ -136,7 +136,7 @@ def launch_continuation(engine: LLMEngine, prev: LaunchedStep) -> LaunchedStep |
     args, scheduler = engine.args, engine.scheduler
     plan = plan_continuation(
         prev, scheduler.running, len(scheduler.waiting), engine.block_manager,
-        engine.max_model_len, args.max_num_batched_tokens, args.max_num_seqs, matches_output,
+        engine.max_model_len, args.max_num_batched_tokens, scheduler.config.max_num_seqs, matches_output,
     )  # fmt: skip
     if plan is None:
         return None

@@ -20,7 +20,7 @@ from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, block_id_bytes, che
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.kv.hybrid_block_manager import HybridBlockManager, KVBlockManager
 from vllmini.kv.kv_groups import plan_kv_layout
-from vllmini.kv.state_cache import StatefulBlockManager, allocate_state_cache, state_bytes
+from vllmini.kv.state_cache import StatefulBlockManager, allocate_state_cache, state_slots_for_budget
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -101,14 +101,9 @@ def build_runtime(
         draft_model.set_attention_backend(draft_backend)
         draft_spec = KVCacheSpec(draft_model.config.num_hidden_layers, draft_model.num_kv_heads, draft_model.head_dim,
                                  block_size, cache_dtype, getattr(draft_model, "use_mla", False))  # fmt: skip
-    slot_bytes = 0
-    if linear_states:  # every running sequence's state slot is set aside before the KV blocks
-        slot_bytes = state_bytes(linear_states, dtype) * args.max_num_seqs
-        if slot_bytes >= budget:
-            raise ValueError(f"max_num_seqs={args.max_num_seqs}: the linear-attention states of that many sequences "
-                             f"take {slot_bytes} bytes, more than the KV cache budget ({budget} bytes); lower "
-                             "max_num_seqs or raise kv_cache_memory / gpu_memory_utilization")  # fmt: skip
-        budget -= slot_bytes
+    max_num_seqs = args.max_num_seqs  # (a model with linear-attention layers: at most one per state slot)
+    if linear_states:
+        max_num_seqs, budget = state_slots_for_budget(linear_states, dtype, args.max_num_seqs, budget)
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     if args.num_gpu_blocks_override is not None:  # (vLLM's: the budget is measured, then overridden)
         logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",
@@ -135,14 +130,12 @@ def build_runtime(
         logger.info("hybrid KV cache: %d groups of %d layers (windows %s), one pool of %d blocks",
                     layout.num_groups, layout.group_size, list(layout.group_windows), num_blocks)  # fmt: skip
     if linear_states:
-        block_manager = StatefulBlockManager(block_manager, args.max_num_seqs)
-        logger.info("linear-attention states: %d slots of %.2f MiB (%d layers)", args.max_num_seqs,
-                    slot_bytes / args.max_num_seqs / 2**20, len(linear_states))  # fmt: skip
+        block_manager = StatefulBlockManager(block_manager, max_num_seqs)
     held = block_manager.blocks_held(max_model_len, args.max_num_batched_tokens)
     logger.info("KV cache: room for %.2fx requests of max_model_len (%d tokens), %d blocks each at most",
                 num_blocks / held, max_model_len, held)  # fmt: skip
     scheduler = Scheduler(
-        SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
+        SchedulerConfig(max_num_seqs, args.max_num_batched_tokens, max_model_len, max_prompt_rows,
                         args.scheduling_policy, args.max_loras if args.enable_lora else None,
                         args.long_prefill_token_threshold),  # fmt: skip
         block_manager,
@@ -154,7 +147,7 @@ def build_runtime(
                                        layout)  # fmt: skip
     runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager, layout)
     if linear_states:
-        runner.state_caches = allocate_state_cache(linear_states, args.max_num_seqs, dtype, device)
+        runner.state_caches = allocate_state_cache(linear_states, max_num_seqs, dtype, device)
     drafter = None
     if draft_model is not None and draft_spec is not None:
         runner.draft_kv_caches = allocate_kv_cache(draft_spec, num_blocks + pad + null, device)

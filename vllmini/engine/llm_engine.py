@@ -321,7 +321,8 @@ class LLMEngine(LLMEngineCalls):
         for row, seq in enumerate(list(seqs)):
             state = self.requests[seq.request_id]
             # n > 1: siblings sample from the parent's prompt logits
-            for child in fork_children(state, seq, self.scheduler, self.block_manager, self.runner, self.args.max_num_seqs):
+            for child in fork_children(state, seq, self.scheduler, self.block_manager, self.runner,
+                                       self.scheduler.config.max_num_seqs):
                 seqs.append(child)
                 logit_rows.append(row)
         if len(logit_rows) > logits.shape[0]:

@@ -4,7 +4,7 @@ A linear layer's memory of a sequence does not grow: it is a fixed-size state (t
 convolution's last inputs and the delta rule's matrices: models/gated_deltanet.py) that each step
 reads and overwrites. So instead of blocks, a sequence holds one *state slot* from admission to
 its end, the same slot in every linear layer's tensors; ``max_num_seqs`` slots exist, as many as
-sequences can run. ``StatefulBlockManager`` hands the slots out alongside the KV blocks (the
+sequences can run (fewer when their states would take over half the KV budget: ``state_slots_for_budget``). ``StatefulBlockManager`` hands the slots out alongside the KV blocks (the
 full-attention layers still page their K/V), so the scheduler needs no second allocator: a new
 sequence takes a slot when its first blocks are allocated, gives it back when freed (finished,
 aborted or preempted: a preempted sequence is recomputed from its first token, from zeros), and
@@ -17,6 +17,7 @@ models.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ from vllmini.kv.block_hash import ROOT_HASH
 from vllmini.kv.block_invariants import check
 from vllmini.kv.block_manager import NoFreeBlocksError, SeqId
 
+logger = logging.getLogger("vllmini")
+
 StateShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]  # per linear layer: (conv state, rule state) of one sequence
 
 
@@ -33,6 +36,24 @@ def state_bytes(shapes: StateShapes, conv_dtype: torch.dtype) -> int:
     """One slot's bytes over every linear layer (the rule's state is float32, the convolution's the model's dtype)."""
     conv_size, rule_size = torch.empty((), dtype=conv_dtype).element_size(), 4
     return sum(torch.Size(conv).numel() * conv_size + torch.Size(rule).numel() * rule_size for conv, rule in shapes)
+
+
+def state_slots_for_budget(shapes: StateShapes, conv_dtype: torch.dtype, max_num_seqs: int, budget: int) -> tuple[int, int]:
+    """(state slots, KV bytes left): a slot for each of ``max_num_seqs`` sequences when their states take
+    at most half of ``budget``, else as many as half of it holds (fewer sequences then run at once, as
+    in vLLM, where states and K/V share one pool); the KV cache gets the rest."""
+    per_slot = state_bytes(shapes, conv_dtype)
+    slots = min(max_num_seqs, budget // 2 // per_slot)
+    if slots < 1:
+        raise ValueError(f"kv_cache_memory / gpu_memory_utilization: a sequence's linear-attention state takes "
+                         f"{per_slot} bytes, more than half the KV cache budget ({budget} bytes); raise it")  # fmt: skip
+    if slots < max_num_seqs:
+        logger.warning("max_num_seqs=%d lowered to %d: each sequence's linear-attention state takes %.1f MiB and the "
+                       "states may use half of the KV cache budget (%.1f MiB); raise kv_cache_memory / "
+                       "gpu_memory_utilization to run more at once", max_num_seqs, slots, per_slot / 2**20,
+                       budget / 2**20)  # fmt: skip
+    logger.info("linear-attention states: %d slots of %.2f MiB (%d layers)", slots, per_slot / 2**20, len(shapes))
+    return slots, budget - slots * per_slot
 
 
 def allocate_state_cache(
