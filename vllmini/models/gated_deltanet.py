@@ -66,8 +66,9 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3.5's projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), the
-    short convolution over q/k/v, the gated delta rule and a gated RMSNorm before ``out_proj``."""
+    """Qwen3.5's projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next's
+    fused ones are split into them as they load: models/qwen3_next.py), the short convolution over
+    q/k/v, the gated delta rule and a gated RMSNorm before ``out_proj``."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()

@@ -7,7 +7,8 @@ and a gate (``[q_h, gate_h]`` per head), and the attention output is multiplied 
 ``sigmoid(gate)`` before ``o_proj``; RoPE turns the first ``partial_rotary_factor`` of each head.
 Every RMSNorm but the linear layers' gated one is zero-centred (the weight is an offset from 1,
 as Gemma's). Only the full-attention layers have a paged KV cache: attention layer ``j`` uses
-``kv_caches[j]``, linear layer ``j`` the state pair ``meta.state_caches[j]``.
+``kv_caches[j]``, linear layer ``j`` the state pair ``meta.state_caches[j]``. Qwen3-Next is this
+model under other checkpoint names and layer plan (models/qwen3_next.py).
 """
 from __future__ import annotations
 

@@ -329,10 +329,10 @@ def _retie(model: nn.Module, groups: list[list[str]]) -> None:
 
 def missing_checkpoint_tensors(model: nn.Module, loaded: set[str]) -> list[str]:
     """The checkpoint tensors that would fill the parameters ``load_weights`` left empty (a fused
-    parameter's missing shards by their own names)."""
+    parameter's missing shards by their own names; a tensor split into several parameters once)."""
     missing = _missing_parameters(model, loaded)
     if callable(names := getattr(model, "checkpoint_names", None)):
-        missing = [tensor for param in missing for tensor in names(param)]
+        missing = list(dict.fromkeys(tensor for param in missing for tensor in names(param)))
     return missing
 
 
