@@ -88,7 +88,7 @@ def deepseek_v2_lite_small_config(**overrides) -> PretrainedConfig:
 def qwen3_5_small_config(**overrides) -> PretrainedConfig:
     """Qwen3.5's layout (three Gated DeltaNet linear-attention layers to every gated full-attention
     layer, 2x as many value heads as key heads in the linear layers, a quarter of each attention head
-    rotated) at a size a CPU benchmark loads twice: 8 layers, hidden 1024, about 0.3B parameters."""
+    rotated) at a size a CPU benchmark loads twice: 8 layers, hidden 1024, about 0.17B parameters."""
     from transformers import Qwen3_5TextConfig
 
     kw = dict(
