@@ -83,6 +83,20 @@ def test_kv_cache_holds_one_latent_per_token(tiny_deepseek):
         assert k is v and tuple(k.shape) == (50, 16, 1, LATENT)
 
 
+def test_sleep_and_wake_up_keep_one_latent_tensor(tiny_deepseek):
+    """After sleep (level 1) the KV cache wakes as it was built: each layer's K and V one latent tensor
+    (two separate ones would leave the values the kernels read unwritten), and tokens unchanged."""
+    model_dir, _ = tiny_deepseek("v3")
+    llm = LLM(model=model_dir, enable_sleep_mode=True, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(9, 30)]
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert all(k is v for k, v in llm.llm_engine.runner.kv_caches)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == before
+
+
 def test_prefix_cache_and_preemption_keep_tokens(tiny_deepseek):
     """A prefix-cache hit skips the shared blocks and changes no token; sequences preempted for
     want of blocks are recomputed to transformers' tokens."""

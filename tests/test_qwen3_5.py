@@ -139,6 +139,21 @@ def test_async_scheduling_continuations_carry_the_state(tiny):
     assert_engine_greedy(llm, hf, seeded_prompts(5, 17, 30, seed=2), 10, "async scheduling")
 
 
+def test_sleep_frees_the_states_and_wake_up_gives_the_same_tokens(tiny):
+    """Sleep (level 1) frees the state tensors with the KV cache; after wake_up they are back, zeroed,
+    and the same prompts give the same tokens."""
+    model_dir, hf = tiny("dense")
+    llm = LLM(model=model_dir, enable_sleep_mode=True, max_num_seqs=3)
+    prompts = seeded_prompts(5, 17, 30, seed=2)
+    before = [o.outputs[0].token_ids for o in _greedy(llm, prompts)]
+    llm.sleep(level=1)
+    assert llm.llm_engine.runner.state_caches == []
+    llm.wake_up()
+    states = llm.llm_engine.runner.state_caches
+    assert len(states) == 3 and all(not t.any() for layer in states for t in layer)
+    assert [o.outputs[0].token_ids for o in _greedy(llm, prompts)] == before
+
+
 def test_preempted_sequences_recompute_their_state(tiny):
     """Too few KV blocks for four sequences at once: the newest are preempted and later recomputed
     from zeros in a free slot, to transformers' tokens."""

@@ -188,7 +188,7 @@ class ModelRunner:
         # speculative decoding with a draft model: its KV cache, on the same block ids (copied on fork too)
         self.draft_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # linear-attention layers' per-sequence states (kv/state_cache.py), handed to the model in the metadata
-        self.state_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.state_caches: list[tuple[torch.Tensor, ...]] = []
 
     @staticmethod
     @torch.inference_mode()
@@ -219,8 +219,8 @@ class ModelRunner:
 
     def copy_state(self, src: int, dst: int) -> None:
         """A forked sequence's linear-attention state: its parent's slot copied into its own."""
-        for conv, rule in self.state_caches:
-            conv[dst], rule[dst] = conv[src], rule[src]
+        for tensor in (t for layer in self.state_caches for t in layer):
+            tensor[dst] = tensor[src]
 
     def with_states(self, inp: ModelInput) -> ModelInput:
         """``inp`` with the state tensors its sequences' slots index (nothing to add without them)."""

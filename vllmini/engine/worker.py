@@ -37,7 +37,7 @@ class Worker:
         self.model_runner, self.device, self.model_dir = model_runner, device, model_dir
         self.sleeping_tags: set[str] = set()
         self.sleep_level = 0
-        self._kv_shapes: list[list[tuple[torch.Size, torch.dtype]]] = []  # each cache list's tensors, asleep
+        self._kv_shapes: list[list[list[TensorShape]]] = []  # each cache list's layers' tensors, asleep
         self._discarded: list[tuple[Any, ...]] = []  # level 2: what each discarded weight was
         model = model_runner.model
         model.load_weights = LiveWeights(model, self)  # (shadows the class's, which fills a new model)
@@ -82,7 +82,7 @@ class Worker:
             return
         self._drop_graphs()
         runner = self.model_runner
-        self._kv_shapes = [[(t.shape, t.dtype) for pair in caches for t in pair]
+        self._kv_shapes = [[layer_shapes(layer) for layer in caches]
                            for caches in (runner.kv_caches, runner.draft_kv_caches, runner.state_caches)]  # fmt: skip
         runner.kv_caches.clear()  # (in place: the graph runner and the drafter share these lists)
         runner.draft_kv_caches.clear()
@@ -111,9 +111,8 @@ class Worker:
                 self._move_weights(self.device)
         if "kv_cache" in wanted & self.sleeping_tags:
             runner = self.model_runner
-            for caches, shapes in zip((runner.kv_caches, runner.draft_kv_caches, runner.state_caches), self._kv_shapes):
-                tensors = [zeros(tuple(shape), dtype, self.device) for shape, dtype in shapes]
-                caches.extend(zip(tensors[0::2], tensors[1::2]))
+            for caches, layers in zip((runner.kv_caches, runner.draft_kv_caches, runner.state_caches), self._kv_shapes):
+                caches.extend(layer_zeros(layer, self.device) for layer in layers)
             self._kv_shapes = []
         self.sleeping_tags -= wanted
         if not self.sleeping_tags:
@@ -189,3 +188,19 @@ def run_method(worker: Worker, method: str | Callable[..., Any], args: tuple = (
     if callable(method):
         return method(worker, *args, **kwargs)
     raise TypeError(f"collective_rpc: method must be a method name or a callable, got {type(method).__name__}")
+
+
+TensorShape = tuple[torch.Size, torch.dtype, "int | None"]  # shape, dtype, the earlier tensor of its layer it is
+
+
+def layer_shapes(layer: tuple[torch.Tensor, ...]) -> list[TensorShape]:
+    """A cache layer's tensors as sleep keeps them: shape, dtype, and which earlier one a tensor is
+    (an MLA layer's K and V are one latent tensor: it must wake as one)."""
+    return [(t.shape, t.dtype, next((j for j in range(i) if layer[j] is t), None)) for i, t in enumerate(layer)]
+
+
+def layer_zeros(shapes: list[TensorShape], device: torch.device) -> tuple[torch.Tensor, ...]:
+    tensors: list[torch.Tensor] = []
+    for shape, dtype, alias in shapes:
+        tensors.append(tensors[alias] if alias is not None else zeros(tuple(shape), dtype, device))
+    return tuple(tensors)

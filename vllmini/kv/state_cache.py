@@ -1,5 +1,9 @@
 """Per-sequence states of linear-attention layers (Qwen3.5's Gated DeltaNet), beside the paged KV cache.
 
+(Any layer whose memory of a sequence is a fixed-size state fits here: a model declares each such
+layer's state tensors with ``state_shapes()`` -> ``StateShapes``, and reads them from
+``meta.state_caches[j]`` at the rows ``meta.state_indices`` gives.)
+
 A linear layer's memory of a sequence does not grow: it is a fixed-size state (the short
 convolution's last inputs and the delta rule's matrices: models/gated_deltanet.py) that each step
 reads and overwrites. So instead of blocks, a sequence holds one *state slot* from admission to
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,20 +34,33 @@ from vllmini.kv.block_manager import NoFreeBlocksError, SeqId
 
 logger = logging.getLogger("vllmini")
 
-StateShapes = list[tuple[tuple[int, ...], tuple[int, ...]]]  # per linear layer: (conv state, rule state) of one sequence
+@dataclass(frozen=True)
+class StateSpec:
+    """One per-sequence state tensor of a layer: its shape, and whether it is kept in float32 (a
+    recurrent state summing the whole sequence) or in the model's dtype (a window of recent inputs)."""
+
+    shape: tuple[int, ...]
+    float32: bool = False
+
+    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.float32 else model_dtype
 
 
-def state_bytes(shapes: StateShapes, conv_dtype: torch.dtype) -> int:
-    """One slot's bytes over every linear layer (the rule's state is float32, the convolution's the model's dtype)."""
-    conv_size, rule_size = torch.empty((), dtype=conv_dtype).element_size(), 4
-    return sum(torch.Size(conv).numel() * conv_size + torch.Size(rule).numel() * rule_size for conv, rule in shapes)
+StateShapes = list[tuple[StateSpec, ...]]  # per stateful layer, its state tensors (of one sequence)
+LayerState = tuple[torch.Tensor, ...]  # one layer's state tensors over every slot: [slots, *spec.shape] each
 
 
-def state_slots_for_budget(shapes: StateShapes, conv_dtype: torch.dtype, max_num_seqs: int, budget: int) -> tuple[int, int]:
+def state_bytes(shapes: StateShapes, model_dtype: torch.dtype) -> int:
+    """One slot's bytes over every stateful layer."""
+    return sum(torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype(model_dtype)).element_size()
+               for layer in shapes for spec in layer)  # fmt: skip
+
+
+def state_slots_for_budget(shapes: StateShapes, model_dtype: torch.dtype, max_num_seqs: int, budget: int) -> tuple[int, int]:
     """(state slots, KV bytes left): a slot for each of ``max_num_seqs`` sequences when their states take
     at most half of ``budget``, else as many as half of it holds (fewer sequences then run at once, as
     in vLLM, where states and K/V share one pool); the KV cache gets the rest."""
-    per_slot = state_bytes(shapes, conv_dtype)
+    per_slot = state_bytes(shapes, model_dtype)
     slots = min(max_num_seqs, budget // 2 // per_slot)
     if slots < 1:
         raise ValueError(f"kv_cache_memory / gpu_memory_utilization: a sequence's linear-attention state takes "
@@ -56,12 +74,11 @@ def state_slots_for_budget(shapes: StateShapes, conv_dtype: torch.dtype, max_num
     return slots, budget - slots * per_slot
 
 
-def allocate_state_cache(
-    shapes: StateShapes, num_slots: int, conv_dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per linear layer ([slots, *conv], [slots, *rule] float32), zeroed."""
-    return [(torch.zeros(num_slots, *conv, dtype=conv_dtype, device=device),
-             torch.zeros(num_slots, *rule, dtype=torch.float32, device=device)) for conv, rule in shapes]  # fmt: skip
+def allocate_state_cache(shapes: StateShapes, num_slots: int, model_dtype: torch.dtype,
+                         device: torch.device) -> list[LayerState]:  # fmt: skip
+    """Per stateful layer, its state tensors over ``num_slots`` slots, zeroed."""
+    return [tuple(torch.zeros(num_slots, *spec.shape, dtype=spec.dtype(model_dtype), device=device) for spec in layer)
+            for layer in shapes]  # fmt: skip
 
 
 class StatefulBlockManager:

@@ -74,10 +74,10 @@ class AttentionMetadata:
     kv_layout: KVCacheLayout | None = None
     group_metas: list[AttentionMetadata] = dataclasses.field(default_factory=list)
     # Linear-attention layers (Qwen3.5's Gated DeltaNet: models/gated_deltanet.py): each sequence's slot
-    # in the fixed-size state tensors, and those tensors (one pair per linear layer, kv/state_cache.py).
+    # in the fixed-size state tensors, and those tensors (a tuple per stateful layer, kv/state_cache.py).
     # None: no state kept, every sequence starts from zeros. ``state_plan``: made by the first such layer.
     state_indices: torch.Tensor | None = None  # [B] int64
-    state_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    state_caches: list[tuple[torch.Tensor, ...]] | None = None
     state_plan: Any = None
 
     @property

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.gated_delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step, prepare_qk
 
@@ -91,9 +92,10 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """One sequence's state: the convolution's last inputs, the delta rule's matrices."""
-        return (self.conv_dim, self.conv_kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+    def state_shapes(self) -> tuple[StateSpec, StateSpec]:
+        """One sequence's state: the convolution's last inputs, the delta rule's matrices (float32)."""
+        return (StateSpec((self.conv_dim, self.conv_kernel - 1)),
+                StateSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim), float32=True))  # fmt: skip
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState | None) -> torch.Tensor:
         mixed = self.in_proj_qkv(x)

@@ -7,7 +7,7 @@ and a gate (``[q_h, gate_h]`` per head), and the attention output is multiplied 
 ``sigmoid(gate)`` before ``o_proj``; RoPE turns the first ``partial_rotary_factor`` of each head.
 Every RMSNorm but the linear layers' gated one is zero-centred (the weight is an offset from 1,
 as Gemma's). Only the full-attention layers have a paged KV cache: attention layer ``j`` uses
-``kv_caches[j]``, linear layer ``j`` the state pair ``meta.state_caches[j]``. Qwen3-Next is this
+``kv_caches[j]``, linear layer ``j`` the state tensors ``meta.state_caches[j]``. Qwen3-Next is this
 model under other checkpoint names and layer plan (models/qwen3_next.py).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from vllmini.kv.state_cache import StateShapes
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.gated_deltanet import GatedDeltaNet
@@ -99,7 +100,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         """The layers with a paged KV cache: the full-attention ones."""
         return len(self.attention_layers)
 
-    def state_shapes(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    def state_shapes(self) -> StateShapes:
         """Each linear layer's per-sequence state (kv/state_cache.py)."""
         return [layer.state_shapes() for layer in self.linear_layers]
 
