@@ -7,16 +7,18 @@ from __future__ import annotations
 import asyncio
 import copy
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from helpers import hf_greedy, assert_greedy_matches, prompt_forward, hf_last_logits, random_models, save_tiny_model, \
-    seeded_prompts  # fmt: skip
+from helpers import hf_greedy, assert_greedy_matches, checkpoint_like, prompt_forward, hf_last_logits, random_models, \
+    save_tiny_model, seeded_prompts  # fmt: skip
 from test_architectures import assert_engine_greedy
 from test_engine import assert_no_leaks
+from test_fp8_checkpoints import _assert_same_parameters, _block_fp8, _quantize
 from test_multimodal_text import _QWEN_TOKENS, _QWEN_VISION, _text
 from vllmini import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 from vllmini.models.gated_delta_rule import CHUNK
@@ -209,6 +211,32 @@ def test_multimodal_release_serves_its_language_model(tiny, tmp_path):
     llm = LLM(model=str(out), max_num_batched_tokens=16, max_num_seqs=4)
     assert type(llm.llm_engine.model).__name__ == "Qwen3_5ForCausalLM"
     assert_engine_greedy(llm, hf, seeded_prompts(1, 9, 37, 20, 3), 8, "multimodal")
+
+
+def write_block_fp8(model_dir, out) -> tuple:
+    """``model_dir``'s checkpoint as the -FP8 releases store it (every projection, the linear layers'
+    included, in float8 with a ``weight_scale_inv`` per 16 x 16 tile; embeddings, norms, routers,
+    the convolution, ``A_log`` and ``dt_bias`` as they are), and its dense twin: (fp8 dir, dense dir)."""
+    tensors, dense = {}, {}
+    keep = ("embed", "norm", "lm_head", "mlp.gate.weight", "shared_expert_gate", "conv1d", "A_log", "dt_bias")
+    for name, w in load_file(Path(model_dir) / "model.safetensors").items():
+        if w.dim() == 2 and not any(k in name for k in keep):
+            q, scale, dense[name] = _quantize(w.float(), "block", (16, 16))
+            tensors[name], tensors[name + "_scale_inv"] = q, scale.float()
+        else:
+            tensors[name] = dense[name] = w
+    return (checkpoint_like(Path(model_dir), out / "fp8", tensors, _block_fp8((16, 16))),
+            checkpoint_like(Path(model_dir), out / "dense", dense))  # fmt: skip
+
+
+def test_block_fp8_checkpoint_loads_as_its_dense_values(tiny, tmp_path):
+    """Qwen3.5-MoE in block FP8 (experts and linear-layer projections included) loads as its dense
+    values, and the engine gives transformers' greedy tokens on the dense twin."""
+    model_dir, _ = tiny("moe")
+    fp8, dense = write_block_fp8(model_dir, tmp_path)
+    _assert_same_parameters(fp8, dense)
+    hf = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    assert_engine_greedy(LLM(model=str(fp8), max_num_batched_tokens=16), hf, seeded_prompts(7, 19, seed=6), 8, "fp8")
 
 
 def test_what_a_state_cannot_support_is_refused_by_name(tiny):

@@ -95,3 +95,18 @@ def test_release_form_with_mtp_tensors_and_a_missing_fused_tensor(tiny, tmp_path
     missing = r"provide these parameters: model\.layers\.2\.linear_attn\.in_proj_ba\.weight$"  # (once)
     with pytest.raises(ValueError, match=missing):
         LLM(model=str(out))
+
+
+def test_block_fp8_checkpoint_loads_as_its_dense_values(tiny, tmp_path):
+    """The -FP8 release form: the fused ``in_proj_qkvz`` / ``in_proj_ba`` in float8 with 16 x 16 tile
+    scales (tiles crossing the key-head groups) are dequantized before they are split, and load as
+    their dense values; greedy tokens equal transformers' on the dense twin."""
+    from test_fp8_checkpoints import _assert_same_parameters
+    from test_qwen3_5 import write_block_fp8
+
+    model_dir, _ = tiny("moe")
+    fp8, dense = write_block_fp8(model_dir, tmp_path)
+    assert "model.layers.0.linear_attn.in_proj_qkvz.weight_scale_inv" in load_file(fp8 / "model.safetensors")
+    _assert_same_parameters(fp8, dense)
+    hf = T.AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)
+    assert_engine_greedy(LLM(model=str(fp8), max_num_batched_tokens=16), hf, seeded_prompts(7, 19, seed=6), 8, "fp8")
