@@ -1,4 +1,4 @@
-"""LFM2: short-convolution layers with a per-sequence state (the convolution's last inputs) beside
+"""LFM2 and LFM2-MoE: short-convolution layers with a per-sequence state (the convolution's last inputs) beside
 full-attention layers with a paged KV cache, through the whole engine, equal to transformers on a
 tiny random checkpoint; the state survives chunked prefill, forking (n > 1) and preemption."""
 from __future__ import annotations
@@ -22,15 +22,24 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
               num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, conv_L_cache=3,
               conv_bias=True, layer_types=["conv", "conv", "full_attention", "conv"], block_auto_adjust_ff_dim=True,
               block_ffn_dim_multiplier=1.3, block_multiple_of=40, pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+# LFM2-MoE: a dense first layer (intermediate_size as it is), then 8 experts, top 2 by sigmoid score plus
+# expert_bias, renormalised and scaled by 1.5; no conv biases (the releases' setting)
+_MOE = dict({k: v for k, v in _SHAPE.items() if not k.startswith("block_")}, conv_bias=False, num_dense_layers=1,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.5)  # fmt: skip
+
+
+def tiny_config(kind: str):
+    if kind == "dense":
+        return T.Lfm2Config(**_SHAPE, architectures=["Lfm2ForCausalLM"])
+    return T.Lfm2MoeConfig(**_MOE, architectures=["Lfm2MoeForCausalLM"])
 
 
 def save_random(kind: str, out, tokenizer_dir):
-    """Seed 0; every norm (near 1) and bias randomised, so none loads unseen."""
+    """Seed 0; every norm (near 1), bias and expert_bias randomised, so none loads unseen."""
     torch.manual_seed(0)
-    hf = T.AutoModelForCausalLM.from_config(T.Lfm2Config(**_SHAPE, architectures=["Lfm2ForCausalLM"])).eval()
+    hf = T.AutoModelForCausalLM.from_config(tiny_config(kind)).eval()
     with torch.no_grad():
-        for name, tensor in hf.named_parameters():
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
             if "norm" in name:
                 tensor.normal_(1.0, 0.3)
             elif name.endswith("bias"):
@@ -43,13 +52,13 @@ def tiny(tmp_path_factory, default_model_dir):
     return random_models(None, tmp_path_factory, default_model_dir, save=save_random)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_greedy_and_logits_match_transformers(tiny, backend):
+@pytest.mark.parametrize(("kind", "backend"), [("dense", "cpu"), ("dense", "torch"), ("moe", "cpu")])
+def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4 of transformers'; greedy tokens of five prompts
     through four sequence slots, prefilled in chunks of 16 beside decode rows (each chunk continuing
     the convolution state the one before left), equal to transformers'."""
-    model_dir, hf = tiny("dense")
-    assert_chunked_batch_matches(model_dir, hf, backend, seeded_prompts(1, 9, 37, 20, 3), f"lfm2 {backend}")
+    model_dir, hf = tiny(kind)
+    assert_chunked_batch_matches(model_dir, hf, backend, seeded_prompts(1, 9, 37, 20, 3), f"lfm2 {kind} {backend}")
 
 
 def test_only_attention_layers_page_their_kv(tiny):

@@ -1,4 +1,4 @@
-"""Liquid AI's LFM2 (LFM2-350M / 700M / 1.2B / 2.6B): a hybrid decoder of short-convolution layers
+"""Liquid AI's LFM2 (LFM2-350M / 700M / 1.2B / 2.6B) and LFM2-MoE (LFM2-8B-A1B): a hybrid decoder of short-convolution layers
 (models/short_conv.py: a fixed-size state per sequence, the convolution's last inputs) and
 full-attention layers (a paged KV cache), as ``layer_types`` says ("conv" / "full_attention";
 transformers builds it from the older ``full_attn_idxs``).
@@ -11,6 +11,12 @@ its name); the MLP is SwiGLU (``w1`` gate, ``w3`` up, ``w2`` down) whose width
 ``block_ffn_dim_multiplier`` and rounded up to ``block_multiple_of``. The hybrid machinery (which
 layers page their KV, state slots, refusals) is Qwen3.5's (models/qwen3_5.py); checkpoint names are
 mapped onto it as they load.
+
+LFM2-MoE keeps that body; its first ``num_dense_layers`` MLPs are dense (``intermediate_size`` as it
+is), the others ``num_experts`` SwiGLU experts (``moe_intermediate_size``) behind a sigmoid router:
+the top ``num_experts_per_tok`` are chosen on the scores plus ``expert_bias`` (when
+``use_expert_bias``), weighted by the unbiased scores, renormalised (``norm_topk_prob``, 1e-6 in the
+denominator as transformers) and scaled by ``routed_scaling_factor``.
 """
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ from torch import nn
 
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
+from vllmini.models.deepseek import RouterGate
 from vllmini.models.layers import GatedMLP
 from vllmini.models.llama import DecoderLayer, DecoderVariant
+from vllmini.models.moe import FusedMoE, grouped_topk
 from vllmini.models.qwen3_5 import Qwen3_5ForCausalLM
 from vllmini.models.short_conv import ShortConv
 
@@ -100,3 +108,33 @@ class Lfm2ForCausalLM(Qwen3_5ForCausalLM):
 
     def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
         return "short-convolution layers run their states eagerly"
+
+
+class Lfm2MoE(FusedMoE):
+    """models/moe.py's experts behind LFM2-MoE's sigmoid router (in float32: ``RouterGate``, whose
+    correction bias is the checkpoint's ``feed_forward.expert_bias``)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(config.hidden_size, config.moe_intermediate_size, int(config.num_experts),
+                         int(config.num_experts_per_tok), bool(getattr(config, "norm_topk_prob", True)))  # fmt: skip
+        self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", None) or 1.0)
+        self.gate = RouterGate(config.hidden_size, self.num_experts, bool(getattr(config, "use_expert_bias", True)))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.gate(x).sigmoid()
+        ids = grouped_topk(scores, self.top_k, 1, 1, self.gate.e_score_correction_bias)
+        weights = scores.gather(1, ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return ids, (weights * self.routed_scaling_factor).to(x.dtype)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    expert_projections = ("w1", "w3", "w2")  # (each expert's gate, up, down in the checkpoint)
+    checkpoint_renames = (*LFM2_RENAMES, (".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"))
+
+    def build_mlp(self, layer_idx: int) -> nn.Module:
+        c = self.config
+        if layer_idx < int(getattr(c, "num_dense_layers", 0) or 0):
+            return GatedMLP(c.hidden_size, int(c.intermediate_size))
+        return Lfm2MoE(c)
