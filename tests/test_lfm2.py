@@ -100,12 +100,14 @@ def test_preempted_sequences_recompute_their_state(tiny):
 
 
 def test_older_full_attn_idxs_config(tiny, tmp_path):
-    """A config.json of the first releases (``full_attn_idxs``, no ``layer_types``) gives the same model."""
+    """A config.json of the first releases (``full_attn_idxs``, ``block_ff_dim``, ``tie_embedding``; no
+    ``layer_types``, ``intermediate_size``, ``tie_word_embeddings``) gives the same model."""
     model_dir, hf = tiny("dense")
     out = shutil.copytree(model_dir, tmp_path / "old")
     config = json.loads((out / "config.json").read_text())
-    del config["layer_types"]
-    config["full_attn_idxs"] = [2]
+    for key in ("layer_types", "intermediate_size", "tie_word_embeddings"):
+        del config[key]
+    config.update(full_attn_idxs=[2], block_ff_dim=96, tie_embedding=True)
     (out / "config.json").write_text(json.dumps(config))
     llm = LLM(model=str(out), max_num_batched_tokens=16)
     assert [layer.linear_attn is None for layer in llm.llm_engine.model.model.layers] == [False, False, True, False]
