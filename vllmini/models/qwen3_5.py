@@ -69,17 +69,18 @@ class HybridDecoderLayer(DecoderLayer):
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
     variant = DecoderVariant(qk_norm=True, mlp_bias=False, norm=GemmaRMSNorm)
     layer_cls = HybridDecoderLayer
+    linear_layer_type = "linear_attention"  # layer_types' name for a stateful layer (LFM2: "conv")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)
-        types = list(getattr(config, "layer_types", None) or [])
-        if len(types) != config.num_hidden_layers or set(types) - {"linear_attention", "full_attention"}:
-            raise ValueError(f"layer_types must name 'linear_attention' or 'full_attention' for each of the "
+        types, linear = list(getattr(config, "layer_types", None) or []), self.linear_layer_type
+        if len(types) != config.num_hidden_layers or set(types) - {linear, "full_attention"}:
+            raise ValueError(f"layer_types must name '{linear}' or 'full_attention' for each of the "
                              f"{config.num_hidden_layers} layers, got {types}")  # fmt: skip
         if "full_attention" not in types:
             raise ValueError("layer_types has no 'full_attention' layer; vllmini needs at least one")
         for layer, kind in zip(self.model.layers, types):
-            if kind == "linear_attention":
+            if kind == linear:
                 layer.make_linear(config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -45,6 +45,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5ForCausalLM": ("vllmini.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3_5MoeForCausalLM": ("vllmini.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3NextForCausalLM": ("vllmini.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "Lfm2ForCausalLM": ("vllmini.models.lfm2", "Lfm2ForCausalLM"),
+    "Lfm2MoeForCausalLM": ("vllmini.models.lfm2", "Lfm2MoeForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
