@@ -25,22 +25,25 @@ def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal convolution of one sequence's ``x [T, C]`` (kernel ``weight [C, K]``)
-    continuing from ``state [C, K-1]``, the K-1 inputs before it (None: zeros), then SiLU.
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
+                bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Depthwise causal convolution of one sequence's ``x [T, C]`` (kernel ``weight [C, K]``, optional
+    ``bias [C]``: Mamba2's) continuing from ``state [C, K-1]``, the K-1 inputs before it (None: zeros), then SiLU.
     Returns the output ``[T, C]`` and the new state (the last K-1 inputs)."""
     width = weight.shape[1] - 1
     if state is None:
         state = x.new_zeros(x.shape[1], width)
     extended = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
-    out = F.conv1d(extended[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
+    out = F.conv1d(extended[None], weight[:, None, :], bias, groups=weight.shape[0])[0]  # [C, T]
     return F.silu(out.t()), extended[:, extended.shape[1] - width :]
 
 
-def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One token per row: ``x [B, C]`` after ``state [B, C, K-1]``; returns (SiLU output, new state)."""
     extended = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
-    return F.silu((extended * weight).sum(-1)), extended[:, :, 1:]
+    out = (extended * weight).sum(-1)
+    return F.silu(out if bias is None else out + bias), extended[:, :, 1:]
 
 
 def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
