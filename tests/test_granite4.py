@@ -34,7 +34,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def save_random(kind: str, out, tokenizer_dir):
-    """Seed 0, every norm (the gated one too), ``dt_bias``, ``A_log`` and ``D`` randomised, so none loads unseen."""
+    """Seed 0, every norm (the gated one too), ``dt_bias``, ``A_log``, ``D`` and the convolution's bias randomised,
+    so none loads unseen."""
     torch.manual_seed(0)
     hf = T.AutoModelForCausalLM.from_config(T.GraniteMoeHybridConfig(**_SHAPE, **_KINDS[kind])).eval()
     with torch.no_grad():
@@ -47,6 +48,8 @@ def save_random(kind: str, out, tokenizer_dir):
                 tensor.uniform_(-2.0, 1.0)
             elif name.endswith(".D"):
                 tensor.normal_(1.0, 0.5)
+            elif name.endswith("conv1d.bias"):
+                tensor.normal_(0.0, 0.3)
     return str(save_tiny_model(hf, out, tokenizer_dir)), hf
 
 
