@@ -11,7 +11,8 @@ Granite's four scalars apply as in models/granite.py. Attention layers turn RoPE
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
