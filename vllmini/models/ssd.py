@@ -43,19 +43,27 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Ten
     x, dt = x.float(), dt.float()
     skip = D[:, None] * x
 
-    def chunked(t: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [H, n, chunk, ...], zero padded (dt 0: no write, no decay)
+    def chunked(t: torch.Tensor) -> torch.Tensor:  # [T, K, ...] -> [K, n, chunk, ...], zero padded (dt 0: no write, no decay)
         t = torch.nn.functional.pad(t.movedim(0, -1), (0, pad)).movedim(-1, 1)
-        return t.reshape(heads, -1, chunk, *t.shape[2:])
+        return t.reshape(t.shape[0], -1, chunk, *t.shape[2:])
 
-    B, C = chunked(heads_of_groups(B.float(), heads)), chunked(heads_of_groups(C.float(), heads))
+    groups = B.shape[1]
+    per_group = heads // groups
+
+    def by_head(g: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """A per-group ``[G, n, ...]`` times a per-head ``[H, n, ...]``: each group's heads share it."""
+        return (g[:, None] * h.view(groups, per_group, *h.shape[1:])).flatten(0, 1)
+
+    B, C = chunked(B.float()), chunked(C.float())  # [G, n, L, N]
     xdt = chunked(x * dt[..., None])  # [H, n, L, P]: each token's write, scaled by its step
     decay = chunked(dt * A).cumsum(-1)  # [H, n, L]: log of the decay from the chunk's start to each position
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
     between = (decay[..., :, None] - decay[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    inner = (C @ B.transpose(-1, -2)) * between  # [H, n, L, L]: how much token j's write reaches token i's read
+    # [H, n, L, L]: how much token j's write reaches token i's read (C B^T once per group)
+    inner = by_head(C @ B.transpose(-1, -2), between)
     own = inner @ xdt  # [H, n, L, P]: the chunk's own contribution
-    c_read = C * decay.exp()[..., None]  # reads of the state as it was at the chunk's start
-    b_write = B * (decay[..., -1:] - decay).exp()[..., None]  # writes decayed to the chunk's end
+    c_read = by_head(C, decay.exp()[..., None])  # reads of the state as it was at the chunk's start
+    b_write = by_head(B, (decay[..., -1:] - decay).exp()[..., None])  # writes decayed to the chunk's end
     chunk_decay = decay[..., -1].exp()[..., None, None]  # [H, n, 1, 1]
     s = x.new_zeros(heads, dim, B.shape[-1]) if state is None else state.float()
     out = torch.empty_like(own)
