@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import transformers as T
+from safetensors.torch import load_file, save_file
 
 from helpers import assert_greedy_matches, hf_greedy, prompt_forward, random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
@@ -168,3 +169,16 @@ def test_what_a_state_cannot_support_is_refused_by_name(tiny):
         setattr(config, field, value)
         with pytest.raises(ValueError, match=message):
             GraniteMoeHybridForCausalLM(config)
+
+
+@pytest.mark.parametrize(("kind", "tensor"), [("moe", "model.layers.1.shared_mlp.input_linear.weight"),
+                                              ("moe", "model.layers.0.block_sparse_moe.router.layer.weight"),
+                                              ("dense", "model.layers.3.shared_mlp.output_linear.weight")])  # fmt: skip
+def test_missing_tensor_named_as_the_checkpoint_names_it(tiny, tmp_path, kind, tensor):
+    model_dir, _ = tiny(kind)
+    out = shutil.copytree(model_dir, tmp_path / "missing")
+    tensors = load_file(out / "model.safetensors")
+    del tensors[tensor]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"does not provide these parameters: {tensor}$"):
+        LLM(model=str(out))
