@@ -1,7 +1,7 @@
 """Granite 4.0 hybrids (GraniteMoeHybridForCausalLM): Mamba2 layers with a per-sequence state beside
 Granite attention layers with a paged KV cache, through the whole engine, equal to transformers on
 tiny random checkpoints (MoE + shared MLP with RoPE and one B/C group; dense shared MLP only, NoPE,
-two groups); prompts span several of the scan's 8-token chunks, and the state survives chunked
+tied embeddings, two groups); prompts span several of the scan's 8-token chunks, and the state survives chunked
 prefill, forking (n > 1) and preemption."""
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, shared_inter
               attention_multiplier=0.2, logits_scaling=1.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=False, architectures=["GraniteMoeHybridForCausalLM"])  # fmt: skip
 _KINDS = {"moe": dict(num_local_experts=4, num_experts_per_tok=2, mamba_n_groups=1, position_embedding_type="rope"),
-          "dense": dict(num_local_experts=0, mamba_n_groups=2, position_embedding_type=None),
+          # H-Micro's form: no experts (num_experts_per_tok 0 too), NoPE, tied embeddings
+          "dense": dict(num_local_experts=0, num_experts_per_tok=0, mamba_n_groups=2, position_embedding_type="nope",
+                        tie_word_embeddings=True),
           "dt_limit": dict(num_local_experts=0, mamba_n_groups=2, position_embedding_type="rope", time_step_limit=(0.0, 0.3))}  # fmt: skip
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
@@ -38,7 +40,7 @@ def save_random(kind: str, out, tokenizer_dir):
     """Seed 0, every norm (the gated one too), ``dt_bias``, ``A_log``, ``D`` and the convolution's bias randomised,
     so none loads unseen."""
     torch.manual_seed(0)
-    hf = T.AutoModelForCausalLM.from_config(T.GraniteMoeHybridConfig(**_SHAPE, **_KINDS[kind])).eval()
+    hf = T.AutoModelForCausalLM.from_config(T.GraniteMoeHybridConfig(**{**_SHAPE, **_KINDS[kind]})).eval()
     with torch.no_grad():
         for name, tensor in hf.named_parameters():
             if "norm" in name:
