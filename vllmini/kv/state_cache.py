@@ -1,4 +1,4 @@
-"""Per-sequence states of linear-attention layers (Qwen3.5's Gated DeltaNet), beside the paged KV cache.
+"""Per-sequence states of stateful layers (Qwen3.5's Gated DeltaNet, Granite 4.0's Mamba2), beside the paged KV cache.
 
 (Any layer whose memory of a sequence is a fixed-size state fits here: a model declares each such
 layer's state tensors with ``state_shapes()`` -> ``StateShapes``, and reads them from

@@ -1,5 +1,5 @@
-"""The gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5's linear attention) and its short
-causal convolution, over one sequence or a batch of single-token decode rows, in float32.
+"""The gated delta rule (Gated DeltaNet, Qwen3-Next / Qwen3.5's linear attention; its short causal
+convolution: models/causal_conv.py), over one sequence or a batch of single-token decode rows, in float32.
 
 Per value head the layer keeps a matrix state ``S [Dk, Dv]``. Each token decays it by
 ``exp(g)``, then writes its value where its key points with a learning rate ``beta`` (the delta
@@ -23,30 +23,6 @@ CHUNK = 64
 def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x`` over its L2 norm on the last dim (eps inside the root, as the FLA kernels)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None,
-                silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Depthwise causal convolution of one sequence's ``x [T, C]`` (kernel ``weight [C, K]``)
-    continuing from ``state [C, K-1]``, the K-1 inputs before it (None: zeros), then SiLU (unless
-    ``silu`` is False: LFM2's short convolution has no activation).
-    Returns the output ``[T, C]`` and the new state (the last K-1 inputs)."""
-    width = weight.shape[1] - 1
-    if state is None:
-        state = x.new_zeros(x.shape[1], width)
-    extended = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
-    out = F.conv1d(extended[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    out = out.t()
-    return F.silu(out) if silu else out, extended[:, extended.shape[1] - width :]
-
-
-def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
-                     silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """One token per row: ``x [B, C]`` after ``state [B, C, K-1]``; returns (SiLU output, or the
-    plain one when ``silu`` is False, new state)."""
-    extended = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
-    out = (extended * weight).sum(-1)
-    return F.silu(out) if silu else out, extended[:, :, 1:]
 
 
 def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,6 @@ Without state tensors (a forward with no cache) every sequence starts from zeros
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,37 +18,11 @@ from torch import nn
 
 from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
-from vllmini.models.gated_delta_rule import causal_conv, causal_conv_step, delta_rule_chunked, delta_rule_step, prepare_qk
+from vllmini.models.causal_conv import causal_conv, causal_conv_step
+from vllmini.models.gated_delta_rule import delta_rule_chunked, delta_rule_step, prepare_qk
+from vllmini.models.state_plan import LinearPlan, plan_linear_step
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slots, Hv, Dk, Dv] float32)
-
-
-@dataclass
-class LinearPlan:
-    """How one step's sequences are run, made at the first linear layer and kept on the metadata."""
-
-    decode_rows: torch.Tensor | None  # rows of single-token sequences continuing a state, run as one batch
-    decode_slots: torch.Tensor | None  # their state slots
-    others: list[tuple[int, int, int | None, bool]]  # (first row, rows, slot, continues its state), one by one
-
-
-def plan_linear_step(meta: AttentionMetadata) -> LinearPlan:
-    slots = None if meta.state_indices is None else meta.state_indices.tolist()
-    rows, decode, others = 0, [], []
-    for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-        slot = None if slots is None else slots[i]
-        continues = slot is not None and seq_len > q_len
-        if q_len == 1 and continues:
-            decode.append((rows, slot))
-        else:
-            others.append((rows, q_len, slot, continues))
-        rows += q_len
-    if not decode:
-        return LinearPlan(None, None, others)
-    device = meta.seq_lens.device
-    as_long = {"dtype": torch.long, "device": device}
-    return LinearPlan(torch.tensor([r for r, _ in decode], **as_long), torch.tensor([s for _, s in decode], **as_long),
-                      others)  # fmt: skip
 
 
 class GatedRMSNorm(nn.Module):

@@ -24,6 +24,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
     "GraniteForCausalLM": ("vllmini.models.granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("vllmini.models.granite", "GraniteMoeForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("vllmini.models.granite4", "GraniteMoeHybridForCausalLM"),
     "Olmo2ForCausalLM": ("vllmini.models.olmo2", "Olmo2ForCausalLM"),
     "Olmo3ForCausalLM": ("vllmini.models.olmo2", "Olmo3ForCausalLM"),
     "GptOssForCausalLM": ("vllmini.models.gpt_oss", "GptOssForCausalLM"),

@@ -18,8 +18,8 @@ from torch import nn
 
 from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
-from vllmini.models.gated_delta_rule import causal_conv, causal_conv_step
-from vllmini.models.gated_deltanet import LinearPlan, plan_linear_step
+from vllmini.models.causal_conv import causal_conv, causal_conv_step
+from vllmini.models.state_plan import LinearPlan, plan_linear_step
 
 
 class ShortConv(nn.Module):

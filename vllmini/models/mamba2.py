@@ -1,0 +1,132 @@
+"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers) over a varlen batch.
+
+``in_proj`` gives, per token, a gate ``z``, the convolution's input ``xBC`` and a step ``dt`` per
+head. ``xBC`` goes through a short causal depthwise convolution (with bias) and SiLU, then splits
+into the heads' input ``x`` and the groups' ``B`` and ``C``; the SSD recurrence (models/ssd.py)
+turns them into ``y``, normalised group-wise after the gate (``RMSNorm(y * silu(z))`` per group of
+``intermediate / n_groups`` channels), then ``out_proj``.
+
+Each sequence carries a fixed-size state per layer (kv/state_cache.py): the convolution's last
+``K-1`` inputs (model dtype) and the recurrence's ``[heads, head_dim, d_state]`` (float32), read and
+written at ``meta.state_indices`` as models/state_plan.py plans the step (decode rows batched, a
+sequence whose context starts in this step from zeros). Without state tensors every sequence starts
+from zeros and keeps nothing.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllmini.kv.state_cache import StateSpec
+from vllmini.models.base import AttentionMetadata
+from vllmini.models.causal_conv import causal_conv, causal_conv_step
+from vllmini.models.ssd import ssd_chunked, ssd_step
+from vllmini.models.state_plan import LinearPlan, plan_linear_step
+
+MambaState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slots, H, P, N] float32)
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """RMSNorm of ``y * silu(z)`` over each of ``groups`` contiguous channel groups (the gate applied
+    before the norm, as Mamba2's ``norm_before_gate=False``), then the weight."""
+
+    def __init__(self, dim: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.groups, self.eps = groups, eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = y.float() * F.silu(gate.float())
+        h = h.view(*h.shape[:-1], self.groups, -1)
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        return self.weight * h.to(dtype)
+
+
+def _time_step_limit(config: Any) -> tuple[float, float] | None:
+    """``time_step_limit`` as a clamp on dt (None: the default ``(0, inf)``, which softplus never leaves)."""
+    limit = getattr(config, "time_step_limit", None)
+    if limit is None:
+        return None
+    if len(limit) != 2 or float(limit[0]) > float(limit[1]):
+        raise ValueError(f"time_step_limit must be (low, high) with low <= high, got {limit!r}")
+    low, high = float(limit[0]), float(limit[1])
+    return None if low <= 0.0 and math.isinf(high) else (low, high)
+
+
+class Mamba2Mixer(nn.Module):
+    """Checkpoint names as Granite 4.0's ``mamba.*``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
+    ``D``, ``norm``, ``out_proj``."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.head_dim = int(config.mamba_n_heads), int(config.mamba_d_head)
+        self.n_groups, self.d_state = int(config.mamba_n_groups), int(config.mamba_d_state)
+        self.intermediate = int(config.mamba_expand * hidden)
+        if self.num_heads * self.head_dim != self.intermediate:
+            raise ValueError(f"mamba_n_heads * mamba_d_head ({self.num_heads} * {self.head_dim}) must equal "
+                             f"mamba_expand * hidden_size ({self.intermediate})")  # fmt: skip
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba_n_groups ({self.n_groups}) must divide mamba_n_heads ({self.num_heads})")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported for Mamba2 layers; supported: silu")
+        self.chunk_size = int(config.mamba_chunk_size)
+        self.time_step_limit = _time_step_limit(config)
+        self.conv_dim = self.intermediate + 2 * self.n_groups * self.d_state
+        self.conv_kernel = int(config.mamba_d_conv)
+        proj_bias = bool(getattr(config, "mamba_proj_bias", False))
+        self.in_proj = nn.Linear(hidden, self.intermediate + self.conv_dim + self.num_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim,
+                                bias=bool(getattr(config, "mamba_conv_bias", True)))  # fmt: skip
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GroupGatedRMSNorm(self.intermediate, self.n_groups, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.intermediate, hidden, bias=proj_bias)
+
+    def state_shapes(self) -> tuple[StateSpec, StateSpec]:
+        """One sequence's state: the convolution's last inputs, the recurrence's matrices (float32)."""
+        return (StateSpec((self.conv_dim, self.conv_kernel - 1)),
+                StateSpec((self.num_heads, self.head_dim, self.d_state), float32=True))  # fmt: skip
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: MambaState | None) -> torch.Tensor:
+        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.time_step_limit is not None:
+            dt = dt.clamp(*self.time_step_limit)
+        A, D = -self.A_log.float().exp(), self.D.float()
+        if meta.state_plan is None:
+            meta.state_plan = plan_linear_step(meta)
+        plan: LinearPlan = meta.state_plan
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        y = x.new_empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
+        if plan.decode_rows is not None and state is not None:
+            rows, slots = plan.decode_rows, plan.decode_slots
+            conv_cache, ssm_cache = state
+            conv_out, conv_state = causal_conv_step(xbc.index_select(0, rows), weight, conv_cache.index_select(0, slots), bias)
+            conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
+            xs, B, C = self._split(conv_out)
+            o, s = ssd_step(xs, dt.index_select(0, rows), A, B, C, D, ssm_cache.index_select(0, slots))
+            ssm_cache.index_copy_(0, slots, s)
+            y.index_copy_(0, rows, o)
+        for first, count, slot, continues in plan.others:
+            span = slice(first, first + count)
+            keep = state is not None and slot is not None
+            conv_out, conv_state = causal_conv(xbc[span], weight, state[0][slot] if keep and continues else None, bias)
+            xs, B, C = self._split(conv_out)
+            o, s = ssd_chunked(xs, dt[span], A, B, C, D, state[1][slot] if keep and continues else None, self.chunk_size)
+            if keep:
+                state[0][slot] = conv_state
+                state[1][slot] = s
+            y[span] = o
+        return self.out_proj(self.norm(y.flatten(1), gate, x.dtype))
+
+    def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolved ``[N, conv_dim]`` rows as the heads' input ``[N, H, P]`` and the groups' B, C ``[N, G, N_state]``."""
+        xs, B, C = conv_out.split([self.intermediate, self.n_groups * self.d_state, self.n_groups * self.d_state], dim=-1)
+        return (xs.view(-1, self.num_heads, self.head_dim), B.view(-1, self.n_groups, self.d_state),
+                C.view(-1, self.n_groups, self.d_state))  # fmt: skip
