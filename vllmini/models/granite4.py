@@ -11,16 +11,16 @@ Granite's four scalars apply as in models/granite.py. Attention layers turn RoPE
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from vllmini.kv.state_cache import StateShapes
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.granite import GraniteForCausalLM, _moe_name
+from vllmini.models.hybrid import StatefulHybrid
 from vllmini.models.layers import GatedMLP
 from vllmini.models.llama import DecoderLayer, DecoderVariant
 from vllmini.models.mamba2 import Mamba2Mixer
@@ -61,6 +61,10 @@ class GraniteHybridLayer(DecoderLayer):
     def make_mamba(self, config: Any) -> None:
         self.self_attn, self.mamba = None, Mamba2Mixer(config)
 
+    @property
+    def state_mixer(self) -> nn.Module | None:
+        return self.mamba
+
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 cache: Any) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
@@ -69,7 +73,8 @@ class GraniteHybridLayer(DecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
+class GraniteMoeHybridForCausalLM(StatefulHybrid, GraniteForCausalLM):
+    state_layers_name = "Mamba2 layers"
     variant = DecoderVariant(attention_multiplier=True, mlp_bias=False)
     layer_cls = GraniteHybridLayer
 
@@ -113,63 +118,6 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
         layer, sep, leaf = param.partition(".mlp.")
         return [f"{layer}.{_CHECKPOINT_NAMES[leaf]}"] if sep and leaf in _CHECKPOINT_NAMES else super().checkpoint_names(param)
 
-    @property
-    def attention_layers(self) -> list[GraniteHybridLayer]:
-        return [layer for layer in self.model.layers if layer.self_attn is not None]
-
-    @property
-    def mamba_layers(self) -> list[Mamba2Mixer]:
-        return [layer.mamba for layer in self.model.layers if layer.mamba is not None]
-
-    @property
-    def num_kv_cache_layers(self) -> int:
-        """The layers with a paged KV cache: the attention ones."""
-        return len(self.attention_layers)
-
-    def state_shapes(self) -> StateShapes:
-        """Each Mamba layer's per-sequence state (kv/state_cache.py)."""
-        return [layer.state_shapes() for layer in self.mamba_layers]
-
-    @property
-    def sliding_window(self) -> int | None:
-        return None
-
-    @property
-    def layer_windows(self) -> list[int | None]:
-        return [None] * self.num_kv_cache_layers
-
-    @property
-    def logits_soft_cap(self) -> float | None:
-        return None
-
-    @property
-    def attention_sinks(self) -> bool:
-        return False
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.attention_layers[0].self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_layers[0].self_attn.head_dim
-
-    def _shard_sizes(self, fused: str, total: int) -> list[int]:
-        if fused == "gate_up_proj":
-            return [total // 2, total // 2]
-        attn = self.attention_layers[0].self_attn
-        return [attn.q_size, attn.kv_size, attn.kv_size]
-
-    def lora_targets(self) -> list[tuple[str, list[str], list[int]]]:
-        raise ValueError(f"LoRA adapters are not supported for {type(self).__name__} (Mamba2 layers)")
-
-    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        return "Mamba2 layers run their states eagerly"
-
-    def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
-        for layer in self.attention_layers:
-            layer.self_attn.attn.backend = backend
-
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                       kv_caches: list[KVCache] | None = None,
                       inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
@@ -179,16 +127,7 @@ class GraniteMoeHybridForCausalLM(GraniteForCausalLM):
         if inputs_embeds is not None:
             rows, values = inputs_embeds
             x = x.index_copy(0, rows, values.to(x.dtype) * float(self.config.embedding_multiplier))
-        cos_sin = self.model.rotary_emb.cos_sin(positions)
-        states = attn_metadata.state_caches
-        attention, mamba = 0, 0
-        for layer in self.model.layers:
-            if layer.mamba is not None:
-                x = layer(x, cos_sin, attn_metadata, None if states is None else states[mamba])
-                mamba += 1
-            else:
-                x = layer(x, cos_sin, attn_metadata, None if kv_caches is None else kv_caches[attention])
-                attention += 1
+        x = self.run_layers(x, self.model.rotary_emb.cos_sin(positions), attn_metadata, kv_caches)
         if attn_metadata.logits_indices is not None:
             x = x.index_select(0, attn_metadata.logits_indices)
         return self.model.norm(x)

@@ -79,6 +79,10 @@ class Lfm2DecoderLayer(DecoderLayer):
     def make_linear(self, config: Any) -> None:
         self.self_attn, self.linear_attn = None, ShortConv(config)
 
+    @property
+    def state_mixer(self) -> nn.Module | None:
+        return self.linear_attn
+
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 cache: KVCache | tuple[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
@@ -91,6 +95,7 @@ class Lfm2ForCausalLM(Qwen3_5ForCausalLM):
     variant = DecoderVariant(qk_norm=True, qkv_bias=False, o_bias=False, mlp_bias=False)
     layer_cls = Lfm2DecoderLayer
     linear_layer_type = "conv"
+    state_layers_name = "short-convolution layers"
     checkpoint_renames = LFM2_RENAMES
 
     def __init__(self, config: Any) -> None:
@@ -100,14 +105,6 @@ class Lfm2ForCausalLM(Qwen3_5ForCausalLM):
     def build_mlp(self, layer_idx: int) -> nn.Module:
         return GatedMLP(self.config.hidden_size, lfm2_ffn_size(self.config))
 
-    def _shard_sizes(self, fused: str, total: int) -> list[int]:
-        if fused == "gate_up_proj":
-            return [total // 2, total // 2]
-        attn = self.attention_layers[0].self_attn
-        return [attn.q_size, attn.kv_size, attn.kv_size]
-
-    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        return "short-convolution layers run their states eagerly"
 
 
 class Lfm2MoE(FusedMoE):

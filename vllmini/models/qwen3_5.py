@@ -12,15 +12,15 @@ model under other checkpoint names and layer plan (models/qwen3_next.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from vllmini.kv.state_cache import StateShapes
 from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.gated_deltanet import GatedDeltaNet
+from vllmini.models.hybrid import StatefulHybrid
 from vllmini.models.layers import GemmaRMSNorm
 from vllmini.models.llama import DecoderAttention, DecoderLayer, DecoderVariant, LlamaForCausalLM
 from vllmini.models.moe import SharedExpertMoE, num_experts
@@ -58,6 +58,10 @@ class HybridDecoderLayer(DecoderLayer):
     def make_linear(self, config: Any) -> None:
         self.self_attn, self.linear_attn = None, GatedDeltaNet(config)
 
+    @property
+    def state_mixer(self) -> nn.Module | None:
+        return self.linear_attn
+
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 cache: Any) -> torch.Tensor:  # fmt: skip
         h = self.input_layernorm(x)
@@ -66,7 +70,8 @@ class HybridDecoderLayer(DecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(StatefulHybrid, LlamaForCausalLM):
+    state_layers_name = "linear-attention layers (Gated DeltaNet)"
     variant = DecoderVariant(qk_norm=True, mlp_bias=False, norm=GemmaRMSNorm)
     layer_cls = HybridDecoderLayer
     linear_layer_type = "linear_attention"  # layer_types' name for a stateful layer (LFM2: "conv")
@@ -88,63 +93,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         which transformers skips too)."""
         return super().load_weights((name, t) for name, t in weights if not name.startswith("mtp."))
 
-    @property
-    def attention_layers(self) -> list[HybridDecoderLayer]:
-        return [layer for layer in self.model.layers if layer.self_attn is not None]
-
-    @property
-    def linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
-
-    @property
-    def num_kv_cache_layers(self) -> int:
-        """The layers with a paged KV cache: the full-attention ones."""
-        return len(self.attention_layers)
-
-    def state_shapes(self) -> StateShapes:
-        """Each linear layer's per-sequence state (kv/state_cache.py)."""
-        return [layer.state_shapes() for layer in self.linear_layers]
-
-    @property
-    def sliding_window(self) -> int | None:
-        return None
-
-    @property
-    def layer_windows(self) -> list[int | None]:
-        return [None] * self.num_kv_cache_layers
-
-    @property
-    def logits_soft_cap(self) -> float | None:
-        return None
-
-    @property
-    def attention_sinks(self) -> bool:
-        return False
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.attention_layers[0].self_attn.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.attention_layers[0].self_attn.head_dim
-
-    def _shard_sizes(self, fused: str, total: int) -> list[int]:
-        if fused == "gate_up_proj":
-            return [total // 2, total // 2]
-        attn = self.attention_layers[0].self_attn
-        return [2 * attn.q_size, attn.kv_size, attn.kv_size]
-
-    def lora_targets(self) -> list[tuple[str, list[str], list[int]]]:
-        raise ValueError(f"LoRA adapters are not supported for {type(self).__name__} (linear-attention layers)")
-
-    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        return "linear-attention layers (Gated DeltaNet) run their states eagerly"
-
-    def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
-        for layer in self.attention_layers:
-            layer.self_attn.attn.backend = backend
-
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
                       kv_caches: list[KVCache] | None = None,
                       inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
@@ -152,16 +100,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if inputs_embeds is not None:
             rows, values = inputs_embeds
             x = x.index_copy(0, rows, values.to(x.dtype))
-        cos_sin = self.model.rotary_emb.cos_sin(positions)
-        states = attn_metadata.state_caches
-        attention, linear = 0, 0
-        for layer in self.model.layers:
-            if layer.linear_attn is not None:
-                x = layer(x, cos_sin, attn_metadata, None if states is None else states[linear])
-                linear += 1
-            else:
-                x = layer(x, cos_sin, attn_metadata, None if kv_caches is None else kv_caches[attention])
-                attention += 1
+        x = self.run_layers(x, self.model.rotary_emb.cos_sin(positions), attn_metadata, kv_caches)
         if attn_metadata.logits_indices is not None:
             x = x.index_select(0, attn_metadata.logits_indices)
         return self.model.norm(x)
