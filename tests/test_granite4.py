@@ -14,10 +14,9 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from helpers import assert_greedy_matches, hf_greedy, prompt_forward, random_models, save_tiny_model, seeded_prompts
+from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
-from test_engine import assert_no_leaks
-from test_qwen3_5 import float64_logits
+from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens, float64_logits
 from vllmini import LLM, SamplingParams
 from vllmini.models.granite4 import GraniteMoeHybridForCausalLM
 
@@ -124,30 +123,13 @@ def test_only_attention_layers_page_their_kv(tiny, tmp_path):
 def test_n_siblings_fork_the_prompt_state(tiny):
     """``n = 3`` with ``top_k=1``: the siblings forked after the prompt (not prefilled again) continue a
     copy of its Mamba states, so all three give transformers' tokens."""
-    model_dir, hf = tiny("moe")
-    llm = LLM(model=model_dir)
-    prompt = seeded_prompts(21, seed=3)[0]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, max_tokens=12, top_k=1, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
-    assert llm.llm_engine.scheduler.stats.num_prefill_tokens == len(prompt)
-    want, gaps = hf_greedy(hf, prompt, 12)
-    for completion in out.outputs:
-        assert_greedy_matches(completion.token_ids, want, gaps, f"sibling {completion.index}")
-    assert_no_leaks(llm)
+    assert_forked_siblings_match(*tiny("moe"))
 
 
 def test_preempted_sequences_recompute_their_state(tiny):
     """Too few KV blocks for four sequences at once: the newest are preempted and later recomputed
     from zeros in a free slot, to transformers' tokens."""
-    model_dir, hf = tiny("dense")
-    llm = LLM(model=model_dir, block_size=4, num_gpu_blocks_override=14, max_num_seqs=4)
-    prompts = seeded_prompts(5, 7, 9, 6, seed=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
-    for p, out in zip(prompts, outs):
-        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 20), "preempted")
-    assert_no_leaks(llm)
+    assert_preemption_keeps_tokens(*tiny("dense"))
 
 
 def test_async_scheduling_continuations_carry_the_state(tiny):

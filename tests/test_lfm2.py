@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers as T
 
-from helpers import assert_greedy_matches, hf_greedy, random_models, save_tiny_model, seeded_prompts
+from helpers import random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_chunked_batch_matches, assert_engine_greedy
-from test_engine import assert_no_leaks
-from vllmini import LLM, SamplingParams
+from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens
+from vllmini import LLM
 from vllmini.models.lfm2 import lfm2_ffn_size
 
 # conv, conv, attention, conv; biases on (conv_bias); the MLP width auto-adjusted: int(2 * 96 / 3) = 64,
@@ -73,30 +73,13 @@ def test_only_attention_layers_page_their_kv(tiny):
 
 def test_n_siblings_fork_the_prompt_state(tiny):
     """``n = 3`` greedy siblings forked after the prompt continue a copy of its convolution state."""
-    model_dir, hf = tiny("dense")
-    llm = LLM(model=model_dir)
-    prompt = seeded_prompts(21, seed=3)[0]
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=3, max_tokens=12, top_k=1, ignore_eos=True),
-                       use_tqdm=False)[0]  # fmt: skip
-    assert llm.llm_engine.scheduler.stats.num_prefill_tokens == len(prompt)
-    want, gaps = hf_greedy(hf, prompt, 12)
-    for completion in out.outputs:
-        assert_greedy_matches(completion.token_ids, want, gaps, f"sibling {completion.index}")
-    assert_no_leaks(llm)
+    assert_forked_siblings_match(*tiny("dense"))
 
 
 def test_preempted_sequences_recompute_their_state(tiny):
     """Too few KV blocks for four sequences: the newest are preempted, recomputed from zeros in a free
     slot, to transformers' tokens."""
-    model_dir, hf = tiny("dense")
-    llm = LLM(model=model_dir, block_size=4, num_gpu_blocks_override=14, max_num_seqs=4)
-    prompts = seeded_prompts(5, 7, 9, 6, seed=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)  # fmt: skip
-    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
-    for p, out in zip(prompts, outs):
-        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 20), "preempted")
-    assert_no_leaks(llm)
+    assert_preemption_keeps_tokens(*tiny("dense"))
 
 
 def test_older_full_attn_idxs_config(tiny, tmp_path):

@@ -52,7 +52,12 @@ def save_random(kind: str, out, tokenizer_dir):
     torch.manual_seed(0)
     config = tiny_config(kind)
     auto = T.AutoModelForImageTextToText if kind == "multimodal" else T.AutoModelForCausalLM
-    hf = auto.from_config(config).eval()
+    hf = randomize_gated_deltanet(auto.from_config(config).eval())
+    return str(save_tiny_model(hf, out, tokenizer_dir)), hf
+
+
+def randomize_gated_deltanet(hf):
+    """Every norm, ``dt_bias`` (~1) and ``A_log`` of a Qwen3.5 / Qwen3-Next model randomised in place."""
     with torch.no_grad():
         for name, tensor in hf.named_parameters():
             if "norm" in name:
@@ -61,12 +66,37 @@ def save_random(kind: str, out, tokenizer_dir):
                 tensor.normal_(1.0, 0.3)
             elif name.endswith("A_log"):
                 tensor.uniform_(-2.0, 1.0)
-    return str(save_tiny_model(hf, out, tokenizer_dir)), hf
+    return hf
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, default_model_dir):
     return random_models(None, tmp_path_factory, default_model_dir, save=save_random)
+
+
+def assert_forked_siblings_match(model_dir: str, hf) -> None:
+    """``n = 3`` with ``top_k=1`` (greedy, which n > 1 may not ask by temperature 0): the siblings,
+    forked after the prompt (prefilled once), continue copies of its state to transformers' tokens."""
+    llm = LLM(model=model_dir)
+    prompt = seeded_prompts(21, seed=3)[0]
+    out = _greedy(llm, [prompt], SamplingParams(n=3, max_tokens=12, top_k=1, ignore_eos=True))[0]
+    assert llm.llm_engine.scheduler.stats.num_prefill_tokens == len(prompt)
+    want, gaps = hf_greedy(hf, prompt, 12)
+    for completion in out.outputs:
+        assert_greedy_matches(completion.token_ids, want, gaps, f"sibling {completion.index}")
+    assert_no_leaks(llm)
+
+
+def assert_preemption_keeps_tokens(model_dir: str, hf) -> None:
+    """Too few KV blocks for four sequences at once: the newest are preempted and recomputed from
+    zeros in a free slot, to transformers' tokens."""
+    llm = LLM(model=model_dir, block_size=4, num_gpu_blocks_override=14, max_num_seqs=4)
+    prompts = seeded_prompts(5, 7, 9, 6, seed=4)
+    outs = _greedy(llm, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
+    for p, out in zip(prompts, outs):
+        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 20), "preempted")
+    assert_no_leaks(llm)
 
 
 def _greedy(llm, prompts, params=GREEDY):
@@ -122,15 +152,7 @@ def test_n_siblings_fork_the_prompt_state(tiny):
     """``n = 3`` with ``top_k=1`` (greedy, which n > 1 may not ask by temperature 0): the siblings forked
     after the prompt (not prefilled again) continue a copy of its state, so all three give
     transformers' tokens."""
-    model_dir, hf = tiny("dense")
-    llm = LLM(model=model_dir)
-    prompt = seeded_prompts(21, seed=3)[0]
-    out = _greedy(llm, [prompt], SamplingParams(n=3, max_tokens=12, top_k=1, ignore_eos=True))[0]
-    assert llm.llm_engine.scheduler.stats.num_prefill_tokens == len(prompt)
-    want, gaps = hf_greedy(hf, prompt, 12)
-    for completion in out.outputs:
-        assert_greedy_matches(completion.token_ids, want, gaps, f"sibling {completion.index}")
-    assert_no_leaks(llm)
+    assert_forked_siblings_match(*tiny("dense"))
 
 
 def test_async_scheduling_continuations_carry_the_state(tiny):
@@ -159,14 +181,7 @@ def test_sleep_frees_the_states_and_wake_up_gives_the_same_tokens(tiny):
 def test_preempted_sequences_recompute_their_state(tiny):
     """Too few KV blocks for four sequences at once: the newest are preempted and later recomputed
     from zeros in a free slot, to transformers' tokens."""
-    model_dir, hf = tiny("moe")
-    llm = LLM(model=model_dir, block_size=4, num_gpu_blocks_override=14, max_num_seqs=4)
-    prompts = seeded_prompts(5, 7, 9, 6, seed=4)
-    outs = _greedy(llm, prompts, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    assert llm.llm_engine.scheduler.stats.num_preemptions > 0
-    for p, out in zip(prompts, outs):
-        assert_greedy_matches(out.outputs[0].token_ids, *hf_greedy(hf, p, 20), "preempted")
-    assert_no_leaks(llm)
+    assert_preemption_keeps_tokens(*tiny("moe"))
 
 
 def test_async_streams_keep_their_states_when_one_is_aborted(tiny):

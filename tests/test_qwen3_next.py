@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
-from test_qwen3_5 import float64_logits
+from test_qwen3_5 import float64_logits, randomize_gated_deltanet
 from vllmini import LLM
 from vllmini.models.moe import FusedMoE
 
@@ -31,15 +31,7 @@ def save_random(kind: str, out, tokenizer_dir):
     """Seed 0; the zero-centred norms' weights (offsets from 1) near 0, the linear layers' gated
     norm near 1, ``dt_bias`` near 1 and ``A_log`` randomised, so that none loads unseen."""
     torch.manual_seed(0)
-    hf = T.AutoModelForCausalLM.from_config(T.Qwen3NextConfig(**_CONFIG)).eval()
-    with torch.no_grad():
-        for name, tensor in hf.named_parameters():
-            if "norm" in name:
-                tensor.normal_(1.0 if "linear_attn.norm" in name else 0.0, 0.3)
-            elif name.endswith("dt_bias"):
-                tensor.normal_(1.0, 0.3)
-            elif name.endswith("A_log"):
-                tensor.uniform_(-2.0, 1.0)
+    hf = randomize_gated_deltanet(T.AutoModelForCausalLM.from_config(T.Qwen3NextConfig(**_CONFIG)).eval())
     return str(save_tiny_model(hf, out, tokenizer_dir)), hf
 
 

@@ -1,0 +1,100 @@
+"""What every decoder mixing attention layers with stateful layers shares (Qwen3.5 / Qwen3-Next's
+Gated DeltaNet, Granite 4.0's Mamba2, LFM2's short convolutions).
+
+Each layer has either ``self_attn`` (attention over the paged KV cache) or, with ``self_attn``
+None, a ``state_mixer`` whose memory of a sequence is a fixed-size state (kv/state_cache.py).
+Only the attention layers have a KV cache, so attention layer ``j`` uses ``kv_caches[j]`` and
+stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model facts the engine asks
+of a decoder (heads, windows, the fused q/k/v split) come from the attention layers, since the
+first layer may have none.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from vllmini.kv.state_cache import StateShapes
+from vllmini.models.attention import KVCache
+from vllmini.models.base import AttentionMetadata
+
+
+class StatefulHybrid:
+    """A mixin for a ``LlamaForCausalLM`` subclass whose layers have ``self_attn`` or a ``state_mixer``."""
+
+    model: Any
+    state_layers_name = "linear-attention layers"  # (what the refusals call the stateful layers)
+
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer for layer in self.model.layers if layer.self_attn is not None]
+
+    @property
+    def state_mixers(self) -> list[nn.Module]:
+        return [layer.state_mixer for layer in self.model.layers if layer.self_attn is None]
+
+    @property
+    def num_kv_cache_layers(self) -> int:
+        """The layers with a paged KV cache: the attention ones."""
+        return len(self.attention_layers)
+
+    def state_shapes(self) -> StateShapes:
+        """Each stateful layer's per-sequence state tensors (kv/state_cache.py)."""
+        return [mixer.state_shapes() for mixer in self.state_mixers]
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        return [None] * self.num_kv_cache_layers
+
+    @property
+    def logits_soft_cap(self) -> float | None:
+        return None
+
+    @property
+    def attention_sinks(self) -> bool:
+        return False
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.attention_layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention_layers[0].self_attn.head_dim
+
+    def _shard_sizes(self, fused: str, total: int) -> list[int]:
+        """The checkpoint's q/k/v (or gate/up) rows in a fused parameter; q's are what k and v leave
+        (a gated attention's q_proj gives each head its query and its gate)."""
+        if fused == "gate_up_proj":
+            return [total // 2, total // 2]
+        attn = self.attention_layers[0].self_attn
+        return [total - 2 * attn.kv_size, attn.kv_size, attn.kv_size]
+
+    def lora_targets(self) -> list[tuple[str, list[str], list[int]]]:
+        raise ValueError(f"LoRA adapters are not supported for {type(self).__name__} ({self.state_layers_name})")
+
+    def cuda_graph_blocker(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return f"{self.state_layers_name} run their states eagerly"
+
+    def set_attention_backend(self, backend: Callable[..., torch.Tensor]) -> None:
+        for layer in self.attention_layers:
+            layer.self_attn.attn.backend = backend
+
+    def run_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                   kv_caches: list[KVCache] | None) -> torch.Tensor:  # fmt: skip
+        """Every layer in order, each with its own cache: the attention layers' K/V, the others' states."""
+        states = meta.state_caches
+        attention, stateful = 0, 0
+        for layer in self.model.layers:
+            if layer.self_attn is None:
+                x = layer(x, cos_sin, meta, None if states is None else states[stateful])
+                stateful += 1
+            else:
+                x = layer(x, cos_sin, meta, None if kv_caches is None else kv_caches[attention])
+                attention += 1
+        return x
