@@ -100,6 +100,8 @@ def unset_sizes(model_dir: Path, config: Any) -> str:
         raw = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return ""
+    # (a key the config class derives from others, as Nemotron-H's num_hidden_layers, is no default)
     unset = [f"{key} (default {getattr(config, key)})" for key in _DEFAULTED_KEYS
-             if isinstance(raw, dict) and key not in raw and getattr(config, key, None) is not None]  # fmt: skip
+             if isinstance(raw, dict) and key not in raw and getattr(config, key, None) is not None
+             and not isinstance(getattr(type(config), key, None), property)]  # fmt: skip
     return f" (config.json does not set {', '.join(unset)}: transformers' defaults were used)" if unset else ""

@@ -3,8 +3,9 @@ Gated DeltaNet, Granite 4.0's Mamba2, LFM2's short convolutions).
 
 Each layer has either ``self_attn`` (attention over the paged KV cache) or, with ``self_attn``
 None, a ``state_mixer`` whose memory of a sequence is a fixed-size state (kv/state_cache.py).
-Only the attention layers have a KV cache, so attention layer ``j`` uses ``kv_caches[j]`` and
-stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model facts the engine asks
+A layer with neither (Nemotron-H's MLP-only and MoE layers: ``state_mixer`` None too) has no
+cache at all. Only the attention layers have a KV cache, so attention layer ``j`` uses
+``kv_caches[j]`` and stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model facts the engine asks
 of a decoder (heads, windows, the fused q/k/v split) come from the attention layers, since the
 first layer may have none.
 """
@@ -32,7 +33,7 @@ class StatefulHybrid:
 
     @property
     def state_mixers(self) -> list[nn.Module]:
-        return [layer.state_mixer for layer in self.model.layers if layer.self_attn is None]
+        return [mixer for mixer in map(_state_mixer, self.model.layers) if mixer is not None]
 
     @property
     def num_kv_cache_layers(self) -> int:
@@ -91,10 +92,17 @@ class StatefulHybrid:
         states = meta.state_caches
         attention, stateful = 0, 0
         for layer in self.model.layers:
-            if layer.self_attn is None:
+            if layer.self_attn is None and _state_mixer(layer) is None:
+                x = layer(x, cos_sin, meta, None)  # (no cache of any kind)
+            elif layer.self_attn is None:
                 x = layer(x, cos_sin, meta, None if states is None else states[stateful])
                 stateful += 1
             else:
                 x = layer(x, cos_sin, meta, None if kv_caches is None else kv_caches[attention])
                 attention += 1
         return x
+
+
+def _state_mixer(layer: nn.Module) -> nn.Module | None:
+    """A layer's stateful mixer: None for an attention layer and for one with neither (no cache)."""
+    return None if layer.self_attn is not None else getattr(layer, "state_mixer", None)

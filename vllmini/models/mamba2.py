@@ -58,15 +58,16 @@ def _time_step_limit(config: Any) -> tuple[float, float] | None:
 
 
 class Mamba2Mixer(nn.Module):
-    """Checkpoint names as Granite 4.0's ``mamba.*``: ``in_proj``, ``conv1d``, ``dt_bias``, ``A_log``,
-    ``D``, ``norm``, ``out_proj``."""
+    """Checkpoint names as Granite 4.0's ``mamba.*`` (Nemotron-H's ``mixer.*``): ``in_proj``, ``conv1d``,
+    ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``. The config's names are Granite's; ``intermediate_size``
+    given (Nemotron-H: heads x head_dim, whatever ``expand`` says) replaces ``mamba_expand * hidden_size``."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads, self.head_dim = int(config.mamba_n_heads), int(config.mamba_d_head)
         self.n_groups, self.d_state = int(config.mamba_n_groups), int(config.mamba_d_state)
-        self.intermediate = int(config.mamba_expand * hidden)
+        self.intermediate = int(config.mamba_expand * hidden) if intermediate_size is None else int(intermediate_size)
         if self.num_heads * self.head_dim != self.intermediate:
             raise ValueError(f"mamba_n_heads * mamba_d_head ({self.num_heads} * {self.head_dim}) must equal "
                              f"mamba_expand * hidden_size ({self.intermediate})")  # fmt: skip

@@ -48,6 +48,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3NextForCausalLM": ("vllmini.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Lfm2ForCausalLM": ("vllmini.models.lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("vllmini.models.lfm2", "Lfm2MoeForCausalLM"),
+    "NemotronHForCausalLM": ("vllmini.models.nemotron_h", "NemotronHForCausalLM"),
 }
 # decoder bodies saved without a language-model head (e5-mistral's MistralModel, ...): they only
 # pool (runner "pooling"), as vLLM's runner "auto" treats *Model architectures; the same classes
