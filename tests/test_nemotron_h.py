@@ -107,6 +107,12 @@ def test_preempted_sequences_recompute_their_state(tiny):
     assert_preemption_keeps_tokens(*tiny("dense"))
 
 
+def test_async_scheduling_continuations_carry_the_state(tiny):
+    model_dir, hf = tiny("plain")
+    llm = LLM(model=model_dir, async_scheduling=True, max_num_batched_tokens=16)
+    assert_engine_greedy(llm, hf, seeded_prompts(5, 17, 30, seed=2), 10, "async scheduling")
+
+
 def test_mtp_tensors_are_skipped_and_stacked_experts_load(tiny, tmp_path):
     """A release's multi-token-prediction tensors (``mtp.*``) are skipped; experts stacked as
     transformers holds them (``mixer.experts.up_proj [E, I, D]``) load as the per-expert ones."""
