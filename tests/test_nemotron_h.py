@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from helpers import prompt_forward, random_models, save_tiny_model, seeded_promp
 from test_architectures import assert_engine_greedy
 from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens, float64_logits
 from vllmini import LLM
-from vllmini.models.nemotron_h import NemotronHForCausalLM
+from vllmini.models.nemotron_h import NemotronHForCausalLM, layer_kinds
 
 # Mamba2 with 4 heads of 16 (64 wide: ``expand`` 2 would say 128, and neither side reads it), d_state 16,
 # chunks of 8; attention 4 heads (2 KV) of 16, no RoPE; MLP layers relu^2, 96 wide
@@ -141,6 +142,9 @@ def test_what_the_model_cannot_support_is_refused_by_name(tiny):
         object.__setattr__(config, field, value)
         with pytest.raises(ValueError, match=message):
             NemotronHForCausalLM(config)
+    assert layer_kinds(SimpleNamespace(hybrid_override_pattern="M-*E")) == ["linear_attention", "mlp", "full_attention", "moe"]
+    with pytest.raises(ValueError, match="hybrid_override_pattern may hold only"):
+        layer_kinds(SimpleNamespace(hybrid_override_pattern="M-*X"))
     config = copy.deepcopy(tiny("moe")[1].config)
     object.__setattr__(config, "n_group", 3)
     with pytest.raises(ValueError, match="n_group"):

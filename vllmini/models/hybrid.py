@@ -5,9 +5,9 @@ Each layer has either ``self_attn`` (attention over the paged KV cache) or, with
 None, a ``state_mixer`` whose memory of a sequence is a fixed-size state (kv/state_cache.py).
 A layer with neither (Nemotron-H's MLP-only and MoE layers: ``state_mixer`` None too) has no
 cache at all. Only the attention layers have a KV cache, so attention layer ``j`` uses
-``kv_caches[j]`` and stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model facts the engine asks
-of a decoder (heads, windows, the fused q/k/v split) come from the attention layers, since the
-first layer may have none.
+``kv_caches[j]`` and stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model
+facts the engine asks of a decoder (heads, windows, the fused q/k/v split) come from the
+attention layers, since the first layer may have none.
 """
 from __future__ import annotations
 

@@ -269,8 +269,9 @@ class NemotronHForCausalLM(StatefulHybrid, LlamaForCausalLM):
         return super().load_weights(rest()) | loaded
 
     def _our_name(self, name: str) -> str:
-        if name.startswith("backbone."):
-            name = "model." + name[len("backbone.") :]
+        for prefix in ("backbone.", "model.backbone."):  # (the second: a pooling runner's ``model.`` added)
+            if name.startswith(prefix):
+                name = "model." + name[len(prefix) :]
         name = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}.get(name, name)
         hit = _LAYER.match(name)
         if hit is None or hit[2] != "mixer" or not int(hit[1]) < len(self.kinds):
