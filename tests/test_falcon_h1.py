@@ -1,9 +1,9 @@
 """Falcon-H1 (FalconH1ForCausalLM): every layer runs attention (paged KV) and a Mamba2 mixer (a
 per-sequence state) side by side, through the whole engine, equal to transformers on tiny random
 checkpoints whose every muP multiplier is set away from 1 (so a dropped one shows): the gated
-RMSNorm normalising before the gate with projection biases ("norm"), no Mamba norm with tied
-embeddings and two B/C groups ("plain"); prompts span several of the scan's 8-token chunks, and the
-states survive chunked prefill, forking (n > 1) and preemption."""
+RMSNorm normalising before the gate with projection biases ("norm"); no Mamba norm, tied
+embeddings, two B/C groups and attention heads of ``head_dim`` ("plain"). Prompts span several of
+the scan's 8-token chunks, and the states survive chunked prefill, forking (n > 1) and preemption."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
 from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens, float64_logits
-from vllmini import LLM
+from vllmini import LLM, SamplingParams
 from vllmini.models.falcon_h1 import FalconH1ForCausalLM
 
 # 3 layers of attention (4 heads of 16, 2 KV heads) beside Mamba2 (4 heads of 16, d_state 16, chunks of 8)
@@ -31,8 +31,10 @@ _SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
               pad_token_id=0, bos_token_id=1, eos_token_id=2, architectures=["FalconH1ForCausalLM"])  # fmt: skip
 _KINDS = {"norm": dict(mamba_n_groups=1, mamba_rms_norm=True, mamba_norm_before_gate=True, mamba_proj_bias=True,
                        projectors_bias=True, attention_bias=True, mlp_bias=True, tie_word_embeddings=False),
-          "plain": dict(mamba_n_groups=2, mamba_rms_norm=False, mamba_d_ssm=None, mamba_expand=1,
+          # head_dim apart from hidden / heads, as Falcon-H1-1.5B-Deep's (1280 wide, 6 heads of 128)
+          "plain": dict(mamba_n_groups=2, mamba_rms_norm=False, mamba_d_ssm=None, mamba_expand=1, head_dim=24,
                         tie_word_embeddings=True)}  # fmt: skip
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 # multiplier -> a neutral value, to show each one matters on these weights
 _NEUTRAL = {"embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "mlp_multipliers": [1.0, 1.0], "key_multiplier": 1.0,
             "attention_in_multiplier": 1.0, "attention_out_multiplier": 1.0, "ssm_in_multiplier": 1.0,
@@ -102,6 +104,20 @@ def test_every_layer_pages_kv_and_keeps_a_state(tiny):
     assert [(tuple(c.shape), c.dtype, tuple(s.shape), s.dtype) for c, s in runner.state_caches] == \
         [((3, conv, 3), torch.float32, (3, 4, 16, 16), torch.float32)] * 3  # fmt: skip
     assert not llm.llm_engine.block_manager.enable_prefix_caching
+
+
+def test_prompt_embeds_are_used_as_given(tiny):
+    """prompt_embeds skip ``embedding_multiplier`` (transformers scales only the embeddings it looks up):
+    the scaled table's rows give the token ids' greedy tokens."""
+    model_dir, hf = tiny("norm")
+    llm = LLM(model=model_dir, enable_prompt_embeds=True, max_num_batched_tokens=16)
+    ids = seeded_prompts(13, 22, seed=8)
+    with torch.no_grad():
+        embeds = [hf.model.embed_tokens(torch.tensor(p)) * hf.config.embedding_multiplier for p in ids]
+    by_ids = llm.generate([{"prompt_token_ids": p} for p in ids], GREEDY, use_tqdm=False)
+    by_embeds = llm.generate([{"prompt_embeds": e} for e in embeds], GREEDY, use_tqdm=False)
+    for a, b in zip(by_ids, by_embeds):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_n_siblings_fork_the_prompt_state(tiny):

@@ -30,7 +30,7 @@ from vllmini.models.base import AttentionMetadata
 from vllmini.models.hybrid import StatefulHybrid
 from vllmini.models.layers import GatedMLP
 from vllmini.models.llama import DecoderLayer, DecoderVariant, LlamaForCausalLM
-from vllmini.models.mamba2 import MambaState, Mamba2Mixer
+from vllmini.models.mamba2 import Mamba2Mixer, MambaState
 
 # (checkpoint's, ours): transformers' Falcon-H1 names onto the shared decoder's
 FALCON_H1_RENAMES: tuple[tuple[str, str], ...] = (
@@ -70,8 +70,9 @@ class FalconH1DecoderLayer(DecoderLayer):
                  window: int | None = None) -> None:  # fmt: skip
         super().__init__(config, variant, mlp, use_rope, window)
         self.self_attn.attn.scale *= float(getattr(config, "key_multiplier", 1.0))
+        zxbcdt = _multipliers(config, "ssm_multipliers", 5)
         self.mamba = Mamba2Mixer(config, in_multiplier=float(getattr(config, "ssm_in_multiplier", 1.0)),
-                                 proj_multipliers=_multipliers(config, "ssm_multipliers", 5),
+                                 proj_multipliers=None if zxbcdt == [1.0] * 5 else zxbcdt,
                                  out_proj_bias=bool(getattr(config, "projectors_bias", False)),
                                  gated_norm=bool(getattr(config, "mamba_rms_norm", False)),
                                  norm_before_gate=bool(getattr(config, "mamba_norm_before_gate", True)))  # fmt: skip

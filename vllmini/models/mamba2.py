@@ -1,10 +1,11 @@
-"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers) over a varlen batch.
+"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers, the Mamba2 half of Falcon-H1's) over a varlen batch.
 
 ``in_proj`` gives, per token, a gate ``z``, the convolution's input ``xBC`` and a step ``dt`` per
 head. ``xBC`` goes through a short causal depthwise convolution (with bias) and SiLU, then splits
 into the heads' input ``x`` and the groups' ``B`` and ``C``; the SSD recurrence (models/ssd.py)
 turns them into ``y``, normalised group-wise after the gate (``RMSNorm(y * silu(z))`` per group of
-``intermediate / n_groups`` channels), then ``out_proj``.
+``intermediate / n_groups`` channels; Falcon-H1 may normalise before the gate, or not at all), then
+``out_proj``.
 
 Each sequence carries a fixed-size state per layer (kv/state_cache.py): the convolution's last
 ``K-1`` inputs (model dtype) and the recurrence's ``[heads, head_dim, d_state]`` (float32), read and
