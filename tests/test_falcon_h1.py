@@ -155,3 +155,17 @@ def test_missing_tensor_named_as_the_checkpoint_names_it(tiny, tmp_path, kind, t
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"does not provide these parameters: {tensor}$"):
         LLM(model=str(out))
+
+
+def test_a_saved_mup_vector_is_ignored(tiny, tmp_path):
+    """A checkpoint holding ``mamba.mup_vector`` (transformers' unsaved buffer) loads, the multipliers still
+    from config.json: the logits stay transformers'."""
+    model_dir, hf = tiny("norm")
+    out = shutil.copytree(model_dir, tmp_path / "mup")
+    tensors = load_file(out / "model.safetensors")
+    for i in range(3):
+        tensors[f"model.layers.{i}.mamba.mup_vector"] = torch.zeros(1, 1, 2 * 64 + 2 * 16 + 4)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    prompts = seeded_prompts(17, seed=9)
+    llm = LLM(model=str(out))
+    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts), atol=1e-4, rtol=0)

@@ -20,6 +20,7 @@ transformers' (and the releases'): ``feed_forward.*``, ``pre_ff_layernorm``, ``m
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -102,6 +103,11 @@ class FalconH1ForCausalLM(StatefulHybrid, LlamaForCausalLM):
 
     def build_mlp(self, layer_idx: int) -> nn.Module:
         return FalconH1MLP(self.config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """As the shared decoder's; a ``mamba.mup_vector`` some exports save is skipped (transformers
+        holds it as a buffer it never loads: it comes from ``ssm_multipliers``)."""
+        return super().load_weights((name, t) for name, t in weights if not name.endswith(".mamba.mup_vector"))
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * float(getattr(self.config, "embedding_multiplier", 1.0))
