@@ -1,13 +1,13 @@
 """What every decoder mixing attention layers with stateful layers shares (Qwen3.5 / Qwen3-Next's
-Gated DeltaNet, Granite 4.0's Mamba2, LFM2's short convolutions).
+Gated DeltaNet, Granite 4.0's Mamba2, LFM2's short convolutions, Falcon-H1's parallel Mamba2).
 
-Each layer has either ``self_attn`` (attention over the paged KV cache) or, with ``self_attn``
-None, a ``state_mixer`` whose memory of a sequence is a fixed-size state (kv/state_cache.py).
-A layer with neither (Nemotron-H's MLP-only and MoE layers: ``state_mixer`` None too) has no
-cache at all. Only the attention layers have a KV cache, so attention layer ``j`` uses
-``kv_caches[j]`` and stateful layer ``j`` the state tensors ``meta.state_caches[j]``; the model
-facts the engine asks of a decoder (heads, windows, the fused q/k/v split) come from the
-attention layers, since the first layer may have none.
+Each layer has ``self_attn`` (attention over the paged KV cache), a ``state_mixer`` whose memory
+of a sequence is a fixed-size state (kv/state_cache.py), both (Falcon-H1: the two side by side),
+or neither (Nemotron-H's MLP-only and MoE layers: no cache at all). Only the layers with attention
+have a KV cache and only those with a state mixer a state, so attention layer ``j`` uses
+``kv_caches[j]`` and stateful layer ``j`` the state tensors ``meta.state_caches[j]``; a layer with
+both gets the pair ``(kv_cache, state)``. The model facts the engine asks of a decoder (heads,
+windows, the fused q/k/v split) come from the attention layers, since the first layer may have none.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from vllmini.models.base import AttentionMetadata
 
 
 class StatefulHybrid:
-    """A mixin for a ``LlamaForCausalLM`` subclass whose layers have ``self_attn`` or a ``state_mixer``."""
+    """A mixin for a ``LlamaForCausalLM`` subclass whose layers have ``self_attn``, a ``state_mixer``
+    (``self_attn`` None), or both."""
 
     model: Any
     state_layers_name = "linear-attention layers"  # (what the refusals call the stateful layers)
@@ -88,21 +89,28 @@ class StatefulHybrid:
 
     def run_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                    kv_caches: list[KVCache] | None) -> torch.Tensor:  # fmt: skip
-        """Every layer in order, each with its own cache: the attention layers' K/V, the others' states."""
+        """Every layer in order, each with its own caches: the attention layers' K/V, the others'
+        states, ``(kv_cache, state)`` for a layer with both."""
         states = meta.state_caches
         attention, stateful = 0, 0
         for layer in self.model.layers:
-            if layer.self_attn is None and _state_mixer(layer) is None:
-                x = layer(x, cos_sin, meta, None)  # (no cache of any kind)
-            elif layer.self_attn is None:
-                x = layer(x, cos_sin, meta, None if states is None else states[stateful])
-                stateful += 1
-            else:
-                x = layer(x, cos_sin, meta, None if kv_caches is None else kv_caches[attention])
+            kv_cache = state = None
+            mixer = _state_mixer(layer)
+            if layer.self_attn is not None:
+                kv_cache = None if kv_caches is None else kv_caches[attention]
                 attention += 1
+            if mixer is not None:
+                state = None if states is None else states[stateful]
+                stateful += 1
+            if layer.self_attn is None:
+                x = layer(x, cos_sin, meta, state)  # (None for a layer with no cache at all)
+            elif mixer is None:
+                x = layer(x, cos_sin, meta, kv_cache)
+            else:
+                x = layer(x, cos_sin, meta, (kv_cache, state))
         return x
 
 
 def _state_mixer(layer: nn.Module) -> nn.Module | None:
-    """A layer's stateful mixer: None for an attention layer and for one with neither (no cache)."""
-    return None if layer.self_attn is not None else getattr(layer, "state_mixer", None)
+    """A layer's stateful mixer, if it has one (beside its attention or instead of it)."""
+    return getattr(layer, "state_mixer", None)

@@ -1,10 +1,11 @@
-"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers) over a varlen batch.
+"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers, the Mamba2 half of Falcon-H1's) over a varlen batch.
 
 ``in_proj`` gives, per token, a gate ``z``, the convolution's input ``xBC`` and a step ``dt`` per
 head. ``xBC`` goes through a short causal depthwise convolution (with bias) and SiLU, then splits
 into the heads' input ``x`` and the groups' ``B`` and ``C``; the SSD recurrence (models/ssd.py)
 turns them into ``y``, normalised group-wise after the gate (``RMSNorm(y * silu(z))`` per group of
-``intermediate / n_groups`` channels), then ``out_proj``.
+``intermediate / n_groups`` channels; Falcon-H1 may normalise before the gate, or not at all), then
+``out_proj``.
 
 Each sequence carries a fixed-size state per layer (kv/state_cache.py): the convolution's last
 ``K-1`` inputs (model dtype) and the recurrence's ``[heads, head_dim, d_state]`` (float32), read and
@@ -15,6 +16,7 @@ from zeros and keeps nothing.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,19 +33,29 @@ MambaState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slot
 
 
 class GroupGatedRMSNorm(nn.Module):
-    """RMSNorm of ``y * silu(z)`` over each of ``groups`` contiguous channel groups (the gate applied
-    before the norm, as Mamba2's ``norm_before_gate=False``), then the weight."""
+    """RMSNorm over each of ``groups`` contiguous channel groups with a SiLU gate: by default the gate
+    applied before the norm (``RMSNorm(y * silu(z))``, Mamba2's ``norm_before_gate=False``, Granite 4.0);
+    ``norm_before_gate``: ``RMSNorm(y) * silu(z)`` (Falcon-H1's ``mamba_norm_before_gate``)."""
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, norm_before_gate: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.norm_before_gate = groups, eps, norm_before_gate
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h = y.float() * F.silu(gate.float())
+        h = y.float() if self.norm_before_gate else y.float() * F.silu(gate.float())
         h = h.view(*h.shape[:-1], self.groups, -1)
         h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.norm_before_gate:
+            return (self.weight.float() * h * F.silu(gate.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+class SiluGate(nn.Module):
+    """``y * silu(z)`` with no norm (Falcon-H1 with ``mamba_rms_norm`` false: no ``norm`` weight either)."""
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (y.float() * F.silu(gate.float())).to(dtype)
 
 
 def _time_step_limit(config: Any) -> tuple[float, float] | None:
@@ -58,19 +70,33 @@ def _time_step_limit(config: Any) -> tuple[float, float] | None:
 
 
 class Mamba2Mixer(nn.Module):
-    """Checkpoint names as Granite 4.0's ``mamba.*`` (Nemotron-H's ``mixer.*``): ``in_proj``, ``conv1d``,
-    ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``. The config's names are Granite's; ``intermediate_size``
-    given (Nemotron-H: heads x head_dim, whatever ``expand`` says) replaces ``mamba_expand * hidden_size``."""
+    """Checkpoint names as Granite 4.0's and Falcon-H1's ``mamba.*`` (Nemotron-H's ``mixer.*``): ``in_proj``,
+    ``conv1d``, ``dt_bias``, ``A_log``, ``D``, ``norm``, ``out_proj``. The config's names are Granite's.
 
-    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+    The width is ``intermediate_size`` when given (Nemotron-H: heads x head_dim, whatever ``expand``
+    says), else ``mamba_d_ssm`` when the config sets it (Falcon-H1), else ``mamba_expand * hidden_size``.
+    Falcon-H1 changes (keyword arguments, off by default): ``in_multiplier`` scales the input of
+    ``in_proj``; ``proj_multipliers`` (five: z, x, B, C, dt) scale the parts of its output (muP);
+    ``out_proj_bias`` (None: ``mamba_proj_bias`` as ``in_proj``); ``gated_norm`` False: no norm, the
+    output only gated; ``norm_before_gate``."""
+
+    def __init__(self, config: Any, intermediate_size: int | None = None, in_multiplier: float = 1.0,
+                 proj_multipliers: Sequence[float] | None = None, out_proj_bias: bool | None = None,
+                 gated_norm: bool = True, norm_before_gate: bool = False) -> None:  # fmt: skip
         super().__init__()
         hidden = config.hidden_size
         self.num_heads, self.head_dim = int(config.mamba_n_heads), int(config.mamba_d_head)
         self.n_groups, self.d_state = int(config.mamba_n_groups), int(config.mamba_d_state)
-        self.intermediate = int(config.mamba_expand * hidden) if intermediate_size is None else int(intermediate_size)
+        d_ssm = getattr(config, "mamba_d_ssm", None)
+        if intermediate_size is not None:
+            self.intermediate, width = int(intermediate_size), "the Mamba width"
+        elif d_ssm is not None:
+            self.intermediate, width = int(d_ssm), "mamba_d_ssm"
+        else:
+            self.intermediate, width = int(config.mamba_expand * hidden), "mamba_expand * hidden_size"
         if self.num_heads * self.head_dim != self.intermediate:
             raise ValueError(f"mamba_n_heads * mamba_d_head ({self.num_heads} * {self.head_dim}) must equal "
-                             f"mamba_expand * hidden_size ({self.intermediate})")  # fmt: skip
+                             f"{width} ({self.intermediate})")  # fmt: skip
         if self.num_heads % self.n_groups:
             raise ValueError(f"mamba_n_groups ({self.n_groups}) must divide mamba_n_heads ({self.num_heads})")
         if getattr(config, "hidden_act", "silu") != "silu":
@@ -86,8 +112,28 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = GroupGatedRMSNorm(self.intermediate, self.n_groups, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.intermediate, hidden, bias=proj_bias)
+        self.norm = (GroupGatedRMSNorm(self.intermediate, self.n_groups, config.rms_norm_eps, norm_before_gate)
+                     if gated_norm else SiluGate())  # fmt: skip
+        out_bias = proj_bias if out_proj_bias is None else bool(out_proj_bias)
+        self.out_proj = nn.Linear(self.intermediate, hidden, bias=out_bias)
+        self.in_multiplier = float(in_multiplier)
+        self.proj_multipliers = None if proj_multipliers is None else [float(m) for m in proj_multipliers]
+        if self.proj_multipliers is not None:
+            if len(self.proj_multipliers) != 5:
+                raise ValueError(f"ssm_multipliers must have 5 values (z, x, B, C, dt), got {list(proj_multipliers)}")
+            # (a placeholder on the meta device until reset_buffers, as models/rotary.py's inv_freq)
+            self.register_buffer("proj_scale", torch.empty(self.in_proj.out_features), persistent=False)
+            if torch.empty(0).device.type != "meta":
+                self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """``in_proj``'s per-channel muP scale (float32), rebuilt after the model left the meta device."""
+        if self.proj_multipliers is None:
+            return
+        gs = self.n_groups * self.d_state
+        sizes = [self.intermediate, self.intermediate, gs, gs, self.num_heads]
+        scale = torch.cat([torch.full((n,), m) for n, m in zip(sizes, self.proj_multipliers)])
+        self.proj_scale = scale.to(self.proj_scale.device)
 
     def state_shapes(self) -> tuple[StateSpec, StateSpec]:
         """One sequence's state: the convolution's last inputs, the recurrence's matrices (float32)."""
@@ -95,7 +141,10 @@ class Mamba2Mixer(nn.Module):
                 StateSpec((self.num_heads, self.head_dim, self.d_state), float32=True))  # fmt: skip
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: MambaState | None) -> torch.Tensor:
-        gate, xbc, dt = self.in_proj(x).split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
+        zxbcdt = self.in_proj(x * self.in_multiplier if self.in_multiplier != 1.0 else x)
+        if self.proj_multipliers is not None:
+            zxbcdt = (zxbcdt.float() * self.proj_scale).to(x.dtype)
+        gate, xbc, dt = zxbcdt.split([self.intermediate, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.time_step_limit is not None:
             dt = dt.clamp(*self.time_step_limit)

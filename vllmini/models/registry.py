@@ -22,6 +22,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("vllmini.models.ernie45", "Ernie4_5ForCausalLM"),
     "Exaone4ForCausalLM": ("vllmini.models.exaone4", "Exaone4ForCausalLM"),
     "Gemma3ForCausalLM": ("vllmini.models.gemma3", "Gemma3ForCausalLM"),
+    "FalconH1ForCausalLM": ("vllmini.models.falcon_h1", "FalconH1ForCausalLM"),
     "GraniteForCausalLM": ("vllmini.models.granite", "GraniteForCausalLM"),
     "GraniteMoeForCausalLM": ("vllmini.models.granite", "GraniteMoeForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("vllmini.models.granite4", "GraniteMoeHybridForCausalLM"),
