@@ -112,18 +112,5 @@ class FalconH1ForCausalLM(StatefulHybrid, LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * float(getattr(self.config, "embedding_multiplier", 1.0))
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                      kv_caches: list[KVCache] | None = None,
-                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-        """Each layer with its KV cache and its Mamba2 state; prompt_embeds unscaled (as transformers)."""
-        x = self.embed(input_ids)
-        if inputs_embeds is not None:
-            rows, values = inputs_embeds
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        x = self.run_layers(x, self.model.rotary_emb.cos_sin(positions), attn_metadata, kv_caches)
-        if attn_metadata.logits_indices is not None:
-            x = x.index_select(0, attn_metadata.logits_indices)
-        return self.model.norm(x)
-
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return super().forward(*args, **kwargs) * float(getattr(self.config, "lm_head_multiplier", 1.0))

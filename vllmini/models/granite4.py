@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.granite import GraniteForCausalLM, _moe_name
 from vllmini.models.hybrid import StatefulHybrid
@@ -118,16 +117,7 @@ class GraniteMoeHybridForCausalLM(StatefulHybrid, GraniteForCausalLM):
         layer, sep, leaf = param.partition(".mlp.")
         return [f"{layer}.{_CHECKPOINT_NAMES[leaf]}"] if sep and leaf in _CHECKPOINT_NAMES else super().checkpoint_names(param)
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                      kv_caches: list[KVCache] | None = None,
-                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-        """Granite's embedding (``embedding_multiplier``, prompt_embeds scaled too), then each layer
-        with its own cache: the attention layers' KV, the Mamba layers' states."""
-        x = self.embed(input_ids)
-        if inputs_embeds is not None:
-            rows, values = inputs_embeds
-            x = x.index_copy(0, rows, values.to(x.dtype) * float(self.config.embedding_multiplier))
-        x = self.run_layers(x, self.model.rotary_emb.cos_sin(positions), attn_metadata, kv_caches)
-        if attn_metadata.logits_indices is not None:
-            x = x.index_select(0, attn_metadata.logits_indices)
-        return self.model.norm(x)
+    def scale_prompt_embeds(self, values: torch.Tensor) -> torch.Tensor:
+        """Granite's ``embedding_multiplier`` applies to prompt_embeds too."""
+        return values * float(self.config.embedding_multiplier)
+

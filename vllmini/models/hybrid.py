@@ -87,6 +87,28 @@ class StatefulHybrid:
         for layer in self.attention_layers:
             layer.self_attn.attn.backend = backend
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
+                      kv_caches: list[KVCache] | None = None,
+                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """The final-normed hidden states of the rows in ``logits_indices``: the embedding (``inputs_embeds``'
+        rows replaced, through ``scale_prompt_embeds``), every layer with its caches (``run_layers``)."""
+        x = self.embed(input_ids)
+        if inputs_embeds is not None:
+            rows, values = inputs_embeds
+            x = x.index_copy(0, rows, self.scale_prompt_embeds(values.to(x.dtype)))
+        x = self.run_layers(x, self.rope_tables_for(positions), attn_metadata, kv_caches)
+        if attn_metadata.logits_indices is not None:
+            x = x.index_select(0, attn_metadata.logits_indices)
+        return self.model.norm(x)
+
+    def scale_prompt_embeds(self, values: torch.Tensor) -> torch.Tensor:
+        """Prompt embeddings as the first layer takes them: as given (Granite scales them as its tokens')."""
+        return values
+
+    def rope_tables_for(self, positions: torch.Tensor) -> Any:
+        """The rotary cos/sin every attention layer takes (None for a model without RoPE)."""
+        return self.model.rotary_emb.cos_sin(positions)
+
     def run_layers(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                    kv_caches: list[KVCache] | None) -> torch.Tensor:  # fmt: skip
         """Every layer in order, each with its own caches: the attention layers' K/V, the others'

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllmini.models.attention import KVCache
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.decoder_weights import copy_into
 from vllmini.models.deepseek import RouterGate
@@ -222,18 +221,8 @@ class NemotronHForCausalLM(StatefulHybrid, LlamaForCausalLM):
     def tied(self) -> bool:
         return False
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                      kv_caches: list[KVCache] | None = None,
-                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-        """The embedding, each block with its own cache (no RoPE anywhere), the final norm."""
-        x = self.embed(input_ids)
-        if inputs_embeds is not None:
-            rows, values = inputs_embeds
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        x = self.run_layers(x, None, attn_metadata, kv_caches)
-        if attn_metadata.logits_indices is not None:
-            x = x.index_select(0, attn_metadata.logits_indices)
-        return self.model.norm(x)
+    def rope_tables_for(self, positions: torch.Tensor) -> None:
+        return None  # (no RoPE anywhere)
 
     # -- checkpoint names --------------------------------------------------------------------------
 

@@ -93,18 +93,6 @@ class Qwen3_5ForCausalLM(StatefulHybrid, LlamaForCausalLM):
         which transformers skips too)."""
         return super().load_weights((name, t) for name, t in weights if not name.startswith("mtp."))
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                      kv_caches: list[KVCache] | None = None,
-                      inputs_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-        x = self.embed(input_ids)
-        if inputs_embeds is not None:
-            rows, values = inputs_embeds
-            x = x.index_copy(0, rows, values.to(x.dtype))
-        x = self.run_layers(x, self.model.rotary_emb.cos_sin(positions), attn_metadata, kv_caches)
-        if attn_metadata.logits_indices is not None:
-            x = x.index_select(0, attn_metadata.logits_indices)
-        return self.model.norm(x)
-
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: every layer's MLP is ``num_experts`` experts (top ``num_experts_per_tok``, always
