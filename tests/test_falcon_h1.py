@@ -15,8 +15,8 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
-from test_architectures import assert_engine_greedy
-from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens, float64_logits
+from test_qwen3_5 import (assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, float64_logits,
+                         randomize_mamba2)  # fmt: skip
 from vllmini import LLM, SamplingParams
 from vllmini.models.falcon_h1 import FalconH1ForCausalLM
 
@@ -45,18 +45,7 @@ def save_random(kind: str, out, tokenizer_dir):
     """Seed 0, every norm (the gated one too), bias, ``dt_bias``, ``A_log`` and ``D`` randomised, so none loads unseen."""
     torch.manual_seed(0)
     hf = T.AutoModelForCausalLM.from_config(T.FalconH1Config(**{**_SHAPE, **_KINDS[kind]})).eval()
-    with torch.no_grad():
-        for name, tensor in hf.named_parameters():
-            if "norm" in name:
-                tensor.normal_(1.0, 0.3)
-            elif name.endswith("dt_bias"):
-                tensor.normal_(0.0, 1.0)
-            elif name.endswith("A_log"):
-                tensor.uniform_(-2.0, 1.0)
-            elif name.endswith(".D"):
-                tensor.normal_(1.0, 0.5)
-            elif name.endswith("bias"):
-                tensor.normal_(0.0, 0.3)
+    randomize_mamba2(hf, ("bias",))
     return str(save_tiny_model(hf, out, tokenizer_dir)), hf
 
 
@@ -71,13 +60,7 @@ def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     five prompts through four sequence slots, prefilled in chunks of 16 beside decode rows (each chunk
     continuing the KV and the state the one before left), equal to transformers'."""
     model_dir, hf = tiny(kind)
-    prompts = seeded_prompts(1, 9, 37, 20, 3)
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
-    assert type(llm.llm_engine.model).__name__ == "FalconH1ForCausalLM"
-    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts),
-                               atol=1e-4, rtol=0)  # fmt: skip
-    assert_engine_greedy(llm, hf, prompts, 10, kind)
-    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    assert_hybrid_matches(model_dir, hf, backend, kind)
 
 
 def test_every_multiplier_matters(tiny):

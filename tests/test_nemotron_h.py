@@ -15,9 +15,9 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
+from helpers import random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
-from test_qwen3_5 import assert_forked_siblings_match, assert_preemption_keeps_tokens, float64_logits
+from test_qwen3_5 import (assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, randomize_mamba2)  # fmt: skip
 from vllmini import LLM
 from vllmini.models.nemotron_h import NemotronHForCausalLM, layer_kinds
 
@@ -46,18 +46,7 @@ def save_random(kind: str, out, tokenizer_dir):
     router's correction bias randomised, so none loads unseen."""
     torch.manual_seed(0)
     hf = T.AutoModelForCausalLM.from_config(T.NemotronHConfig(**{**_SHAPE, **_KINDS[kind]})).eval()
-    with torch.no_grad():
-        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
-            if "norm" in name:
-                tensor.normal_(1.0, 0.3)
-            elif name.endswith("dt_bias"):
-                tensor.normal_(0.0, 1.0)
-            elif name.endswith("A_log"):
-                tensor.uniform_(-2.0, 1.0)
-            elif name.endswith(".D"):
-                tensor.normal_(1.0, 0.5)
-            elif name.endswith(("bias", "e_score_correction_bias")):
-                tensor.normal_(0.0, 0.3)
+    randomize_mamba2(hf, ("bias", "e_score_correction_bias"))
     model_dir = save_tiny_model(hf, out, tokenizer_dir)
     if kind == "dense":
         config = json.loads((model_dir / "config.json").read_text())
@@ -77,13 +66,7 @@ def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     five prompts through four sequence slots, prefilled in chunks of 16 beside decode rows, equal to
     transformers'."""
     model_dir, hf = tiny(kind)
-    prompts = seeded_prompts(1, 9, 37, 20, 3)
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
-    assert type(llm.llm_engine.model).__name__ == "NemotronHForCausalLM"
-    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts),
-                               atol=1e-4, rtol=0)  # fmt: skip
-    assert_engine_greedy(llm, hf, prompts, 10, kind)
-    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    assert_hybrid_matches(model_dir, hf, backend, kind)
 
 
 def test_only_attention_pages_kv_and_only_mamba_keeps_state(tiny):

@@ -74,6 +74,38 @@ def tiny(tmp_path_factory, default_model_dir):
     return random_models(None, tmp_path_factory, default_model_dir, save=save_random)
 
 
+def assert_hybrid_matches(model_dir: str, hf, backend: str, what: str) -> LLM:
+    """Last-position logits of a flat batch within 1e-4 of transformers' (in float64); greedy tokens of
+    five prompts through four sequence slots (a slot is reused), prefilled in chunks of 16 beside
+    decode rows (each chunk continuing the state the one before left), equal to transformers'."""
+    prompts = seeded_prompts(1, 9, 37, 20, 3)
+    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
+    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0]
+    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts),
+                               atol=1e-4, rtol=0)  # fmt: skip
+    assert_engine_greedy(llm, hf, prompts, 10, what)
+    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    return llm
+
+
+def randomize_mamba2(hf, biases: tuple[str, ...] = ("bias",)):
+    """Every norm (~1), ``dt_bias``, ``A_log``, ``D`` and the biases ending in ``biases`` (~0) of a model
+    with Mamba2 layers randomised in place (transformers starts several at 1 or 0)."""
+    with torch.no_grad():
+        for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
+            if "norm" in name:
+                tensor.normal_(1.0, 0.3)
+            elif name.endswith("dt_bias"):
+                tensor.normal_(0.0, 1.0)
+            elif name.endswith("A_log"):
+                tensor.uniform_(-2.0, 1.0)
+            elif name.endswith(".D"):
+                tensor.normal_(1.0, 0.5)
+            elif name.endswith(biases):
+                tensor.normal_(0.0, 0.3)
+    return hf
+
+
 def assert_forked_siblings_match(model_dir: str, hf) -> None:
     """``n = 3`` with ``top_k=1`` (greedy, which n > 1 may not ask by temperature 0): the siblings,
     forked after the prompt (prefilled once), continue copies of its state to transformers' tokens."""
@@ -117,14 +149,7 @@ def test_greedy_and_logits_match_transformers(tiny, kind, backend):
     """Last-position logits of a flat batch within 1e-4 of transformers' (in float64); greedy tokens of
     five prompts through four sequence slots (a slot is reused), prefilled in chunks of 16 beside
     decode rows (each chunk continuing the state the one before left), equal to transformers'."""
-    model_dir, hf = tiny(kind)
-    prompts = seeded_prompts(1, 9, 37, 20, 3)
-    llm = LLM(model=model_dir, max_num_batched_tokens=16, max_num_seqs=4, attention_backend=backend)
-    assert type(llm.llm_engine.model).__name__ == hf.config.architectures[0]
-    torch.testing.assert_close(prompt_forward(llm.llm_engine.model, prompts), float64_logits(hf, prompts),
-                               atol=1e-4, rtol=0)  # fmt: skip
-    assert_engine_greedy(llm, hf, prompts, 10, kind)
-    assert llm.llm_engine.scheduler.stats.num_chunked_prefills > 0
+    assert_hybrid_matches(*tiny(kind), backend, kind)
 
 
 def test_only_full_attention_layers_page_their_kv(tiny):
