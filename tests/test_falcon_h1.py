@@ -15,7 +15,7 @@ import transformers as T
 from safetensors.torch import load_file, save_file
 
 from helpers import prompt_forward, random_models, save_tiny_model, seeded_prompts
-from test_qwen3_5 import (assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, float64_logits,
+from test_qwen3_5 import (assert_fields_refused, assert_missing_tensor_named, assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, float64_logits,
                          randomize_mamba2)  # fmt: skip
 from vllmini import LLM, SamplingParams
 from vllmini.models.falcon_h1 import FalconH1ForCausalLM
@@ -117,13 +117,9 @@ def test_what_a_state_cannot_support_is_refused_by_name(tiny):
         LLM(model=model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="LoRA adapters are not supported for FalconH1ForCausalLM"):
         LLM(model=model_dir, enable_lora=True)
-    for field, value, message in [("mamba_n_groups", 3, "mamba_n_groups"), ("mamba_d_ssm", 48, "mamba_d_ssm"),
+    assert_fields_refused(FalconH1ForCausalLM, hf.config, [("mamba_n_groups", 3, "mamba_n_groups"), ("mamba_d_ssm", 48, "mamba_d_ssm"),
                                   ("ssm_multipliers", [1.0] * 4, "ssm_multipliers"),
-                                  ("mlp_multipliers", [1.0], "mlp_multipliers")]:  # fmt: skip
-        config = copy.deepcopy(hf.config)
-        setattr(config, field, value)
-        with pytest.raises(ValueError, match=message):
-            FalconH1ForCausalLM(config)
+                                  ("mlp_multipliers", [1.0], "mlp_multipliers")])  # fmt: skip
 
 
 @pytest.mark.parametrize(("kind", "tensor"), [("norm", "model.layers.1.feed_forward.gate_proj.weight"),
@@ -131,13 +127,7 @@ def test_what_a_state_cannot_support_is_refused_by_name(tiny):
                                               ("norm", "model.layers.0.pre_ff_layernorm.weight"),
                                               ("plain", "model.final_layernorm.weight")])  # fmt: skip
 def test_missing_tensor_named_as_the_checkpoint_names_it(tiny, tmp_path, kind, tensor):
-    model_dir, _ = tiny(kind)
-    out = shutil.copytree(model_dir, tmp_path / "missing")
-    tensors = load_file(out / "model.safetensors")
-    del tensors[tensor]
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=f"does not provide these parameters: {tensor}$"):
-        LLM(model=str(out))
+    assert_missing_tensor_named(tiny(kind)[0], tmp_path / "missing", tensor)
 
 
 def test_a_saved_mup_vector_is_ignored(tiny, tmp_path):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from helpers import random_models, save_tiny_model, seeded_prompts
 from test_architectures import assert_engine_greedy
-from test_qwen3_5 import (assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, randomize_mamba2)  # fmt: skip
+from test_qwen3_5 import (assert_missing_tensor_named, assert_forked_siblings_match, assert_hybrid_matches, assert_preemption_keeps_tokens, randomize_mamba2)  # fmt: skip
 from vllmini import LLM
 from vllmini.models.nemotron_h import NemotronHForCausalLM, layer_kinds
 
@@ -141,10 +141,4 @@ def test_what_the_model_cannot_support_is_refused_by_name(tiny):
                                               ("dense", "backbone.layers.3.mixer.up_proj.weight"),
                                               ("dense", "backbone.norm_f.weight")])  # fmt: skip
 def test_missing_tensor_named_as_the_checkpoint_names_it(tiny, tmp_path, kind, tensor):
-    model_dir, _ = tiny(kind)
-    out = shutil.copytree(model_dir, tmp_path / "missing")
-    tensors = load_file(out / "model.safetensors")
-    del tensors[tensor]
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=f"does not provide these parameters: {tensor}$"):
-        LLM(model=str(out))
+    assert_missing_tensor_named(tiny(kind)[0], tmp_path / "missing", tensor)

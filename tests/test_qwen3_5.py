@@ -106,6 +106,25 @@ def randomize_mamba2(hf, biases: tuple[str, ...] = ("bias",)):
     return hf
 
 
+def assert_fields_refused(model_cls, config, cases) -> None:
+    """Each (config field, value, message) set on a copy of ``config``: ``model_cls`` refuses it, naming it."""
+    for field, value, message in cases:
+        bad = copy.deepcopy(config)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=message):
+            model_cls(bad)
+
+
+def assert_missing_tensor_named(model_dir: str, out: Path, tensor: str) -> None:
+    """``model_dir`` without ``tensor``: the loader's error names it as the checkpoint does."""
+    out = shutil.copytree(model_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    del tensors[tensor]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"does not provide these parameters: {tensor}$"):
+        LLM(model=str(out))
+
+
 def assert_forked_siblings_match(model_dir: str, hf) -> None:
     """``n = 3`` with ``top_k=1`` (greedy, which n > 1 may not ask by temperature 0): the siblings,
     forked after the prompt (prefilled once), continue copies of its state to transformers' tokens."""
