@@ -272,6 +272,20 @@ def test_multimodal_release_serves_its_language_model(tiny, tmp_path):
     assert_engine_greedy(llm, hf, seeded_prompts(1, 9, 37, 20, 3), 8, "multimodal")
 
 
+def test_state_dtypes_follow_vllms_mamba_cache_settings(tiny):
+    """vLLM's ``mamba_ssm_cache_dtype`` / ``mamba_cache_dtype``: bfloat16 keeps the rule's state and the
+    convolution's window in half the bytes (12 slots where float32 gives 6 in the same 64 KiB), the
+    tokens stay transformers' (near-tie rule); a dtype outside the choices is refused by name."""
+    model_dir, hf = tiny("dense")
+    llm = LLM(model=model_dir, max_num_seqs=64, kv_cache_memory=64 * 1024, mamba_ssm_cache_dtype="bfloat16",
+              mamba_cache_dtype="bfloat16")  # fmt: skip
+    assert [(c.dtype, r.dtype) for c, r in llm.llm_engine.runner.state_caches] == [(torch.bfloat16, torch.bfloat16)] * 3
+    assert llm.llm_engine.block_manager.num_slots == 12
+    assert_engine_greedy(llm, hf, seeded_prompts(5, 17, 30, seed=2), 6, "bfloat16 states")
+    with pytest.raises(ValueError, match=r"mamba_ssm_cache_dtype must be one of \['auto', 'float32', 'bfloat16'"):
+        LLM(model=model_dir, mamba_ssm_cache_dtype="fp8")
+
+
 def write_block_fp8(model_dir, out) -> tuple:
     """``model_dir``'s checkpoint as the -FP8 releases store it (every projection, the linear layers'
     included, in float8 with a ``weight_scale_inv`` per 16 x 16 tile; embeddings, norms, routers,

@@ -16,6 +16,7 @@ from vllmini.engine.profiler import ProfilerConfig
 from vllmini.engine.structured_outputs import StructuredOutputsConfig
 from vllmini.engine.thinking_budget import ReasoningConfig
 from vllmini.kv.cache_dtype import check_kv_cache_dtype
+from vllmini.kv.state_cache import STATE_DTYPES
 from vllmini.runner_config import _TASK_CONVERTS, _TASK_RUNNERS, CONVERTS, RUNNERS, PoolerConfig, resolve_runner  # noqa: F401  (re-exported)
 from vllmini.vllm_args import VllmEngineArgs, parse_hf_overrides, resolve_kv_cache_memory
 
@@ -174,6 +175,11 @@ class EngineArgs(VllmEngineArgs):
     # what the cache stores (vLLM's names): "auto" (the model's dtype), "fp8" / "fp8_e4m3", "fp8_e5m2"
     # (one byte an element, scale 1.0), "bfloat16" (a float32 model's cache halved) (kv/cache_dtype.py)
     kv_cache_dtype: str = "auto"
+    # the per-sequence states of linear-attention / Mamba / short-convolution layers (kv/state_cache.py), vLLM's
+    # names: a convolution's window ("auto": the model's dtype) and a recurrent state ("auto": float32 here,
+    # vLLM's auto is the window's dtype); or "float32", "bfloat16", "float16"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -298,6 +304,9 @@ class EngineArgs(VllmEngineArgs):
         if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0: no cap), got {threshold!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        for name in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            if getattr(self, name) not in STATE_DTYPES:
+                raise ValueError(f"{name} must be one of {list(STATE_DTYPES)}, got {getattr(self, name)!r}")
         positive_int("max_log_len", self.max_log_len, allow_none=True)
         for name in ("revision", "tokenizer_revision"):
             value = getattr(self, name)

@@ -20,7 +20,7 @@ from vllmini.kv.cache import KVCacheSpec, allocate_kv_cache, block_id_bytes, che
 from vllmini.kv.cache_dtype import resolve_kv_cache_dtype
 from vllmini.kv.hybrid_block_manager import HybridBlockManager, KVBlockManager
 from vllmini.kv.kv_groups import plan_kv_layout
-from vllmini.kv.state_cache import StatefulBlockManager, allocate_state_cache, state_slots_for_budget
+from vllmini.kv.state_cache import StateDtypes, StatefulBlockManager, allocate_state_cache, state_slots_for_budget
 from vllmini.lora.manager import LoRAManager
 from vllmini.models.backend_check import start_backend
 from vllmini.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -103,7 +103,8 @@ def build_runtime(
                                  block_size, cache_dtype, getattr(draft_model, "use_mla", False))  # fmt: skip
     max_num_seqs = args.max_num_seqs  # (a model with linear-attention layers: at most one per state slot)
     if linear_states:
-        max_num_seqs, budget = state_slots_for_budget(linear_states, dtype, args.max_num_seqs, budget)
+        state_dtypes = StateDtypes.resolve(dtype, args.mamba_cache_dtype, args.mamba_ssm_cache_dtype)
+        max_num_seqs, budget = state_slots_for_budget(linear_states, state_dtypes, args.max_num_seqs, budget)
     num_blocks = num_blocks_for_budget(spec, budget, draft_spec)
     if args.num_gpu_blocks_override is not None:  # (vLLM's: the budget is measured, then overridden)
         logger.info("num_gpu_blocks_override: %d KV blocks instead of the %d the budget gives",
@@ -147,7 +148,7 @@ def build_runtime(
                                        layout)  # fmt: skip
     runner = ModelRunner(model, kv_caches, block_size, device, graphs, lora_manager, layout)
     if linear_states:
-        runner.state_caches = allocate_state_cache(linear_states, max_num_seqs, dtype, device)
+        runner.state_caches = allocate_state_cache(linear_states, max_num_seqs, state_dtypes, device)
     drafter = None
     if draft_model is not None and draft_spec is not None:
         runner.draft_kv_caches = allocate_kv_cache(draft_spec, num_blocks + pad + null, device)

@@ -36,31 +36,52 @@ logger = logging.getLogger("vllmini")
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One per-sequence state tensor of a layer: its shape, and whether it is kept in float32 (a
-    recurrent state summing the whole sequence) or in the model's dtype (a window of recent inputs)."""
+    """One per-sequence state tensor of a layer: its shape, and whether it is a recurrent state (summing
+    the whole sequence: float32 unless ``mamba_ssm_cache_dtype`` says otherwise) or a window of recent
+    inputs (a convolution's: the model's dtype unless ``mamba_cache_dtype`` says otherwise)."""
 
     shape: tuple[int, ...]
-    float32: bool = False
+    recurrent: bool = False
 
-    def dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        return torch.float32 if self.float32 else model_dtype
+
+@dataclass(frozen=True)
+class StateDtypes:
+    """The dtypes the state tensors are kept in: a convolution's window and a recurrent state."""
+
+    window: torch.dtype
+    recurrent: torch.dtype = torch.float32
+
+    def of(self, spec: StateSpec) -> torch.dtype:
+        return self.recurrent if spec.recurrent else self.window
+
+    @classmethod
+    def resolve(cls, model_dtype: torch.dtype, mamba_cache_dtype: str = "auto",
+                mamba_ssm_cache_dtype: str = "auto") -> StateDtypes:  # fmt: skip
+        """vLLM's two settings: ``auto`` keeps the window in the model's dtype and the recurrent state in
+        float32 (vLLM's ``auto`` for the latter is the window's dtype; float32 is what the recurrence
+        sums in, so vllmini keeps it unless asked)."""
+        window = model_dtype if mamba_cache_dtype == "auto" else getattr(torch, mamba_cache_dtype)
+        return cls(window, torch.float32 if mamba_ssm_cache_dtype == "auto" else getattr(torch, mamba_ssm_cache_dtype))
+
+
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # what mamba_cache_dtype / mamba_ssm_cache_dtype take
 
 
 StateShapes = list[tuple[StateSpec, ...]]  # per stateful layer, its state tensors (of one sequence)
 LayerState = tuple[torch.Tensor, ...]  # one layer's state tensors over every slot: [slots, *spec.shape] each
 
 
-def state_bytes(shapes: StateShapes, model_dtype: torch.dtype) -> int:
+def state_bytes(shapes: StateShapes, dtypes: StateDtypes) -> int:
     """One slot's bytes over every stateful layer."""
-    return sum(torch.Size(spec.shape).numel() * torch.empty((), dtype=spec.dtype(model_dtype)).element_size()
+    return sum(torch.Size(spec.shape).numel() * torch.empty((), dtype=dtypes.of(spec)).element_size()
                for layer in shapes for spec in layer)  # fmt: skip
 
 
-def state_slots_for_budget(shapes: StateShapes, model_dtype: torch.dtype, max_num_seqs: int, budget: int) -> tuple[int, int]:
+def state_slots_for_budget(shapes: StateShapes, dtypes: StateDtypes, max_num_seqs: int, budget: int) -> tuple[int, int]:
     """(state slots, KV bytes left): a slot for each of ``max_num_seqs`` sequences when their states take
     at most half of ``budget``, else as many as half of it holds (fewer sequences then run at once, as
     in vLLM, where states and K/V share one pool); the KV cache gets the rest."""
-    per_slot = state_bytes(shapes, model_dtype)
+    per_slot = state_bytes(shapes, dtypes)
     slots = min(max_num_seqs, budget // 2 // per_slot)
     if slots < 1:
         raise ValueError(f"kv_cache_memory / gpu_memory_utilization: a sequence's linear-attention state takes "
@@ -74,10 +95,10 @@ def state_slots_for_budget(shapes: StateShapes, model_dtype: torch.dtype, max_nu
     return slots, budget - slots * per_slot
 
 
-def allocate_state_cache(shapes: StateShapes, num_slots: int, model_dtype: torch.dtype,
+def allocate_state_cache(shapes: StateShapes, num_slots: int, dtypes: StateDtypes,
                          device: torch.device) -> list[LayerState]:  # fmt: skip
     """Per stateful layer, its state tensors over ``num_slots`` slots, zeroed."""
-    return [tuple(torch.zeros(num_slots, *spec.shape, dtype=spec.dtype(model_dtype), device=device) for spec in layer)
+    return [tuple(torch.zeros(num_slots, *spec.shape, dtype=dtypes.of(spec), device=device) for spec in layer)
             for layer in shapes]  # fmt: skip
 
 

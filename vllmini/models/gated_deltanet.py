@@ -68,7 +68,7 @@ class GatedDeltaNet(nn.Module):
     def state_shapes(self) -> tuple[StateSpec, StateSpec]:
         """One sequence's state: the convolution's last inputs, the delta rule's matrices (float32)."""
         return (StateSpec((self.conv_dim, self.conv_kernel - 1)),
-                StateSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim), float32=True))  # fmt: skip
+                StateSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim), recurrent=True))  # fmt: skip
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: LinearState | None) -> torch.Tensor:
         mixed = self.in_proj_qkv(x)
@@ -87,7 +87,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._split(conv_out)
             o, s = delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
                                    rule_cache.index_select(0, slots))  # fmt: skip
-            rule_cache.index_copy_(0, slots, s)
+            rule_cache.index_copy_(0, slots, s.to(rule_cache.dtype))
             out.index_copy_(0, rows, o)
         for first, count, slot, continues in plan.others:
             span = slice(first, first + count)

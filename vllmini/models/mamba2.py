@@ -138,7 +138,7 @@ class Mamba2Mixer(nn.Module):
     def state_shapes(self) -> tuple[StateSpec, StateSpec]:
         """One sequence's state: the convolution's last inputs, the recurrence's matrices (float32)."""
         return (StateSpec((self.conv_dim, self.conv_kernel - 1)),
-                StateSpec((self.num_heads, self.head_dim, self.d_state), float32=True))  # fmt: skip
+                StateSpec((self.num_heads, self.head_dim, self.d_state), recurrent=True))  # fmt: skip
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: MambaState | None) -> torch.Tensor:
         zxbcdt = self.in_proj(x * self.in_multiplier if self.in_multiplier != 1.0 else x)
@@ -161,7 +161,7 @@ class Mamba2Mixer(nn.Module):
             conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
             xs, B, C = self._split(conv_out)
             o, s = ssd_step(xs, dt.index_select(0, rows), A, B, C, D, ssm_cache.index_select(0, slots))
-            ssm_cache.index_copy_(0, slots, s)
+            ssm_cache.index_copy_(0, slots, s.to(ssm_cache.dtype))
             y.index_copy_(0, rows, o)
         for first, count, slot, continues in plan.others:
             span = slice(first, first + count)
