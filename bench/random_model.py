@@ -102,6 +102,24 @@ def qwen3_5_small_config(**overrides) -> PretrainedConfig:
     return Qwen3_5TextConfig(**kw)
 
 
+def granite4_h_small_config(**overrides) -> PretrainedConfig:
+    """Granite-4.0-H-Micro's layout (Mamba2 layers, three to every NoPE attention layer, a dense shared MLP,
+    Granite's multipliers) at a size a CPU benchmark loads twice: 8 layers, hidden 1024, ~0.2B parameters."""
+    from transformers import GraniteMoeHybridConfig
+
+    kw = dict(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2048, shared_intermediate_size=2048, num_local_experts=0,
+        num_experts_per_tok=0, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        layer_types=["mamba", "mamba", "mamba", "attention"] * 2, mamba_n_heads=32, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=128, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=256, position_embedding_type="nope",
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22, logits_scaling=4.0,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=True,
+        pad_token_id=0, eos_token_id=1, architectures=["GraniteMoeHybridForCausalLM"],
+    )  # fmt: skip
+    kw.update(overrides)
+    return GraniteMoeHybridConfig(**kw)
+
+
 def save_word_level_tokenizer(vocab_size: int, out_dir: Path) -> None:
     """A fast tokenizer whose tokens are ``t<id>`` for every id (EOS ``t1``, pad ``t0``)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -134,7 +152,7 @@ def save_random_model(config: PretrainedConfig, out_dir: Path, dtype: torch.dtyp
 
 CONFIGS = {"qwen3-0.6b": qwen3_06b_config, "qwen3-moe-small": qwen3_moe_small_config,
            "gpt-oss-small": gpt_oss_small_config, "deepseek-v2-lite-small": deepseek_v2_lite_small_config,
-           "qwen3.5-small": qwen3_5_small_config}
+           "qwen3.5-small": qwen3_5_small_config, "granite4-h-small": granite4_h_small_config}
 
 if __name__ == "__main__":  # python -m bench.random_model qwen3-moe-small OUT_DIR [--dtype float32]
     import argparse
