@@ -20,7 +20,7 @@ from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.causal_conv import causal_conv, causal_conv_step
 from vllmini.models.gated_delta_rule import delta_rule_chunked, delta_rule_step, prepare_qk
-from vllmini.models.state_plan import LinearPlan, plan_linear_step
+from vllmini.models.state_plan import run_by_slots
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slots, Hv, Dk, Dv] float32)
 
@@ -74,31 +74,20 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)
         beta = self.in_proj_b(x).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        if meta.state_plan is None:
-            meta.state_plan = plan_linear_step(meta)
-        plan: LinearPlan = meta.state_plan
         weight = self.conv1d.weight[:, 0]
+
+        def step(rows: torch.Tensor, states: LinearState) -> tuple[torch.Tensor, LinearState]:
+            conv_out, conv_state = causal_conv_step(mixed.index_select(0, rows), weight, states[0])
+            o, s = delta_rule_step(*self._split(conv_out), g.index_select(0, rows), beta.index_select(0, rows), states[1])
+            return o, (conv_state, s)
+
+        def prompt(span: slice, states: LinearState | None) -> tuple[torch.Tensor, LinearState]:
+            conv_out, conv_state = causal_conv(mixed[span], weight, None if states is None else states[0])
+            o, s = delta_rule_chunked(*self._split(conv_out), g[span], beta[span], None if states is None else states[1])
+            return o, (conv_state, s)
+
         out = x.new_empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
-        if plan.decode_rows is not None and state is not None:
-            rows, slots = plan.decode_rows, plan.decode_slots
-            conv_cache, rule_cache = state
-            conv_out, conv_state = causal_conv_step(mixed.index_select(0, rows), weight, conv_cache.index_select(0, slots))
-            conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
-            q, k, v = self._split(conv_out)
-            o, s = delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                   rule_cache.index_select(0, slots))  # fmt: skip
-            rule_cache.index_copy_(0, slots, s.to(rule_cache.dtype))
-            out.index_copy_(0, rows, o)
-        for first, count, slot, continues in plan.others:
-            span = slice(first, first + count)
-            keep = state is not None and slot is not None
-            conv_out, conv_state = causal_conv(mixed[span], weight, state[0][slot] if keep and continues else None)
-            q, k, v = self._split(conv_out)
-            o, s = delta_rule_chunked(q, k, v, g[span], beta[span], state[1][slot] if keep and continues else None)
-            if keep:
-                state[0][slot] = conv_state
-                state[1][slot] = s
-            out[span] = o
+        run_by_slots(meta, state, out, step, prompt)
         z = self.in_proj_z(x).view(-1, self.num_v_heads, self.head_v_dim)
         return self.out_proj(self.norm(out.to(x.dtype), z, x.dtype).reshape(x.shape[0], self.value_dim))
 

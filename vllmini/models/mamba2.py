@@ -27,7 +27,7 @@ from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.causal_conv import causal_conv, causal_conv_step
 from vllmini.models.ssd import ssd_chunked, ssd_step
-from vllmini.models.state_plan import LinearPlan, plan_linear_step
+from vllmini.models.state_plan import run_by_slots
 
 MambaState = tuple[torch.Tensor, torch.Tensor]  # ([slots, conv_dim, K-1], [slots, H, P, N] float32)
 
@@ -149,30 +149,22 @@ class Mamba2Mixer(nn.Module):
         if self.time_step_limit is not None:
             dt = dt.clamp(*self.time_step_limit)
         A, D = -self.A_log.float().exp(), self.D.float()
-        if meta.state_plan is None:
-            meta.state_plan = plan_linear_step(meta)
-        plan: LinearPlan = meta.state_plan
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+
+        def step(rows: torch.Tensor, states: MambaState) -> tuple[torch.Tensor, MambaState]:
+            conv_out, conv_state = causal_conv_step(xbc.index_select(0, rows), weight, states[0], bias)
+            xs, B, C = self._split(conv_out)
+            o, s = ssd_step(xs, dt.index_select(0, rows), A, B, C, D, states[1])
+            return o, (conv_state, s)
+
+        def prompt(span: slice, states: MambaState | None) -> tuple[torch.Tensor, MambaState]:
+            conv_out, conv_state = causal_conv(xbc[span], weight, None if states is None else states[0], bias)
+            xs, B, C = self._split(conv_out)
+            o, s = ssd_chunked(xs, dt[span], A, B, C, D, None if states is None else states[1], self.chunk_size)
+            return o, (conv_state, s)
+
         y = x.new_empty(x.shape[0], self.num_heads, self.head_dim, dtype=torch.float32)
-        if plan.decode_rows is not None and state is not None:
-            rows, slots = plan.decode_rows, plan.decode_slots
-            conv_cache, ssm_cache = state
-            conv_out, conv_state = causal_conv_step(xbc.index_select(0, rows), weight, conv_cache.index_select(0, slots), bias)
-            conv_cache.index_copy_(0, slots, conv_state.to(conv_cache.dtype))
-            xs, B, C = self._split(conv_out)
-            o, s = ssd_step(xs, dt.index_select(0, rows), A, B, C, D, ssm_cache.index_select(0, slots))
-            ssm_cache.index_copy_(0, slots, s.to(ssm_cache.dtype))
-            y.index_copy_(0, rows, o)
-        for first, count, slot, continues in plan.others:
-            span = slice(first, first + count)
-            keep = state is not None and slot is not None
-            conv_out, conv_state = causal_conv(xbc[span], weight, state[0][slot] if keep and continues else None, bias)
-            xs, B, C = self._split(conv_out)
-            o, s = ssd_chunked(xs, dt[span], A, B, C, D, state[1][slot] if keep and continues else None, self.chunk_size)
-            if keep:
-                state[0][slot] = conv_state
-                state[1][slot] = s
-            y[span] = o
+        run_by_slots(meta, state, y, step, prompt)
         return self.out_proj(self.norm(y.flatten(1), gate, x.dtype))
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

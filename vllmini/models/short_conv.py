@@ -4,8 +4,8 @@
 ``B * x`` with a depthwise causal kernel of ``conv_L_cache`` taps (no activation), multiplies the
 result by C, and projects it back with ``out_proj``. Its memory of a sequence is only the
 convolution's last ``K-1`` inputs (the ``B * x`` rows before this step), one state tensor per
-slot in the model's dtype (kv/state_cache.py). Sequences are planned as the Gated DeltaNet's are
-(``plan_linear_step``): single-token rows that continue a state run as one batch, the others one
+slot in the model's dtype (kv/state_cache.py). Sequences are run as the Gated DeltaNet's are
+(``run_by_slots``): single-token rows that continue a state run as one batch, the others one
 by one; a sequence with ``seq_len == q_len`` starts from zeros, and without state tensors every
 sequence starts from zeros and keeps nothing.
 """
@@ -19,7 +19,7 @@ from torch import nn
 from vllmini.kv.state_cache import StateSpec
 from vllmini.models.base import AttentionMetadata
 from vllmini.models.causal_conv import causal_conv, causal_conv_step
-from vllmini.models.state_plan import LinearPlan, plan_linear_step
+from vllmini.models.state_plan import run_by_slots
 
 
 class ShortConv(nn.Module):
@@ -44,24 +44,17 @@ class ShortConv(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: tuple[torch.Tensor] | None) -> torch.Tensor:
         b, c, h = self.in_proj(x).chunk(3, dim=-1)
         bx = b * h
-        if meta.state_plan is None:
-            meta.state_plan = plan_linear_step(meta)
-        plan: LinearPlan = meta.state_plan
         weight = self.conv.weight[:, 0]
-        out = torch.empty_like(bx)
-        cache = None if state is None else state[0]
-        if plan.decode_rows is not None and cache is not None:
-            rows, slots = plan.decode_rows, plan.decode_slots
-            conv_out, conv_state = causal_conv_step(bx.index_select(0, rows), weight, cache.index_select(0, slots), silu=False)
-            cache.index_copy_(0, slots, conv_state.to(cache.dtype))
-            out.index_copy_(0, rows, conv_out)
-        for first, count, slot, continues in plan.others:
-            span = slice(first, first + count)
-            keep = cache is not None and slot is not None
-            conv_out, conv_state = causal_conv(bx[span], weight, cache[slot] if keep and continues else None, silu=False)
-            if keep:
-                cache[slot] = conv_state
-            out[span] = conv_out
+
+        def step(rows: torch.Tensor, states: tuple[torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+            conv_out, conv_state = causal_conv_step(bx.index_select(0, rows), weight, states[0], silu=False)
+            return conv_out, (conv_state,)
+
+        def prompt(span: slice, states: tuple[torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor]]:
+            conv_out, conv_state = causal_conv(bx[span], weight, None if states is None else states[0], silu=False)
+            return conv_out, (conv_state,)
+
+        out = run_by_slots(meta, state, torch.empty_like(bx), step, prompt)
         if self.conv.bias is not None:
             out = out + self.conv.bias
         return self.out_proj(c * out)
