@@ -25,13 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllmini.models.attention import KVCache
-from vllmini.models.base import AttentionMetadata
 from vllmini.models.deepseek import RouterGate
 from vllmini.models.layers import GatedMLP
-from vllmini.models.llama import DecoderLayer, DecoderVariant
+from vllmini.models.llama import DecoderAttention, DecoderVariant
 from vllmini.models.moe import FusedMoE, grouped_topk
-from vllmini.models.qwen3_5 import Qwen3_5ForCausalLM
+from vllmini.models.qwen3_5 import HybridDecoderLayer, Qwen3_5ForCausalLM
 from vllmini.models.short_conv import ShortConv
 
 # (checkpoint's, ours): transformers' LFM2 names onto the shared decoder's
@@ -67,28 +65,12 @@ def lfm2_ffn_size(config: Any) -> int:
     return size
 
 
-class Lfm2DecoderLayer(DecoderLayer):
+class Lfm2DecoderLayer(HybridDecoderLayer):
     """A pre-norm layer whose token mixer is attention or, once ``make_linear`` ran, a short
     convolution (``linear_attn``: the name the hybrid machinery reads)."""
 
-    def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
-                 window: int | None = None) -> None:  # fmt: skip
-        super().__init__(config, variant, mlp, use_rope, window)
-        self.linear_attn: ShortConv | None = None
-
-    def make_linear(self, config: Any) -> None:
-        self.self_attn, self.linear_attn = None, ShortConv(config)
-
-    @property
-    def state_mixer(self) -> nn.Module | None:
-        return self.linear_attn
-
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                cache: KVCache | tuple[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
-        h = self.input_layernorm(x)
-        h = self.linear_attn(h, meta, cache) if self.linear_attn is not None else self.self_attn(h, cos_sin, meta, cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+    attention_cls = DecoderAttention
+    linear_cls = ShortConv
 
 
 class Lfm2ForCausalLM(Qwen3_5ForCausalLM):

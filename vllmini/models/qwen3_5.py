@@ -46,17 +46,21 @@ class GatedAttention(DecoderAttention):
 
 
 class HybridDecoderLayer(DecoderLayer):
-    """A decoder layer whose token mixer is gated attention or, once ``make_linear`` ran, a Gated
-    DeltaNet (``linear_attn``, the checkpoint's name)."""
+    """A decoder layer whose token mixer is ``attention_cls`` (gated attention) or, once ``make_linear``
+    ran, ``linear_cls`` (a Gated DeltaNet; LFM2's layer: a short convolution), named ``linear_attn``."""
+
+    attention_cls: type[DecoderAttention] = GatedAttention
+    linear_cls: type[nn.Module] = GatedDeltaNet
 
     def __init__(self, config: Any, variant: DecoderVariant, mlp: nn.Module, use_rope: bool = True,
                  window: int | None = None) -> None:  # fmt: skip
         super().__init__(config, variant, mlp, use_rope, window)
-        self.self_attn: GatedAttention | None = GatedAttention(config, variant, use_rope, window)
-        self.linear_attn: GatedDeltaNet | None = None
+        if self.attention_cls is not DecoderAttention:
+            self.self_attn = self.attention_cls(config, variant, use_rope, window)
+        self.linear_attn: nn.Module | None = None
 
     def make_linear(self, config: Any) -> None:
-        self.self_attn, self.linear_attn = None, GatedDeltaNet(config)
+        self.self_attn, self.linear_attn = None, self.linear_cls(config)
 
     @property
     def state_mixer(self) -> nn.Module | None:
